@@ -1,0 +1,40 @@
+# kdtree-engine. `make demo` and `make test` are the README's two commands.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+TINY    ?= artifacts/tiny-kimi
+STAMP   := $(VENV)/.installed
+
+.PHONY: setup test test-gpu demo bench lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+# on the GPU machine (system python there already has torch, triton, transformers)
+test-gpu:
+	$(PY) -m pytest -q -m gpu
+
+$(TINY)/config.json: | setup
+	$(BIN)/kdtree make-tiny $(TINY) --preset kimi --int4 --kimi25 --force
+
+demo: setup $(TINY)/config.json
+	$(BIN)/kdtree run $(TINY) --prompt "The quick brown fox" --max-new-tokens 48
+
+bench: setup
+	@echo "benchmarks run on the GPU machine: see benchmarks/README.md"
+
+lint: setup
+	$(BIN)/python -m pip install -q ruff
+	$(BIN)/ruff check build_pipeline plugins runtime tests benchmarks
+
+clean:
+	rm -rf $(VENV) artifacts/tiny-*

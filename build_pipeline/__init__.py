@@ -1,0 +1,1 @@
+"""kdtree build pipeline: config, checkpoint loading, planning, sharding, export, compile, cache."""

@@ -1,0 +1,24 @@
+"""kv_commit: compact accepted tree rows into the committed latent cache; see reference.py."""
+
+from __future__ import annotations
+
+import torch
+
+from plugins.kv_commit.reference import kv_commit_reference
+
+__all__ = ["kv_commit"]
+
+
+@torch.library.custom_op("kdtree::kv_commit", mutates_args=("cache", "cache_lens"))
+def kv_commit(cache: torch.Tensor, cache_lens: torch.Tensor, scratch: torch.Tensor, accept_idx: torch.Tensor,
+              accept_len: torch.Tensor) -> None:
+    """Appends scratch[:, r, accept_idx[r, :accept_len[r]]] to cache[:, r] and advances cache_lens."""
+    y, b, l_max, d_qk = cache.shape
+    if scratch.dim() != 4 or scratch.shape[0] != y or scratch.shape[1] != b or scratch.shape[3] != d_qk:
+        raise ValueError(f"kv_commit: scratch must be [{y}, {b}, n, {d_qk}], got {tuple(scratch.shape)}")
+    if accept_idx.dim() != 2 or accept_idx.shape[0] != b or accept_idx.dtype != torch.int32:
+        raise ValueError(f"kv_commit: accept_idx must be int32 [{b}, a], got {accept_idx.dtype} {tuple(accept_idx.shape)}")
+    if accept_len.shape != (b,) or accept_len.dtype != torch.int32 or cache_lens.shape != (b,) \
+            or cache_lens.dtype != torch.int32:
+        raise ValueError("kv_commit: accept_len and cache_lens must be int32 [b]")
+    kv_commit_reference(cache, cache_lens, scratch, accept_idx, accept_len)

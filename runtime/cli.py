@@ -1,0 +1,152 @@
+"""`kdtree` command line (typer): run, inspect, make-tiny.
+
+Every command prints one line `error: ...` and exits 1 on bad input; `--json` prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from build_pipeline.errors import KdtreeError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Kimi K2.x inference with DDTree speculation.")
+
+
+def _fail(msg: str) -> None:
+    typer.echo(f"error: {msg}", err=True)
+    raise typer.Exit(1)
+
+
+def _guard(fn):
+    """Turn expected user errors into one line and exit code 1."""
+    try:
+        return fn()
+    except (KdtreeError, ValueError, FileExistsError, FileNotFoundError) as exc:
+        _fail(str(exc))
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise ValueError("--prompt-ids is empty")
+    return ids
+
+
+@app.command()
+def run(
+    model_dir: Path = typer.Argument(..., help="checkpoint directory (config.json, *.safetensors, tokenizer)"),
+    prompt: Optional[str] = typer.Option(None, "--prompt", help="prompt text"),
+    prompt_ids: Optional[str] = typer.Option(None, "--prompt-ids", help="prompt token ids, e.g. 1,2,3"),
+    chat: bool = typer.Option(False, "--chat", help="wrap --prompt in Kimi's chat markers"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
+    temperature: float = typer.Option(0.0, "--temperature"),
+    seed: int = typer.Option(0, "--seed"),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Generate from a prompt (plain autoregressive decoding)."""
+
+    def go():
+        import torch
+
+        from runtime.generate import SamplingParams, Stats, generate_ar
+        from runtime.model import load_target
+        from runtime.tokenizer import Tokenizer
+
+        if (prompt is None) == (prompt_ids is None):
+            raise ValueError("give exactly one of --prompt and --prompt-ids")
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda, got {device!r}")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device is available")
+        tok = Tokenizer.load(model_dir)
+        if prompt_ids is not None:
+            ids = _parse_ids(prompt_ids)
+        else:
+            ids = tok.chat(prompt) if chat else tok.encode(prompt)
+        model = load_target(model_dir, device=device, progress=not as_json)
+        bad = [i for i in ids if not 0 <= i < model.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"--prompt-ids: ids {bad[:5]} outside the vocabulary [0, {model.cfg.vocab_size})")
+        stops = tok.stop_ids(model.cfg.eos_token_ids)
+        params = SamplingParams(max_new_tokens, temperature, seed, stops)
+        stats = Stats()
+        out: list[int] = []
+        for t in generate_ar(model, ids, params, stats):
+            out.append(t)
+            if not as_json:
+                sys.stdout.write(tok.decode([t]))
+                sys.stdout.flush()
+        text = tok.decode([t for t in out if t not in stops])
+        if as_json:
+            typer.echo(json.dumps({"token_ids": out, "text": text, "stats": stats.as_dict()}))
+        else:
+            typer.echo("")
+            typer.echo(json.dumps(stats.as_dict()), err=True)
+
+    _guard(go)
+
+
+@app.command()
+def inspect(model_dir: Path = typer.Argument(...), as_json: bool = typer.Option(False, "--json")) -> None:
+    """Print the parsed config, parameter count and memory by component (config.json only)."""
+
+    def go():
+        from build_pipeline.config import load_config
+        from build_pipeline.model_stats import component_bytes, component_params, kv_bytes_per_token
+
+        cfg = load_config(model_dir)
+        params, nbytes = component_params(cfg), component_bytes(cfg)
+        report = {"config": cfg.to_dict(), "params": params, "total_params": sum(params.values()),
+                  "bytes": nbytes, "total_bytes": sum(nbytes.values()),
+                  "kv_cache_bytes_per_token": kv_bytes_per_token(cfg)}
+        if as_json:
+            typer.echo(json.dumps(report))
+            return
+        typer.echo(f"model_type {cfg.model_type}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+                   f"{cfg.num_heads} heads, {cfg.n_routed_experts} experts (top-{cfg.num_experts_per_tok}), "
+                   f"vocab {cfg.vocab_size}, quant {cfg.quant.kind if cfg.quant else 'none'}")
+        typer.echo(f"{'component':<16}{'params':>18}{'GB':>10}")
+        for k in params:
+            typer.echo(f"{k:<16}{params[k]:>18,}{nbytes[k] / 1e9:>10.3f}")
+        typer.echo(f"{'total':<16}{report['total_params']:>18,}{report['total_bytes'] / 1e9:>10.3f}")
+        typer.echo(f"latent KV cache: {report['kv_cache_bytes_per_token']:,} bytes per token (bf16)")
+
+    _guard(go)
+
+
+@app.command("make-tiny")
+def make_tiny_cmd(
+    out: Path = typer.Argument(..., help="output directory"),
+    preset: str = typer.Option("kimi", "--preset", help="kimi | grouped | no-q-lora | dense2"),
+    int4: bool = typer.Option(False, "--int4", help="routed experts INT4 (compressed-tensors pack-quantized)"),
+    kimi25: bool = typer.Option(False, "--kimi25", help="Kimi K2.5/K2.6 multimodal layout"),
+    dialect: str = typer.Option("hf", "--dialect", help="config dialect: hf or kimi_k2"),
+    seed: int = typer.Option(0, "--seed"),
+    force: bool = typer.Option(False, "--force", help="replace OUT if it exists"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Write a tiny random model in the exact real checkpoint layout, plus a small tokenizer."""
+
+    def go():
+        from build_pipeline.tiny import make_tiny
+
+        path = make_tiny(out, preset=preset, int4=int4, kimi25=kimi25, dialect=dialect, seed=seed, force=force)
+        if as_json:
+            typer.echo(json.dumps({"out": str(path), "preset": preset, "int4": int4, "kimi25": kimi25}))
+        else:
+            typer.echo(f"wrote {path}")
+
+    _guard(go)
+
+
+if __name__ == "__main__":
+    app()
