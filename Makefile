@@ -3,6 +3,7 @@ PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 TINY    ?= artifacts/tiny-kimi
+DRAFTER ?= artifacts/tiny-kimi-dflash
 STAMP   := $(VENV)/.installed
 
 .PHONY: setup test test-gpu demo bench lint clean
@@ -26,8 +27,12 @@ test-gpu:
 $(TINY)/config.json: | setup
 	$(BIN)/kdtree make-tiny $(TINY) --preset kimi --int4 --kimi25 --force
 
-demo: setup $(TINY)/config.json
-	$(BIN)/kdtree run $(TINY) --prompt "The quick brown fox" --max-new-tokens 48
+$(DRAFTER)/config.json: $(TINY)/config.json
+	$(BIN)/kdtree make-tiny $(DRAFTER) --drafter-for $(TINY) --force
+
+demo: setup $(TINY)/config.json $(DRAFTER)/config.json
+	$(BIN)/kdtree run $(TINY) --drafter $(DRAFTER) --spec ddtree --budget 16 \
+		--prompt "The quick brown fox" --max-new-tokens 48
 
 bench: setup
 	@echo "benchmarks run on the GPU machine: see benchmarks/README.md"

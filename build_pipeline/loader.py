@@ -16,7 +16,7 @@ from typing import Iterator
 import torch
 
 from build_pipeline.checkpoint import Checkpoint
-from build_pipeline.config import ModelConfig
+from build_pipeline.config import QuantConfig
 from build_pipeline.errors import CheckpointError
 from build_pipeline.quant_fp8 import dequantize_fp8_block
 from build_pipeline.quant_int4 import dequantize_int4, unpack_int4
@@ -26,19 +26,24 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class WeightLoader:
-    def __init__(self, model_dir: str | Path, cfg: ModelConfig):
-        self.cfg = cfg
+    """prefix: prepended to every checkpoint name (`language_model.` for kimi_k25); quant: the
+    config's quantization_config (INT4 group size / FP8 block shape)."""
+
+    def __init__(self, model_dir: str | Path, prefix: str = "", quant: QuantConfig | None = None):
+        self.prefix, self.quant = prefix, quant
         self.ckpt = Checkpoint(model_dir)
         self.where = str(Path(model_dir))
 
     # ---- name resolution ----
     def _name(self, ckpt_name: str) -> str:
-        """Checkpoint name with the config's prefix; kimi_k25 exports also drop `model.` after it."""
-        full = self.cfg.tensor_prefix + ckpt_name
-        if full not in self.ckpt and self.cfg.tensor_prefix and ckpt_name.startswith("model."):
-            alt = self.cfg.tensor_prefix + ckpt_name[len("model."):]
-            if alt in self.ckpt:
-                return alt
+        """Checkpoint name with the prefix; some exports also drop the `model.` that follows it."""
+        full = self.prefix + ckpt_name
+        if full in self.ckpt:
+            return full
+        alt = self.prefix + (ckpt_name[len("model."):] if ckpt_name.startswith("model.") else "model." + ckpt_name)
+        alt_stem = alt[: -len(".weight")] if alt.endswith(".weight") else alt
+        if alt in self.ckpt or alt_stem + ".weight_packed" in self.ckpt:
+            return alt
         return full
 
     def storage(self, spec: TensorSpec) -> str:
@@ -78,7 +83,7 @@ class WeightLoader:
             self._expect(stem + ".weight_packed", (out_dim, in_dim // 8))
             self._expect(stem + ".weight_scale", (out_dim, in_dim // group))
         elif kind == "fp8":
-            rows, cols = self.cfg.quant.block if self.cfg.quant and self.cfg.quant.kind == "fp8" else (128, 128)
+            rows, cols = self._fp8_block()
             self._expect(base, spec.shape)
             self._expect(stem + ".weight_scale_inv", (-(-spec.shape[0] // rows), -(-spec.shape[1] // cols)))
         else:
@@ -90,11 +95,14 @@ class WeightLoader:
             raise CheckpointError(f"{self.where}: tensor {name!r} has shape {list(got)}, config implies {list(shape)}")
 
     def _group_size(self, base: str) -> int:
-        q = self.cfg.quant
+        q = self.quant
         if q is None or q.kind != "int4":
             raise CheckpointError(f"{self.where}: tensor {base!r} is INT4-packed but config.json has no "
                                   f"compressed-tensors `quantization_config`")
         return q.group_size
+
+    def _fp8_block(self) -> tuple[int, int]:
+        return self.quant.block if self.quant is not None and self.quant.kind == "fp8" else (128, 128)
 
     # ---- reading ----
     def load(self, spec: TensorSpec, dtype: torch.dtype) -> torch.Tensor:
@@ -113,8 +121,7 @@ class WeightLoader:
             if raw.dtype != torch.float8_e4m3fn:
                 raise CheckpointError(f"{self.where}: tensor {base!r} has a weight_scale_inv but dtype {raw.dtype}, "
                                       f"not float8_e4m3fn")
-            block = self.cfg.quant.block if self.cfg.quant and self.cfg.quant.kind == "fp8" else (128, 128)
-            return dequantize_fp8_block(raw, self.ckpt.tensor(stem + ".weight_scale_inv"), block).to(dtype)
+            return dequantize_fp8_block(raw, self.ckpt.tensor(stem + ".weight_scale_inv"), self._fp8_block()).to(dtype)
         if raw.dtype not in FLOAT_DTYPES:
             raise CheckpointError(f"{self.where}: tensor {base!r} has dtype {raw.dtype}; expected a float type")
         return raw.to(dtype=dtype, copy=True)

@@ -37,6 +37,8 @@ _BASE = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, moe_interm
 PRESETS: dict[str, dict] = {
     # Kimi-like: n_group 1, YaRN, one dense first layer, q_lora
     "kimi": {},
+    # the same, lighter (2 heads, 3 layers): for the long speculative-decoding test matrices
+    "small": dict(num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=3),
     # group-limited routing (n_group > 1)
     "grouped": dict(n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4),
     # q_lora_rank null, plain rope, every layer MoE

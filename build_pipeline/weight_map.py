@@ -65,3 +65,28 @@ def _mlp(add, key: str, ckpt: str, d: int, inter: int) -> None:
     add(key + "gate", ckpt + "gate_proj.weight", (inter, d))
     add(key + "up", ckpt + "up_proj.weight", (inter, d))
     add(key + "down", ckpt + "down_proj.weight", (d, inter))
+
+
+def drafter_specs(dcfg, target_hidden: int) -> list[TensorSpec]:
+    """Every tensor of a DFlash drafter (no embeddings or lm_head: the target's are shared).
+    z-lab's checkpoints carry no `model.` prefix; the loader also accepts one."""
+    h, hd, kv, d, i = dcfg.num_heads, dcfg.head_dim, dcfg.num_kv_heads, dcfg.hidden_size, dcfg.intermediate_size
+    specs = [TensorSpec("fc", "fc.weight", (d, len(dcfg.target_layer_ids) * target_hidden), True),
+             TensorSpec("hidden_norm", "hidden_norm.weight", (d,), False)]
+    for li in range(dcfg.num_layers):
+        p = f"layers.{li}."
+        specs += [
+            TensorSpec(p + "attn_norm", p + "input_layernorm.weight", (d,), False),
+            TensorSpec(p + "q", p + "self_attn.q_proj.weight", (h * hd, d), True),
+            TensorSpec(p + "k", p + "self_attn.k_proj.weight", (kv * hd, d), True),
+            TensorSpec(p + "v", p + "self_attn.v_proj.weight", (kv * hd, d), True),
+            TensorSpec(p + "o", p + "self_attn.o_proj.weight", (d, h * hd), True),
+            TensorSpec(p + "q_norm", p + "self_attn.q_norm.weight", (hd,), False),
+            TensorSpec(p + "k_norm", p + "self_attn.k_norm.weight", (hd,), False),
+            TensorSpec(p + "mlp_norm", p + "post_attention_layernorm.weight", (d,), False),
+            TensorSpec(p + "gate", p + "mlp.gate_proj.weight", (i, d), True),
+            TensorSpec(p + "up", p + "mlp.up_proj.weight", (i, d), True),
+            TensorSpec(p + "down", p + "mlp.down_proj.weight", (d, i), True),
+        ]
+    specs.append(TensorSpec("norm", "norm.weight", (d,), False))
+    return specs

@@ -16,9 +16,8 @@ def mask_words(n: int) -> int:
 
 def unpack_mask(mask: torch.Tensor, n: int) -> torch.Tensor:
     """[..., w] int64 -> bool [..., n]."""
-    j = torch.arange(n, device=mask.device)
-    words = mask[..., j // 64]  # [..., n]
-    return ((words >> (j % 64)) & 1).bool()
+    bits = (mask[..., :, None] >> torch.arange(64, device=mask.device)) & 1  # [..., w, 64]
+    return bits.flatten(-2)[..., :n].bool()
 
 
 def pack_mask(dense: torch.Tensor) -> torch.Tensor:

@@ -50,16 +50,21 @@ def run(
     temperature: float = typer.Option(0.0, "--temperature"),
     seed: int = typer.Option(0, "--seed"),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
+    drafter: Optional[Path] = typer.Option(None, "--drafter", help="DFlash drafter directory"),
+    spec: str = typer.Option("none", "--spec", help="none (plain AR) | chain (DFlash) | ddtree"),
+    budget: int = typer.Option(16, "--budget", help="ddtree: tree nodes per round besides the root"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
-    """Generate from a prompt (plain autoregressive decoding)."""
+    """Generate from a prompt: plain AR, or speculative (--spec chain|ddtree with --drafter)."""
 
     def go():
         import torch
 
+        from runtime.drafter import load_target_and_drafter
         from runtime.generate import SamplingParams, Stats, generate_ar
         from runtime.model import load_target
-        from runtime.tokenizer import Tokenizer
+        from runtime.spec import SpecConfig, SpecStats, generate_spec
+        from runtime.tokenizer import StreamDecoder, Tokenizer
 
         if (prompt is None) == (prompt_ids is None):
             raise ValueError("give exactly one of --prompt and --prompt-ids")
@@ -67,25 +72,41 @@ def run(
             raise ValueError(f"--device must be cpu or cuda, got {device!r}")
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: no CUDA device is available")
+        if spec not in ("none", "chain", "ddtree"):
+            raise ValueError(f"--spec must be none, chain or ddtree, got {spec!r}")
+        if spec != "none" and drafter is None:
+            raise ValueError(f"--spec {spec} needs --drafter DIR")
+        spec_cfg = SpecConfig(spec, budget) if spec != "none" else None
         tok = Tokenizer.load(model_dir)
         if prompt_ids is not None:
             ids = _parse_ids(prompt_ids)
         else:
             ids = tok.chat(prompt) if chat else tok.encode(prompt)
-        model = load_target(model_dir, device=device, progress=not as_json)
+        if spec_cfg is None:
+            model, draft_model = load_target(model_dir, device=device, progress=not as_json), None
+        else:
+            model, draft_model = load_target_and_drafter(model_dir, drafter, device=device, progress=not as_json)
         bad = [i for i in ids if not 0 <= i < model.cfg.vocab_size]
         if bad:
             raise ValueError(f"--prompt-ids: ids {bad[:5]} outside the vocabulary [0, {model.cfg.vocab_size})")
         stops = tok.stop_ids(model.cfg.eos_token_ids)
         params = SamplingParams(max_new_tokens, temperature, seed, stops)
-        stats = Stats()
+        if spec_cfg is None:
+            stats: Stats = Stats()
+            stream = generate_ar(model, ids, params, stats)
+        else:
+            stats = SpecStats()
+            stream = generate_spec(model, draft_model, ids, params, spec_cfg, stats)
         out: list[int] = []
-        for t in generate_ar(model, ids, params, stats):
+        text_out = StreamDecoder(tok, skip=stops)
+        for t in stream:
             out.append(t)
             if not as_json:
-                sys.stdout.write(tok.decode([t]))
+                sys.stdout.write(text_out.push(t))
                 sys.stdout.flush()
         text = tok.decode([t for t in out if t not in stops])
+        if not as_json:
+            sys.stdout.write(text_out.flush())
         if as_json:
             typer.echo(json.dumps({"token_ids": out, "text": text, "stats": stats.as_dict()}))
         else:
@@ -126,7 +147,8 @@ def inspect(model_dir: Path = typer.Argument(...), as_json: bool = typer.Option(
 @app.command("make-tiny")
 def make_tiny_cmd(
     out: Path = typer.Argument(..., help="output directory"),
-    preset: str = typer.Option("kimi", "--preset", help="kimi | grouped | no-q-lora | dense2"),
+    drafter_for: Optional[Path] = typer.Option(None, "--drafter-for", help="write a DFlash drafter for this target"),
+    preset: str = typer.Option("kimi", "--preset", help="kimi | small | grouped | no-q-lora | dense2"),
     int4: bool = typer.Option(False, "--int4", help="routed experts INT4 (compressed-tensors pack-quantized)"),
     kimi25: bool = typer.Option(False, "--kimi25", help="Kimi K2.5/K2.6 multimodal layout"),
     dialect: str = typer.Option("hf", "--dialect", help="config dialect: hf or kimi_k2"),
@@ -134,14 +156,21 @@ def make_tiny_cmd(
     force: bool = typer.Option(False, "--force", help="replace OUT if it exists"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Write a tiny random model in the exact real checkpoint layout, plus a small tokenizer."""
+    """Write a tiny random model in the exact real checkpoint layout (plus a small tokenizer), or with
+    --drafter-for TARGET a tiny random DFlash drafter for that target."""
 
     def go():
         from build_pipeline.tiny import make_tiny
+        from build_pipeline.tiny_drafter import make_tiny_drafter
 
-        path = make_tiny(out, preset=preset, int4=int4, kimi25=kimi25, dialect=dialect, seed=seed, force=force)
+        if drafter_for is not None:
+            path = make_tiny_drafter(drafter_for, out, seed=seed, force=force)
+            info = {"out": str(path), "drafter_for": str(drafter_for)}
+        else:
+            path = make_tiny(out, preset=preset, int4=int4, kimi25=kimi25, dialect=dialect, seed=seed, force=force)
+            info = {"out": str(path), "preset": preset, "int4": int4, "kimi25": kimi25}
         if as_json:
-            typer.echo(json.dumps({"out": str(path), "preset": preset, "int4": int4, "kimi25": kimi25}))
+            typer.echo(json.dumps(info))
         else:
             typer.echo(f"wrote {path}")
 

@@ -80,30 +80,73 @@ def prefill(model: TargetModel, cache: LatentCache, prompt: torch.Tensor
     return hidden[0, -1], (torch.cat(feats) if feats else None)
 
 
-def generate_ar(model: TargetModel, prompt_ids: list[int], params: SamplingParams, stats: Stats | None = None,
-                chunk: int = 256) -> Iterator[int]:
-    """Yield new token ids one by one (plain AR); stops after a stop token or max_new_tokens."""
-    stats = stats if stats is not None else Stats()
+def prefill_requests(model: TargetModel, cache: LatentCache, prompts: list[list[int]]
+                     ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """Prefill request r of a batch cache with prompts[r] -> (last hidden [b, d], features [p_r, f] per request)."""
+    last, feats = [], []
+    for r, prompt in enumerate(prompts):
+        view = LatentCache(cache.kv[:, r:r + 1], cache.lens[r:r + 1], cache.scratch[:, r:r + 1])
+        h, f = prefill(model, view, torch.tensor(prompt, dtype=torch.long, device=model.device))
+        last.append(h)
+        feats.append(f)
+    return torch.stack(last), feats
+
+
+def ar_rounds(model: TargetModel, prompts: list[list[int]], params: SamplingParams, stats: Stats,
+              chunk: int = 256) -> Iterator[list[list[int]]]:
+    """Plain AR for a batch of requests: yield, per step, the token each request emits (none once
+    it has finished: stop token or max_new_tokens); finished requests commit nothing."""
     device = model.device
-    prompt = torch.tensor(prompt_ids, dtype=torch.long, device=device)
-    cache = model.new_cache(1, len(prompt_ids) + params.max_new_tokens + 1, min(chunk, max(len(prompt_ids), 1)))
+    b = len(prompts)
+    longest = max(len(p) for p in prompts)
+    cache = model.new_cache(b, longest + params.max_new_tokens + 1, min(chunk, longest))
     gen = torch.Generator(device=device).manual_seed(params.seed)
-    stats.prompt_tokens = len(prompt_ids)
+    stats.prompt_tokens = sum(len(p) for p in prompts)
     t0 = time.perf_counter()
-    hidden, _ = prefill(model, cache, prompt)
+    hidden, _ = prefill_requests(model, cache, prompts)  # [b, d]
     stats.prefill_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    one = causal_mask(1, 1, device)
-    for step in range(params.max_new_tokens):
-        token = sample(model.logits(hidden[None]), params.temperature, gen)  # [1]
-        tid = int(token)
-        stats.new_tokens += 1
+    one = causal_mask(b, 1, device)
+    idx = torch.zeros(b, 1, dtype=torch.int32, device=device)
+    done = [False] * b
+    produced = [0] * b
+    while True:
+        token = sample(model.logits(hidden), params.temperature, gen)  # [b]
+        emitted = []
+        for r, t in enumerate(token.tolist()):
+            if done[r]:
+                emitted.append([])
+                continue
+            produced[r] += 1
+            done[r] = t in params.stop_ids or produced[r] >= params.max_new_tokens
+            emitted.append([t])
+        stats.new_tokens += sum(len(e) for e in emitted)
         stats.decode_s = time.perf_counter() - t0
-        yield tid
-        if tid in params.stop_ids or step + 1 == params.max_new_tokens:
+        yield emitted
+        if all(done):
             break
-        positions = cache.lens[:, None].long()  # [1, 1]
-        h, _ = model.forward(token[None].view(1, 1), positions, cache, one)
-        commit_chain(cache, 1)
-        hidden = h[0, -1]
-    stats.decode_s = time.perf_counter() - t0
+        h, _ = model.forward(token[:, None], cache.lens[:, None].long(), cache, one)
+        live = torch.tensor([0 if d else 1 for d in done], dtype=torch.int32, device=device)
+        kv_commit(cache.kv, cache.lens, cache.scratch, idx, live)
+        hidden = h[:, -1]
+
+
+def generate_ar(model: TargetModel, prompt_ids: list[int], params: SamplingParams, stats: Stats | None = None
+                ) -> Iterator[int]:
+    """Stream the new tokens of one request (plain AR)."""
+    if params.max_new_tokens == 0:
+        return
+    for step in ar_rounds(model, [prompt_ids], params, stats if stats is not None else Stats()):
+        yield from step[0]
+
+
+def generate_ar_batch(model: TargetModel, prompts: list[list[int]], params: SamplingParams,
+                      stats: Stats | None = None) -> list[list[int]]:
+    """Plain AR for a batch of requests decoded together; returns each request's new tokens."""
+    outs: list[list[int]] = [[] for _ in prompts]
+    if params.max_new_tokens == 0:
+        return outs
+    for step in ar_rounds(model, prompts, params, stats if stats is not None else Stats()):
+        for r, toks in enumerate(step):
+            outs[r] += toks
+    return outs

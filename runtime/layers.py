@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from plugins.precision import acc
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm: normalise in fp32, cast back, then scale."""
-    xf = x.float()
+    xf = acc(x)
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
 

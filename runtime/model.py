@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from build_pipeline.config import ModelConfig
+from plugins.precision import acc
 from runtime.attention import mla_forward
 from runtime.cache import LatentCache
 from runtime.layers import rms_norm, swiglu_mlp
@@ -59,8 +60,8 @@ class TargetModel:
         return hidden, features
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., d] -> fp32 logits [..., v]."""
-        return F.linear(hidden, self.w.lm_head).float()
+        """hidden [..., d] -> logits [..., v] (fp32, or fp64 for an fp64 model)."""
+        return acc(F.linear(hidden, self.w.lm_head))
 
 
 def load_target(model_dir, device: str = "cpu", dtype: torch.dtype | None = None,

@@ -129,6 +129,31 @@ class Tokenizer:
         return ids
 
 
+class StreamDecoder:
+    """Incremental detokenisation: push ids, get the text they complete.  A multi-byte character
+    split across tokens is held back until its last byte arrives (no U+FFFD mid-stream)."""
+
+    def __init__(self, tok: Tokenizer, skip: tuple[int, ...] = ()):
+        self.tok, self.skip = tok, set(skip)
+        self.ids: list[int] = []
+        self.emitted = 0  # characters of decode(ids) already returned
+
+    def push(self, token: int) -> str:
+        if token in self.skip:
+            return ""
+        self.ids.append(token)
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        new, self.emitted = text[self.emitted:], len(text)
+        return new
+
+    def flush(self) -> str:
+        text = self.tok.decode(self.ids)
+        new, self.emitted = text[self.emitted:], len(text)
+        return new
+
+
 def _content(tok) -> str | None:
     """tokenizer_config stores a token either as a string or as {"content": ...}."""
     if isinstance(tok, dict):

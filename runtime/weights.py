@@ -64,13 +64,14 @@ class TargetWeights:
 
 def load_target_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu", progress: bool = True) -> TargetWeights:
-    """Stream the checkpoint into TargetWeights (router and its bias stay fp32)."""
-    loader = WeightLoader(model_dir, cfg)
+    """Stream the checkpoint into TargetWeights (router and its bias in at least fp32)."""
+    loader = WeightLoader(model_dir, cfg.tensor_prefix, cfg.quant)
     specs = target_specs(cfg)
     flat: dict[str, torch.Tensor] = {}
     bar = Progress(len(specs), "loading weights", enabled=progress)
     for spec, tensor in loader.stream(specs, torch.float32):
-        keep = torch.float32 if spec.key.endswith(("moe.gate", "moe.gate_bias")) else dtype
+        router = spec.key.endswith(("moe.gate", "moe.gate_bias"))
+        keep = dtype if not router or dtype == torch.float64 else torch.float32  # router: at least fp32
         flat[spec.key] = tensor.to(device=device, dtype=keep)
         bar.advance()
     bar.close()

@@ -58,3 +58,23 @@ def test_make_tiny_refuses_to_overwrite_and_console_script_runs(tmp_path):
     assert r.exit_code == 1 and "--preset" in r.stderr and not (tmp_path / "x").exists()
     proc = subprocess.run([sys.executable, "-m", "runtime.cli", "inspect", str(out)], capture_output=True, text=True)
     assert proc.returncode == 0 and "routed_experts" in proc.stdout
+
+
+def test_run_speculative_modes_agree_with_ar(tiny, tmp_path):
+    path = tiny.get("kimi")
+    drafter = tmp_path / "dr"
+    r = CliRunner().invoke(app, ["make-tiny", str(drafter), "--drafter-for", path, "--json"])
+    assert r.exit_code == 0, r.output
+    base = ["run", path, "--prompt", "Hello world", "--max-new-tokens", "12", "--json"]
+    ar = json.loads(CliRunner().invoke(app, base).stdout)
+    for spec in ("chain", "ddtree"):
+        r = CliRunner().invoke(app, base + ["--drafter", str(drafter), "--spec", spec, "--budget", "8"])
+        assert r.exit_code == 0, r.output
+        out = json.loads(r.stdout)
+        assert out["token_ids"] == ar["token_ids"]
+        assert out["stats"]["rounds"] >= 1 and set(out["stats"]["stage_ms"]) == {"draft", "build", "verify",
+                                                                               "accept", "commit"}
+    r = CliRunner().invoke(app, base + ["--spec", "ddtree"])
+    assert r.exit_code == 1 and "--drafter" in r.stderr
+    r = CliRunner().invoke(app, base + ["--drafter", str(drafter), "--spec", "beam"])
+    assert r.exit_code == 1 and "--spec" in r.stderr

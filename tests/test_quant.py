@@ -87,7 +87,7 @@ def test_fp8_block_checkpoint_loads_dequantised(tiny, tmp_path):
     (dst / "config.json").write_text(json.dumps(cfg_raw))
 
     cfg = load_config(dst)
-    loader = WeightLoader(dst, cfg)
+    loader = WeightLoader(dst, cfg.tensor_prefix, cfg.quant)
     spec = next(s for s in target_specs(cfg) if s.ckpt == "model.layers.1.self_attn.kv_b_proj.weight")
     assert loader.storage(spec) == "fp8"
     assert torch.equal(loader.load(spec, torch.float32), expected[spec.ckpt])

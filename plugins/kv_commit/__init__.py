@@ -9,10 +9,12 @@ from plugins.kv_commit.reference import kv_commit_reference
 __all__ = ["kv_commit"]
 
 
-@torch.library.custom_op("kdtree::kv_commit", mutates_args=("cache", "cache_lens"))
+@torch.library.custom_op("kdtree::kv_commit", mutates_args=("cache", "cache_lens", "ctx_feats"))
 def kv_commit(cache: torch.Tensor, cache_lens: torch.Tensor, scratch: torch.Tensor, accept_idx: torch.Tensor,
-              accept_len: torch.Tensor) -> None:
-    """Appends scratch[:, r, accept_idx[r, :accept_len[r]]] to cache[:, r] and advances cache_lens."""
+              accept_len: torch.Tensor, feats: torch.Tensor | None = None,
+              ctx_feats: torch.Tensor | None = None) -> None:
+    """Appends scratch[:, r, accept_idx[r, :accept_len[r]]] to cache[:, r], advances cache_lens and,
+    given feats [b, n, f], gathers the accepted rows into ctx_feats [b, a, f]."""
     y, b, l_max, d_qk = cache.shape
     if scratch.dim() != 4 or scratch.shape[0] != y or scratch.shape[1] != b or scratch.shape[3] != d_qk:
         raise ValueError(f"kv_commit: scratch must be [{y}, {b}, n, {d_qk}], got {tuple(scratch.shape)}")
@@ -21,4 +23,10 @@ def kv_commit(cache: torch.Tensor, cache_lens: torch.Tensor, scratch: torch.Tens
     if accept_len.shape != (b,) or accept_len.dtype != torch.int32 or cache_lens.shape != (b,) \
             or cache_lens.dtype != torch.int32:
         raise ValueError("kv_commit: accept_len and cache_lens must be int32 [b]")
-    kv_commit_reference(cache, cache_lens, scratch, accept_idx, accept_len)
+    if (feats is None) != (ctx_feats is None):
+        raise ValueError("kv_commit: give both feats and ctx_feats or neither")
+    if feats is not None and (feats.shape[0] != b or feats.shape[1] > scratch.shape[2] or ctx_feats.shape[0] != b
+                              or ctx_feats.shape[1] != accept_idx.shape[1] or ctx_feats.shape[2] != feats.shape[2]):
+        raise ValueError(f"kv_commit: feats must be [{b}, <= n, f] and ctx_feats [{b}, a, f], got "
+                         f"{tuple(feats.shape)}, {tuple(ctx_feats.shape)}")
+    kv_commit_reference(cache, cache_lens, scratch, accept_idx, accept_len, feats, ctx_feats)

@@ -7,6 +7,8 @@ Shapes: y layers, b requests, l_max cache capacity, n tree nodes, a accept capac
     scratch     [y, b, n, d_qk]      the tree nodes' latent rows from the verify pass
     accept_idx  [b, a] int32         accepted node indices in path order (root first); slots >= accept_len unused
     accept_len  [b] int32            accepted nodes per request (0 <= accept_len <= a)
+    feats       [b, n, f] or None    the tree nodes' target features (drafter context), optional
+    ctx_feats   [b, a, f] or None    written: ctx_feats[r, j] = feats[r, accept_idx[r, j]] for j < accept_len[r]
 
 cache[:, r, cache_lens[r] + j] = scratch[:, r, accept_idx[r, j]] for j < accept_len[r], then
 cache_lens[r] += accept_len[r].  The scratch is separate from the cache, so the copy never reads a
@@ -19,7 +21,8 @@ import torch
 
 
 def kv_commit_reference(cache: torch.Tensor, cache_lens: torch.Tensor, scratch: torch.Tensor,
-                        accept_idx: torch.Tensor, accept_len: torch.Tensor) -> None:
+                        accept_idx: torch.Tensor, accept_len: torch.Tensor, feats: torch.Tensor | None = None,
+                        ctx_feats: torch.Tensor | None = None) -> None:
     b, a = accept_idx.shape
     j = torch.arange(a, device=cache.device)
     valid = j[None, :] < accept_len[:, None]  # [b, a]
@@ -27,4 +30,6 @@ def kv_commit_reference(cache: torch.Tensor, cache_lens: torch.Tensor, scratch: 
     dst = cache_lens[:, None].long() + j[None, :]  # [b, a]
     src = scratch[:, rows[valid], accept_idx.long()[valid]]  # [y, m, d_qk]
     cache[:, rows[valid], dst[valid]] = src
+    if feats is not None and ctx_feats is not None:
+        ctx_feats[valid] = feats[rows[valid], accept_idx.long()[valid]]
     cache_lens += accept_len

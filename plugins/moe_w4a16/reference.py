@@ -20,12 +20,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from plugins.precision import acc
+
 
 def route_reference(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
                     norm_topk_prob: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     t, e = logits.shape
-    scores = logits.float().sigmoid()  # [t, e]
-    choice = scores + bias.float()  # [t, e]
+    scores = acc(logits).sigmoid()  # [t, e]
+    choice = scores + bias.to(scores.dtype)  # [t, e]
     if n_group > 1:
         group_scores = choice.view(t, n_group, e // n_group).topk(2, dim=-1)[0].sum(dim=-1)  # [t, g]
         keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(topk_group, dim=-1)[1], 1.0)  # [t, g]

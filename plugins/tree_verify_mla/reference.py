@@ -21,22 +21,23 @@ from __future__ import annotations
 import torch
 
 from plugins.bitmask import unpack_mask
+from plugins.precision import acc
 
 
 def tree_verify_mla_reference(q: torch.Tensor, cache: torch.Tensor, cache_lens: torch.Tensor, tree_kv: torch.Tensor,
                               tree_mask: torch.Tensor, scale: float, out: torch.Tensor, lse: torch.Tensor) -> None:
     b, n, h, d_qk = q.shape
-    l_max, d_v = cache.shape[1], out.shape[-1]
-    qf = q.float()
-    s_cache = torch.einsum("bnhc,blc->bnhl", qf, cache.float()) * scale  # [b, n, h, l_max]
-    s_tree = torch.einsum("bnhc,bmc->bnhm", qf, tree_kv.float()) * scale  # [b, n, h, n]
-    cache_ok = torch.arange(l_max, device=q.device)[None, :] < cache_lens[:, None].long()  # [b, l_max]
-    tree_ok = unpack_mask(tree_mask, n)  # [b, n, n]
-    s_cache = s_cache.masked_fill(~cache_ok[:, None, None, :], float("-inf"))
-    s_tree = s_tree.masked_fill(~tree_ok[:, :, None, :], float("-inf"))
-    s = torch.cat([s_cache, s_tree], dim=-1)  # [b, n, h, l_max + n]
-    lse_val = torch.logsumexp(s, dim=-1)  # [b, n, h]
-    p = torch.exp(s - lse_val[..., None])
-    values = torch.cat([cache[..., :d_v], tree_kv[..., :d_v]], dim=1).float()  # [b, l_max + n, d_v]
-    out.copy_(torch.einsum("bnhl,blc->bnhc", p, values))
-    lse.copy_(lse_val)
+    d_v = out.shape[-1]
+    valid = min(int(cache_lens.max()), cache.shape[1]) if b else 0  # rows past every request's length never count
+    keys = torch.cat([cache[:, :valid], tree_kv], dim=1)
+    keys = acc(keys)  # [b, valid + n, d_qk]
+    scores = torch.bmm(acc(q).reshape(b, n * h, d_qk), keys.transpose(1, 2)).view(b, n, h, valid + n) * scale
+    cache_ok = torch.arange(valid, device=q.device)[None, :] < cache_lens[:, None].long()  # [b, valid]
+    ok = torch.cat([cache_ok[:, None, :].expand(b, n, valid), unpack_mask(tree_mask, n)], dim=-1)  # [b, n, valid+n]
+    scores = scores.masked_fill(~ok[:, :, None, :], float("-inf"))
+    m = scores.amax(dim=-1, keepdim=True)  # [b, n, h, 1]; finite: every node sees itself
+    p = torch.exp(scores - m)
+    l = p.sum(dim=-1, keepdim=True)
+    o = torch.bmm(p.view(b, n * h, valid + n), keys[..., :d_v]).view(b, n, h, d_v) / l
+    out.copy_(o)
+    lse.copy_((m + torch.log(l))[..., 0])
