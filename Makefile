@@ -5,6 +5,8 @@ BIN     := $(VENV)/bin
 TINY    ?= artifacts/tiny-kimi
 DRAFTER ?= artifacts/tiny-kimi-dflash
 STAMP   := $(VENV)/.installed
+# build artifacts (`kdtree build`, models built on the fly by tests) are cached under the workspace
+export KDTREE_CACHE ?= $(CURDIR)/.cache/kdtree
 
 .PHONY: setup test test-gpu demo bench lint clean
 
@@ -42,4 +44,4 @@ lint: setup
 	$(BIN)/ruff check build_pipeline plugins runtime tests benchmarks
 
 clean:
-	rm -rf $(VENV) artifacts/tiny-*
+	rm -rf $(VENV) artifacts/tiny-* .cache

@@ -4,6 +4,11 @@ Letters: b requests, n tokens, h heads, d hidden, p qk_nope dims, r rope dims, c
 u v_head_dim.  Absorbed: q_lat = q_nope . W_UK (p -> c), scores = [q_lat | q_pe] . [c_kv | k_pe],
 values = c_kv, out_h = (attn . c_kv) . W_UV (c -> u), then o_proj.  The attention itself is the
 kdtree::tree_verify_mla op, so the same code serves prefill chunks, AR steps and tree verification.
+
+Tensor parallel: `w` holds this rank's h/tp heads (q_b / kv_b rows and o_proj columns cut by head,
+q_a / kv_a replicated, build_pipeline/plan.py), so h below is the local head count, every rank
+computes and caches the same full latent row, and the result is this rank's partial sum of o_proj:
+the caller (runtime/model.py) all-reduces it.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from runtime.weights import AttentionWeights
 def mla_forward(cfg: ModelConfig, w: AttentionWeights, rope: Rope, x: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, kv: torch.Tensor, lens: torch.Tensor, scratch: torch.Tensor,
                 tree_mask: torch.Tensor) -> torch.Tensor:
-    """x [b, n, d] -> [b, n, d].  Writes the n tokens' latent rows into scratch[:, :n] ([b, n_max, c+r]).
+    """x [b, n, d] -> [b, n, d] (under TP this rank's partial sum over its heads).  Writes the n
+    tokens' latent rows into scratch[:, :n] ([b, n_max, c+r]).
 
     kv [b, l_max, c+r] is this layer's committed cache, lens [b] its lengths, tree_mask [b, n, w]
     which of the n tokens each token sees (itself and its ancestors).

@@ -1,4 +1,4 @@
-"""`kdtree` command line (typer): run, inspect, make-tiny.
+"""`kdtree` command line (typer): run, build, inspect, make-tiny.
 
 Every command prints one line `error: ...` and exits 1 on bad input; `--json` prints one JSON object.
 """
@@ -6,6 +6,7 @@ Every command prints one line `error: ...` and exits 1 on bad input; `--json` pr
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -42,7 +43,7 @@ def _parse_ids(text: str) -> list[int]:
 
 @app.command()
 def run(
-    model_dir: Path = typer.Argument(..., help="checkpoint directory (config.json, *.safetensors, tokenizer)"),
+    model_dir: Path = typer.Argument(..., help="`kdtree build` artifact or checkpoint directory"),
     prompt: Optional[str] = typer.Option(None, "--prompt", help="prompt text"),
     prompt_ids: Optional[str] = typer.Option(None, "--prompt-ids", help="prompt token ids, e.g. 1,2,3"),
     chat: bool = typer.Option(False, "--chat", help="wrap --prompt in Kimi's chat markers"),
@@ -53,6 +54,11 @@ def run(
     drafter: Optional[Path] = typer.Option(None, "--drafter", help="DFlash drafter directory"),
     spec: str = typer.Option("none", "--spec", help="none (plain AR) | chain (DFlash) | ddtree"),
     budget: int = typer.Option(16, "--budget", help="ddtree: tree nodes per round besides the root"),
+    graphs: bool = typer.Option(True, "--graphs/--no-graphs", help="CUDA: replay captured graphs of a round"),
+    tp: int = typer.Option(1, "--tp", help="tensor-parallel ranks: starts one process per rank (or runs as one "
+                           "rank of torchrun's)"),
+    ep: bool = typer.Option(False, "--ep", help="with --tp: routed experts whole per rank (expert parallel)"),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (fp32 on CPU, bf16 on CUDA) | float32 | float64 | bfloat16"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Generate from a prompt: plain AR, or speculative (--spec chain|ddtree with --drafter)."""
@@ -60,11 +66,11 @@ def run(
     def go():
         import torch
 
-        from runtime.drafter import load_target_and_drafter
-        from runtime.generate import SamplingParams, Stats, generate_ar
-        from runtime.model import load_target
-        from runtime.spec import SpecConfig, SpecStats, generate_spec
-        from runtime.tokenizer import StreamDecoder, Tokenizer
+        from runtime.artifact import is_artifact
+        from runtime.engine import Engine
+        from runtime.generate import SamplingParams
+        from runtime.spec import SpecConfig
+        from runtime.tokenizer import StreamDecoder
 
         if (prompt is None) == (prompt_ids is None):
             raise ValueError("give exactly one of --prompt and --prompt-ids")
@@ -74,29 +80,29 @@ def run(
             raise ValueError("--device cuda: no CUDA device is available")
         if spec not in ("none", "chain", "ddtree"):
             raise ValueError(f"--spec must be none, chain or ddtree, got {spec!r}")
-        if spec != "none" and drafter is None:
+        if spec != "none" and drafter is None and not is_artifact(model_dir):
             raise ValueError(f"--spec {spec} needs --drafter DIR")
-        spec_cfg = SpecConfig(spec, budget) if spec != "none" else None
-        tok = Tokenizer.load(model_dir)
+        if spec != "none":
+            SpecConfig(spec, budget)
+        SamplingParams(max_new_tokens, temperature, seed)  # argument checks
+        if dtype not in ("auto", "float32", "float64", "bfloat16"):
+            raise ValueError(f"--dtype must be auto, float32, float64 or bfloat16, got {dtype!r}")
+        eng = Engine.load(model_dir, device=device, drafter=drafter, spec=spec, budget=budget, graphs=graphs,
+                          progress=not as_json, tp=tp, ep=ep, dtype=None if dtype == "auto" else getattr(torch, dtype))
+        if getattr(eng, "rank", 0) != 0:  # under torchrun: every rank decodes, rank 0 alone prints
+            sys.stdout = open(os.devnull, "w")
+        tok = eng.tokenizer
+        if tok is None:
+            raise ValueError(f"{model_dir}: no tokenizer (expected tiktoken.model or tokenizer.json)")
         if prompt_ids is not None:
             ids = _parse_ids(prompt_ids)
         else:
             ids = tok.chat(prompt) if chat else tok.encode(prompt)
-        if spec_cfg is None:
-            model, draft_model = load_target(model_dir, device=device, progress=not as_json), None
-        else:
-            model, draft_model = load_target_and_drafter(model_dir, drafter, device=device, progress=not as_json)
-        bad = [i for i in ids if not 0 <= i < model.cfg.vocab_size]
+        bad = [i for i in ids if not 0 <= i < eng.target.cfg.vocab_size]
         if bad:
-            raise ValueError(f"--prompt-ids: ids {bad[:5]} outside the vocabulary [0, {model.cfg.vocab_size})")
-        stops = tok.stop_ids(model.cfg.eos_token_ids)
-        params = SamplingParams(max_new_tokens, temperature, seed, stops)
-        if spec_cfg is None:
-            stats: Stats = Stats()
-            stream = generate_ar(model, ids, params, stats)
-        else:
-            stats = SpecStats()
-            stream = generate_spec(model, draft_model, ids, params, spec_cfg, stats)
+            raise ValueError(f"--prompt-ids: ids {bad[:5]} outside the vocabulary [0, {eng.target.cfg.vocab_size})")
+        stops, _ = eng.stop_ids()
+        stream = eng.generate_ids(ids, max_new_tokens, temperature, seed=seed)
         out: list[int] = []
         text_out = StreamDecoder(tok, skip=stops)
         for t in stream:
@@ -108,10 +114,55 @@ def run(
         if not as_json:
             sys.stdout.write(text_out.flush())
         if as_json:
-            typer.echo(json.dumps({"token_ids": out, "text": text, "stats": stats.as_dict()}))
+            typer.echo(json.dumps({"token_ids": out, "text": text, "stats": eng.last_stats}))
         else:
             typer.echo("")
-            typer.echo(json.dumps(stats.as_dict()), err=True)
+            typer.echo(json.dumps(eng.last_stats), err=True)
+
+    _guard(go)
+
+
+@app.command()
+def bench(
+    path: Path = typer.Argument(..., help="`kdtree build` artifact or checkpoint directory"),
+    drafter: Optional[Path] = typer.Option(None, "--drafter", help="DFlash drafter directory"),
+    budgets: str = typer.Option("1,4,16,64", "--budgets", help="DDTree budgets to measure"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
+    prompt: Optional[str] = typer.Option(None, "--prompt", help="prompt text (default: a fixed sentence)"),
+    out: Optional[Path] = typer.Option(None, "--out", help="write OUT/bench-<name>.json"),
+    name: Optional[str] = typer.Option(None, "--name", help="result name (default: the model folder's name)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of the table"),
+) -> None:
+    """AR vs chain vs DDTree tokens/s, tau, per-stage us, host overhead per round, graphs on vs off."""
+
+    def go():
+        import torch
+
+        from runtime.bench import format_table, run_bench, write_result
+
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda, got {device!r}")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device is available")
+        try:
+            bs = tuple(int(b) for b in budgets.split(",") if b.strip())
+        except ValueError:
+            raise ValueError(f"--budgets must be comma-separated integers, got {budgets!r}") from None
+        if not bs or min(bs) < 1:
+            raise ValueError(f"--budgets must be integers >= 1, got {budgets!r}")
+        if max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+        result = run_bench(path, drafter, bs, max_new_tokens, device, prompt, progress=not as_json)
+        if out is not None:
+            written = write_result(result, out, name or Path(path).name)
+            result["written"] = str(written)
+        if as_json:
+            typer.echo(json.dumps(result))
+        else:
+            typer.echo(format_table(result))
+            if out is not None:
+                typer.echo(f"wrote {result['written']}")
 
     _guard(go)
 
@@ -140,6 +191,37 @@ def inspect(model_dir: Path = typer.Argument(...), as_json: bool = typer.Option(
             typer.echo(f"{k:<16}{params[k]:>18,}{nbytes[k] / 1e9:>10.3f}")
         typer.echo(f"{'total':<16}{report['total_params']:>18,}{report['total_bytes'] / 1e9:>10.3f}")
         typer.echo(f"latent KV cache: {report['kv_cache_bytes_per_token']:,} bytes per token (bf16)")
+
+    _guard(go)
+
+
+@app.command("build")
+def build_cmd(
+    model_dir: Path = typer.Argument(..., help="checkpoint directory (config.json, *.safetensors, tokenizer)"),
+    drafter: Optional[Path] = typer.Option(None, "--drafter", help="DFlash drafter directory (copied into ART)"),
+    out: Optional[Path] = typer.Option(None, "--out", help="artifact folder (default: the cache entry)"),
+    tp: int = typer.Option(1, "--tp", help="tensor-parallel ranks"),
+    ep: bool = typer.Option(False, "--ep", help="routed experts whole per rank (expert parallel)"),
+    backend: str = typer.Option("native", "--backend", help="native | tensorrt"),
+    arch: str = typer.Option("sm_90", "--arch", help="CUDA archs to compile for, e.g. sm_90,sm_120 (or none)"),
+    budgets: str = typer.Option("16,32,64", "--budgets", help="tree budgets to specialise kernels for"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON summary"),
+    force: bool = typer.Option(False, "--force", help="rebuild even on a cache hit; replace a non-artifact --out"),
+) -> None:
+    """Build per-rank artifacts (sharded weights, ONNX graphs, AOT kernels) through the KDTREE_CACHE cache."""
+
+    def go():
+        from build_pipeline.build import build
+
+        res = build(model_dir, out=out, drafter_dir=drafter, tp=tp, ep=ep, backend=backend, archs=arch,
+                    budgets=budgets, progress=not as_json, force=force)
+        s = res.summary()
+        if as_json:
+            typer.echo(json.dumps(s))
+        else:
+            typer.echo(f"{'cache hit' if res.cache_hit else 'built'} {s['artifact']} in {s['seconds']:.2f}s: "
+                       f"tp {tp}{' ep' if ep else ''}, {s['graphs']} graphs, {s['kernels']} kernels, "
+                       f"{s['bytes'] / 1e6:.1f} MB")
 
     _guard(go)
 

@@ -87,7 +87,7 @@ class DFlashDrafter:
         blk_pos = start[:, None] + torch.arange(s, device=dev)  # [b, s]
         block = torch.full((b, s), self.mask_token_id, dtype=torch.long, device=dev)
         block[:, 0] = bonus
-        x = F.embedding(block, self.target.w.embed)  # [b, s, H]
+        x = self.target.embed(block)  # [b, s, H] (the target's embedding: vocab-parallel under TP)
         cos_c, sin_c = self.rope.cos_sin(ctx_pos, x.dtype)
         cos_b, sin_b = self.rope.cos_sin(blk_pos, x.dtype)
         cap = cache.k.shape[2]

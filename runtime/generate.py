@@ -1,14 +1,15 @@
-"""Prefill and plain autoregressive (AR) decoding with the latent cache, one request at a time.
+"""Sampling parameters, generation stats, prefill, and the plain autoregressive (AR) entry points.
 
-Both go through TargetModel.forward + kv_commit: a prefill chunk is a chain of n tokens committed
-whole, an AR step a chain of one.
+Prefill goes through TargetModel.forward + kv_commit, a chunk of n prompt tokens being a chain
+committed whole; every decode loop (AR and speculative, Engine or not) starts with it.  The AR
+loop itself is runtime/session.py's DecodeSession (an AR step is runtime/round.py's ar_step, a
+chain of one); generate_ar and generate_ar_batch run it eagerly on a session sized for the call.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
@@ -16,7 +17,9 @@ from plugins.bitmask import causal_mask
 from plugins.kv_commit import kv_commit
 from runtime.cache import LatentCache
 from runtime.model import TargetModel
-from runtime.sampling import sample
+
+if TYPE_CHECKING:
+    from runtime.spec import SpecStats
 
 
 @dataclass(frozen=True)
@@ -92,61 +95,22 @@ def prefill_requests(model: TargetModel, cache: LatentCache, prompts: list[list[
     return torch.stack(last), feats
 
 
-def ar_rounds(model: TargetModel, prompts: list[list[int]], params: SamplingParams, stats: Stats,
-              chunk: int = 256) -> Iterator[list[list[int]]]:
-    """Plain AR for a batch of requests: yield, per step, the token each request emits (none once
-    it has finished: stop token or max_new_tokens); finished requests commit nothing."""
-    device = model.device
-    b = len(prompts)
-    longest = max(len(p) for p in prompts)
-    cache = model.new_cache(b, longest + params.max_new_tokens + 1, min(chunk, longest))
-    gen = torch.Generator(device=device).manual_seed(params.seed)
-    stats.prompt_tokens = sum(len(p) for p in prompts)
-    t0 = time.perf_counter()
-    hidden, _ = prefill_requests(model, cache, prompts)  # [b, d]
-    stats.prefill_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    one = causal_mask(b, 1, device)
-    idx = torch.zeros(b, 1, dtype=torch.int32, device=device)
-    done = [False] * b
-    produced = [0] * b
-    while True:
-        token = sample(model.logits(hidden), params.temperature, gen)  # [b]
-        emitted = []
-        for r, t in enumerate(token.tolist()):
-            if done[r]:
-                emitted.append([])
-                continue
-            produced[r] += 1
-            done[r] = t in params.stop_ids or produced[r] >= params.max_new_tokens
-            emitted.append([t])
-        stats.new_tokens += sum(len(e) for e in emitted)
-        stats.decode_s = time.perf_counter() - t0
-        yield emitted
-        if all(done):
-            break
-        h, _ = model.forward(token[:, None], cache.lens[:, None].long(), cache, one)
-        live = torch.tensor([0 if d else 1 for d in done], dtype=torch.int32, device=device)
-        kv_commit(cache.kv, cache.lens, cache.scratch, idx, live)
-        hidden = h[:, -1]
-
-
-def generate_ar(model: TargetModel, prompt_ids: list[int], params: SamplingParams, stats: Stats | None = None
-                ) -> Iterator[int]:
+def generate_ar(model: TargetModel, prompt_ids: list[int], params: SamplingParams,
+                stats: SpecStats | None = None) -> Iterator[int]:
     """Stream the new tokens of one request (plain AR)."""
-    if params.max_new_tokens == 0:
-        return
-    for step in ar_rounds(model, [prompt_ids], params, stats if stats is not None else Stats()):
-        yield from step[0]
+    from runtime.session import decode_rounds  # session.py builds on this module's prefill
+    from runtime.spec import SpecStats
+
+    stats = stats if stats is not None else SpecStats()
+    for per_request in decode_rounds(model, None, "none", 0, [prompt_ids], params, stats):
+        yield from per_request[0]
 
 
 def generate_ar_batch(model: TargetModel, prompts: list[list[int]], params: SamplingParams,
-                      stats: Stats | None = None) -> list[list[int]]:
+                      stats: SpecStats | None = None) -> list[list[int]]:
     """Plain AR for a batch of requests decoded together; returns each request's new tokens."""
-    outs: list[list[int]] = [[] for _ in prompts]
-    if params.max_new_tokens == 0:
-        return outs
-    for step in ar_rounds(model, prompts, params, stats if stats is not None else Stats()):
-        for r, toks in enumerate(step):
-            outs[r] += toks
-    return outs
+    from runtime.session import collect, decode_rounds  # session.py builds on this module's prefill
+    from runtime.spec import SpecStats
+
+    stats = stats if stats is not None else SpecStats()
+    return collect(decode_rounds(model, None, "none", 0, prompts, params, stats), len(prompts))

@@ -38,12 +38,40 @@ class MLPWeights:
 
 
 @dataclass
+class Int4Experts:
+    """Routed experts in the moe_w4a16 kernel layout (build_pipeline/moe_layout.py); kp_x = x rounded
+    up to 256."""
+    w13: torch.Tensor  # [e, 2i, kp_d/8] int32
+    w13_scale: torch.Tensor  # [e, kp_d/32, 2i]
+    w2: torch.Tensor  # [e, d, kp_i/8] int32
+    w2_scale: torch.Tensor  # [e, kp_i/32, d]
+
+    @classmethod
+    def from_checkpoint(cls, w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed: torch.Tensor,
+                        w2_scale: torch.Tensor, group_size: int = 32,
+                        device: str | torch.device | None = None) -> "Int4Experts":
+        """From stacked checkpoint-form experts (weight_packed [e, out, in/8], weight_scale [e, out, in/g],
+        as build_pipeline/shard.py stores them); scales become bf16 when that is exact."""
+        from build_pipeline.moe_layout import repack_int4
+
+        def one(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            b = scale.to(torch.bfloat16)
+            scale = b if torch.equal(b.to(scale.dtype), scale) else scale
+            p, s = repack_int4(packed, scale, group_size)
+            return p.to(device or packed.device), s.to(device or packed.device)
+
+        (a, sa), (b, sb) = one(w13_packed, w13_scale), one(w2_packed, w2_scale)
+        return cls(a, sa, b, sb)
+
+
+@dataclass
 class MoEWeights:
     gate: torch.Tensor  # [e, d] fp32 router
     gate_bias: torch.Tensor  # [e] fp32 e_score_correction_bias
-    w13: torch.Tensor  # [e, 2i, d] per-expert gate rows then up rows
+    w13: torch.Tensor  # [e, 2i, d] per-expert gate rows then up rows (dequantised when the checkpoint is INT4)
     w2: torch.Tensor  # [e, d, i]
     shared: MLPWeights | None
+    int4: Int4Experts | None = None  # the same experts packed; the CUDA path reads these when present
 
 
 @dataclass

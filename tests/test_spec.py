@@ -12,7 +12,8 @@ from build_pipeline.tiny_drafter import make_tiny_drafter
 from plugins.bitmask import causal_mask
 from runtime.drafter import load_target_and_drafter
 from runtime.generate import SamplingParams, commit_chain, generate_ar, generate_ar_batch, prefill
-from runtime.spec import SpecConfig, SpecStats, generate_spec_batch, spec_rounds
+from runtime.session import DecodeSession
+from runtime.spec import SpecConfig, SpecStats, generate_spec_batch
 
 NEW_TOKENS = 128
 BUDGETS = [1, 4, 16, 64, 256]
@@ -85,11 +86,11 @@ def test_committed_cache_after_one_round_equals_ar_cache(setups):
     s = setups[False]
     prompt = s.prompts[3]
     d = AgreeingDrafter(s.target, miss_prob=0.3, seed=1)
-    rounds = spec_rounds(s.target, d, [prompt], SamplingParams(NEW_TOKENS), SpecConfig("ddtree", 16), SpecStats())
+    session = DecodeSession(s.target, d, "ddtree", 16, 1, len(prompt) + NEW_TOKENS)
+    rounds = session.rounds([prompt], SamplingParams(NEW_TOKENS), False, SpecStats())
     first = next(rounds)[0]
     second = next(rounds)[0]
-    frame = rounds.gi_frame.f_locals
-    cache = frame["cache"]
+    cache = session.cache
     committed = prompt + first + second[:-1]  # the last emitted token (the bonus) is not yet in the cache
     assert int(cache.lens[0]) == len(committed)
     ref = s.target.new_cache(1, len(committed) + 1, 1)

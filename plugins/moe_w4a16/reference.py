@@ -12,7 +12,8 @@ route:  logits [t, e] fp32 (x @ gate^T), bias [e] fp32 (e_score_correction_bias)
 experts: x [t, d], topk_idx, topk_w, w13 [e, 2i, d] (gate rows | up rows), w2 [e, d, i]
         -> y [t, d] = sum_k topk_w[t, k] * w2[e] @ (silu(gate_e x) * up_e x),  e = topk_idx[t, k]
   accumulated expert by expert in ascending expert order (transformers' order), in x's dtype with
-  fp32 routing weights.
+  fp32 routing weights.  Expert parallel: w13/w2 hold only experts [e_start, e_start + e_local);
+  slots routed to other experts contribute nothing (the ranks' outputs are summed by an all-reduce).
 """
 
 from __future__ import annotations
@@ -41,11 +42,14 @@ def route_reference(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_grou
 
 
 def experts_reference(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w13: torch.Tensor,
-                      w2: torch.Tensor) -> torch.Tensor:
+                      w2: torch.Tensor, e_start: int = 0) -> torch.Tensor:
     y = torch.zeros_like(x)  # [t, d]
+    e_local = w13.shape[0]
     for ex in torch.unique(topk_idx).tolist():
+        if not e_start <= ex < e_start + e_local:
+            continue  # held by another rank
         tok, slot = torch.where(topk_idx == ex)  # rows routed to expert ex
-        gate, up = F.linear(x[tok], w13[ex]).chunk(2, dim=-1)  # [m, i] each
-        h = F.linear(F.silu(gate) * up, w2[ex])  # [m, d]
+        gate, up = F.linear(x[tok], w13[ex - e_start]).chunk(2, dim=-1)  # [m, i] each
+        h = F.linear(F.silu(gate) * up, w2[ex - e_start])  # [m, d]
         y.index_add_(0, tok, (h * topk_w[tok, slot, None]).to(y.dtype))
     return y

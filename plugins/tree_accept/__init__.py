@@ -8,6 +8,8 @@ from plugins.tree_accept.reference import tree_accept_reference
 
 __all__ = ["tree_accept"]
 
+# The CUDA path is the Triton kernel in kernel.py (imported lazily: CPU installs need no Triton).
+
 
 @torch.library.custom_op("kdtree::tree_accept", mutates_args=("accept_idx", "accept_len", "bonus"))
 def tree_accept(posterior: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, accept_idx: torch.Tensor,
@@ -20,3 +22,10 @@ def tree_accept(posterior: torch.Tensor, tokens: torch.Tensor, parents: torch.Te
     if accept_idx.dim() != 2 or accept_idx.shape[0] != b or accept_len.shape != (b,) or bonus.shape != (b,):
         raise ValueError("tree_accept: accept_idx must be [b, a], accept_len and bonus [b]")
     tree_accept_reference(posterior, tokens, parents, accept_idx, accept_len, bonus)
+
+
+@tree_accept.register_kernel("cuda")
+def _tree_accept_cuda(posterior: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, accept_idx: torch.Tensor,
+                      accept_len: torch.Tensor, bonus: torch.Tensor) -> None:
+    from plugins.tree_accept.kernel import tree_accept_triton
+    tree_accept_triton(posterior, tokens, parents, accept_idx, accept_len, bonus)

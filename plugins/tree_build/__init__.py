@@ -9,6 +9,8 @@ from plugins.tree_build.reference import build_from_topk_reference, topk_logprob
 
 __all__ = ["tree_build", "topk_logprobs_reference", "build_from_topk_reference"]
 
+# The CUDA path is the Triton kernels in kernel.py (imported lazily: CPU installs need no Triton).
+
 
 @torch.library.custom_op("kdtree::tree_build", mutates_args=("tokens", "parents", "depth", "positions", "mask"))
 def tree_build(logits: torch.Tensor, root: torch.Tensor, start: torch.Tensor, topk: int, tokens: torch.Tensor,
@@ -30,3 +32,10 @@ def tree_build(logits: torch.Tensor, root: torch.Tensor, start: torch.Tensor, to
     outs = build_from_topk_reference(lp, ids, n - 1, root, start)
     for dst, src in zip((tokens, parents, depth, positions, mask), outs):
         dst.copy_(src)
+
+
+@tree_build.register_kernel("cuda")
+def _tree_build_cuda(logits: torch.Tensor, root: torch.Tensor, start: torch.Tensor, topk: int, tokens: torch.Tensor,
+                     parents: torch.Tensor, depth: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> None:
+    from plugins.tree_build.kernel import tree_build_triton
+    tree_build_triton(logits, root, start, topk, tokens, parents, depth, positions, mask)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from plugins.tree_verify_mla.reference import tree_verify_mla_reference
@@ -33,9 +35,34 @@ def check_inputs(q, cache, cache_lens, tree_kv, tree_mask, out, lse) -> None:
                          f"{tree_kv.dtype}")
 
 
-@torch.library.custom_op("kdtree::tree_verify_mla", mutates_args=("out", "lse"))
 def tree_verify_mla(q: torch.Tensor, cache: torch.Tensor, cache_lens: torch.Tensor, tree_kv: torch.Tensor,
-                    tree_mask: torch.Tensor, scale: float, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """Writes out [b, n, h, d_v] and lse [b, n, h]; CPU runs the reference."""
+                    tree_mask: torch.Tensor, scale: float, out: torch.Tensor, lse: torch.Tensor,
+                    workspace: Optional[torch.Tensor] = None) -> None:
+    """Writes out [b, n, h, d_v] and lse [b, n, h] through the registered op (see tree_verify_mla_op)."""
+    # every argument passed explicitly: torch 2.11's mutation bookkeeping indexes the given args only
+    tree_verify_mla_op(q, cache, cache_lens, tree_kv, tree_mask, scale, out, lse, workspace)
+
+
+@torch.library.custom_op("kdtree::tree_verify_mla", mutates_args=("out", "lse", "workspace"))
+def tree_verify_mla_op(q: torch.Tensor, cache: torch.Tensor, cache_lens: torch.Tensor, tree_kv: torch.Tensor,
+                       tree_mask: torch.Tensor, scale: float, out: torch.Tensor, lse: torch.Tensor,
+                       workspace: Optional[torch.Tensor]) -> None:
+    """Writes out [b, n, h, d_v] and lse [b, n, h]; CPU runs the reference, CUDA the Triton kernel.
+
+    workspace (CUDA only, optional): fp32 scratch of launcher.workspace_numel(...) elements for these
+    static shapes, so the op allocates nothing inside a CUDA graph; None allocates it per call."""
     check_inputs(q, cache, cache_lens, tree_kv, tree_mask, out, lse)
     tree_verify_mla_reference(q, cache, cache_lens, tree_kv, tree_mask, scale, out, lse)
+
+
+@tree_verify_mla_op.register_kernel("cuda")
+def _tree_verify_mla_cuda(q: torch.Tensor, cache: torch.Tensor, cache_lens: torch.Tensor, tree_kv: torch.Tensor,
+                          tree_mask: torch.Tensor, scale: float, out: torch.Tensor, lse: torch.Tensor,
+                          workspace: Optional[torch.Tensor]) -> None:
+    """The Triton kernel; dtypes or widths it does not take (fp64 lossless checks) run the reference."""
+    check_inputs(q, cache, cache_lens, tree_kv, tree_mask, out, lse)
+    from plugins.tree_verify_mla.launcher import kernel_supports, tree_verify_mla_triton  # triton only on CUDA
+    if kernel_supports(q.dtype, q.shape[-1], out.shape[-1]):
+        tree_verify_mla_triton(q, cache, cache_lens, tree_kv, tree_mask, scale, out, lse, workspace=workspace)
+    else:
+        tree_verify_mla_reference(q, cache, cache_lens, tree_kv, tree_mask, scale, out, lse)

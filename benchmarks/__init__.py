@@ -1,0 +1,1 @@
+"""Benchmarks: scripts run on the GPU machine; results land in benchmarks/results/."""

@@ -1,0 +1,96 @@
+"""Shared pieces of the benchmark scripts: hardware ceilings, roofline, timing, result files.
+
+Ceilings were measured on the lent H200 (DESIGN.md "Measured on an H200"): a device-to-device copy
+(bytes read + written) and a large bf16 GEMM.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any, Callable
+
+HBM_BYTES_PER_S = 4.25e12
+BF16_FLOPS_PER_S = 687e12
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def roofline_us(bytes_moved: float, flops: float = 0.0) -> float:
+    """The floor in µs: max(bytes / HBM bandwidth, flops / bf16 tensor rate)."""
+    return max(bytes_moved / HBM_BYTES_PER_S, flops / BF16_FLOPS_PER_S) * 1e6
+
+
+def git_commit() -> str:
+    """The checkout's HEAD (with -dirty when the tree has changes), or 'unknown' outside git."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return head + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("KDTREE_GIT_COMMIT", "unknown")
+
+
+def gpu_name() -> str:
+    import torch
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def versions() -> dict[str, str]:
+    import torch
+    out = {"torch": torch.__version__, "cuda": str(torch.version.cuda)}
+    try:
+        import triton
+        out["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return out
+
+
+def time_us(fn: Callable[[], Any], warmup_ms: int = 25, rep_ms: int = 100, graph: bool = False) -> float:
+    """Median µs of fn() on the current CUDA stream, timed with events (triton.testing.do_bench);
+    graph=True captures fn in a CUDA graph first and times replays (for launch-bound ops)."""
+    import torch
+    import triton.testing
+    if graph:
+        fn()  # compile / warm caches outside the capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            with torch.cuda.graph(g, stream=stream):
+                fn()
+        torch.cuda.synchronize()
+        return float(triton.testing.do_bench(g.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")) * 1e3
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")) * 1e3
+
+
+def write_result(op: str, rows: list[dict[str, Any]], extra: dict[str, Any] | None = None,
+                 out_dir: str | Path | None = None) -> Path:
+    """Writes <out_dir or benchmarks/results>/<op>.json: date, commit, GPU, versions, rows."""
+    doc = {"op": op, "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+           "git_commit": git_commit(), "gpu": gpu_name(), "versions": versions(),
+           "ceilings": {"hbm_bytes_per_s": HBM_BYTES_PER_S, "bf16_flops_per_s": BF16_FLOPS_PER_S},
+           "rows": rows, **(extra or {})}
+    path = Path(out_dir or RESULTS_DIR) / f"{op}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def print_table(rows: list[dict[str, Any]], cols: list[str]) -> None:
+    """A fixed-width table of the given columns (floats to 3 significant digits)."""
+    def fmt(v: Any) -> str:
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+    cells = [[fmt(r.get(c, "")) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(cols)]
+    print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
+    for row in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: GPU tests, then every benchmark; results into $OUT/results.tgz.
+# Usage (device tool): bash benchmarks/device_run.sh [tests|bench|all] [pytest -k expr]
+# Env: TESTS="tests/x.py ..." limits the GPU tests; BENCH="tree_verify_mla moe_w4a16 ..." picks benchmarks;
+# QUICK=1 passes --quick.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/kdtree-out}
+mkdir -p "$OUT/res"
+export KDTREE_RESULTS_DIR="$OUT/res" NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+what=${1:-all}
+kexpr=${2:-}
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv,noheader | tee "$OUT/res/nvidia-smi.txt"
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/res/pip.log" 2>&1 || echo "pip install -e . failed (see pip.log)"
+status=0
+# results.tgz is refreshed after every step, so a run cut short still brings back what it finished
+pack() { tar -czf "$OUT/results.tgz.tmp" -C "$OUT" res && mv "$OUT/results.tgz.tmp" "$OUT/results.tgz"; }
+if [[ $what == tests || $what == all ]]; then
+  # TESTS="tests/a.py tests/b.py" limits the run to those files
+  timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -m gpu -rs -p no:cacheprovider ${TESTS:-} ${kexpr:+-k "$kexpr"} 2>&1 \
+    | tee "$OUT/res/pytest-gpu.log" | tail -40
+  status=${PIPESTATUS[0]}
+  pack
+fi
+if [[ $what == bench || $what == all ]]; then
+  for b in ${BENCH:-tree_verify_mla tree_build tree_accept kv_commit moe_w4a16 allreduce}; do
+    [[ -f benchmarks/$b.py ]] || continue
+    left=$(( ${BUDGET_S:-560} - SECONDS ))
+    if (( left < 30 )); then echo "=== $b skipped: ${left}s left of BUDGET_S"; continue; fi
+    echo "=== $b"
+    timeout $(( left < 240 ? left : 240 )) python3 benchmarks/$b.py --out "$OUT/res" ${QUICK:+--quick} \
+      >"$OUT/res/bench-$b.log" 2>&1
+    echo "rc=$?"; tail -25 "$OUT/res/bench-$b.log"
+    pack
+  done
+fi
+pack && rm -rf "$OUT/res"
+exit $status

@@ -1,0 +1,216 @@
+"""`kdtree build`: checkpoint (+ drafter) -> per-rank artifact, through the content-addressed cache.
+
+Steps (each with a progress bar where long): validate (config, plan, options) -> hash inputs -> cache
+lookup (verified) -> on a miss, in a private staging folder: shard weights per rank, export ONNX graphs
+per rank, compile kernels per arch, copy tokenizer files and the drafter, [TensorRT engines] ->
+manifest (written last) -> atomic rename into the cache -> optional copy to --out.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from build_pipeline import artifact_cache as cache
+from build_pipeline.compile_kernels import compile_all, parse_archs
+from build_pipeline.config import ModelConfig, load_config
+from build_pipeline.errors import ConfigError, KdtreeError
+from build_pipeline.export_onnx import export_rank
+from build_pipeline.plan import ParallelPlan
+from build_pipeline.safetensors_file import SafetensorsFile
+from build_pipeline.shard import GLOBALS_FILE, layer_file, write_rank_shards
+
+FORMAT = "kdtree-artifact"
+DEFAULT_BUDGETS = (16, 32, 64)
+DEFAULT_ARCHS = ("sm_90",)
+_WEIGHT_SUFFIXES = (".safetensors",)
+_INDEX = "model.safetensors.index.json"
+
+
+@dataclass
+class BuildResult:
+    art_dir: Path  # the artifact: --out if given, else the cache entry
+    cache_hit: bool
+    manifest: dict
+    seconds: float
+
+    def summary(self) -> dict:
+        """What `kdtree build --json` prints."""
+        m = self.manifest
+        return {"artifact": str(self.art_dir), "cache_hit": self.cache_hit, "key": m["key"],
+                "seconds": round(self.seconds, 3), "plan": m["plan"], "backend": m["options"]["backend"],
+                "ranks": {r: len(v["files"]) for r, v in m["ranks"].items()},
+                "kernels": len(m["kernels"]), "graphs": sum(len(v["graphs"]) for v in m["ranks"].values()),
+                "bytes": sum(f["bytes"] for f in m["files"].values()), "steps_s": m.get("steps_s", {})}
+
+
+def build(model_dir: str | Path, out: str | Path | None = None, drafter_dir: str | Path | None = None, tp: int = 1,
+          ep: bool = False, backend: str = "native", archs=DEFAULT_ARCHS, budgets=DEFAULT_BUDGETS,
+          progress: bool = True, force: bool = False) -> BuildResult:
+    """Build (or fetch from the cache) the artifact of `model_dir` for the given plan and options."""
+    t0 = time.perf_counter()
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ConfigError(f"MODEL_DIR {model_dir}: not a directory")
+    cfg = load_config(model_dir)
+    plan = ParallelPlan(tp=tp, ep=ep)
+    plan.validate(cfg)
+    archs = parse_archs(archs)
+    budgets = _parse_budgets(budgets)
+    if backend not in ("native", "tensorrt"):
+        raise KdtreeError(f"--backend must be native or tensorrt, got {backend!r}")
+    if backend == "tensorrt":
+        from build_pipeline.trt_backend import require_tensorrt
+        require_tensorrt()
+    if drafter_dir is not None:
+        from build_pipeline.drafter_config import load_drafter_config
+        drafter_dir = Path(drafter_dir)
+        load_drafter_config(drafter_dir)  # validates: a bad --drafter fails before any work
+    options = {"tp": tp, "ep": ep, "backend": backend, "archs": list(archs), "budgets": list(budgets)}
+
+    root = cache.cache_root()
+    memo = cache.HashMemo(root)
+    inputs = _input_hashes(model_dir, drafter_dir, memo)
+    memo.save()
+    tools = cache.toolchain()
+    key = cache.build_key(inputs, options, cache.code_version(), tools)
+    entry = None if force else cache.lookup(root, key)
+    hit = entry is not None
+    if entry is None:
+        with cache.staging(root, key) as stage:
+            manifest = _build_into(stage, model_dir, drafter_dir, cfg, plan, archs, budgets, backend, progress)
+            manifest.update(format=FORMAT, format_version=cache.FORMAT_VERSION, key=key, options=options,
+                            toolchain=tools, inputs=inputs, budgets=list(budgets))
+            entry = cache.commit(stage, root, key, manifest)
+    manifest = json.loads((entry / cache.MANIFEST).read_text())
+    art = _place(entry, Path(out), key, force) if out is not None else entry
+    return BuildResult(art, hit, manifest, time.perf_counter() - t0)
+
+
+def ensure_built(model_dir: str | Path, drafter_dir: str | Path | None = None, tp: int = 1, ep: bool = False,
+                 **options) -> Path:
+    """The artifact folder for model_dir (built now on a cache miss, quietly)."""
+    options.setdefault("progress", False)
+    return build(model_dir, drafter_dir=drafter_dir, tp=tp, ep=ep, **options).art_dir
+
+
+def _build_into(stage: Path, model_dir: Path, drafter_dir: Path | None, cfg: ModelConfig, plan: ParallelPlan,
+                archs: tuple[str, ...], budgets: tuple[int, ...], backend: str, progress: bool) -> dict:
+    steps: dict[str, float] = {}
+    t = time.perf_counter()
+    rank_files = write_rank_shards(model_dir, cfg, plan, stage, progress=progress)
+    steps["shard"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    graphs = {r: export_rank(cfg, plan, r, _graph_tensors(stage, cfg, r), stage) for r in range(plan.tp)}
+    steps["export_onnx"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    kernels = compile_all(stage, archs, budgets, progress=progress)
+    steps["compile_kernels"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    tok = stage / "tokenizer"
+    tok.mkdir()
+    for f in sorted(model_dir.iterdir()):
+        if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and f.name != _INDEX and not f.name.startswith("."):
+            shutil.copy2(f, tok / f.name)
+    if drafter_dir is not None:
+        shutil.copytree(drafter_dir, stage / "drafter", ignore=shutil.ignore_patterns(".*"))
+    engines = {}
+    if backend == "tensorrt":
+        from build_pipeline.trt_backend import build_engines
+        engines = build_engines(stage, graphs)
+    steps["copy"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    files = cache.hash_tree(stage)
+    steps["hash"] = time.perf_counter() - t
+
+    def listed(paths: list[str]) -> list[dict]:
+        return [{"path": p, **files[p]} for p in paths]
+
+    return {
+        "model": cfg.to_dict(), "plan": plan.to_dict(), "files": files, "steps_s": steps,
+        "ranks": {str(r): {"files": listed(rank_files[r]), "graphs": listed(graphs[r]),
+                           "engines": listed(engines.get(r, [])),
+                           "vocab_range": list(plan.vocab_range(cfg, r)),
+                           "experts": list(plan.local_experts(cfg, r)), "heads": plan.local_heads(cfg)}
+                  for r in range(plan.tp)},
+        "kernels": [dict(k, sha256=files[k["cubin"]]["sha256"]) for k in kernels],
+        "drafter": {"dir": "drafter", "source": str(drafter_dir)} if drafter_dir is not None else None,
+        "tokenizer": "tokenizer",
+        "layout": {"weights": "build_pipeline/shard.py", "moe_int4": "moe_w4a16 planar blocks of 256 "
+                   "(build_pipeline/moe_layout.py)", "graph_activations": "float32"},
+        "collectives": {"all_reduce": ["attn_part", "mlp_part", "moe_part", "x_part"], "gather": ["logits_part"]},
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def _graph_tensors(stage: Path, cfg: ModelConfig, rank: int) -> dict[str, torch.Tensor]:
+    """The stored tensors the graph export needs for shapes/dtypes: globals, first dense and first MoE layer."""
+    wanted = {GLOBALS_FILE}
+    for kind in (False, True):
+        first = next((i for i in range(cfg.num_layers) if cfg.is_moe_layer(i) == kind), None)
+        if first is not None:
+            wanted.add(layer_file(first))
+    out = {}
+    for name in sorted(wanted):
+        f = SafetensorsFile(stage / f"rank{rank}" / name)
+        out.update({k: f.tensor(k) for k in f.keys()})
+    return out
+
+
+def _input_hashes(model_dir: Path, drafter_dir: Path | None, memo: cache.HashMemo) -> dict[str, str]:
+    """sha256 of every file under the model dir (and drafter dir), by relative name; hidden ones skipped."""
+    out = {}
+    for prefix, d in (("model/", model_dir), ("drafter/", drafter_dir)):
+        if d is None:
+            continue
+        for f in sorted(d.rglob("*")):
+            if f.is_file() and not any(part.startswith(".") for part in f.relative_to(d).parts):
+                out[prefix + f.relative_to(d).as_posix()] = memo.sha256(f)
+    return out
+
+
+def _parse_budgets(budgets) -> tuple[int, ...]:
+    items = budgets.split(",") if isinstance(budgets, str) else list(budgets)
+    try:
+        vals = tuple(sorted({int(b) for b in items if str(b).strip()}))
+    except ValueError:
+        raise KdtreeError(f"--budgets must be comma-separated positive integers, got {budgets!r}") from None
+    if not vals or vals[0] < 1:
+        raise KdtreeError(f"--budgets must be comma-separated positive integers, got {budgets!r}")
+    return vals
+
+
+def _place(entry: Path, out: Path, key: str, force: bool) -> Path:
+    """Copy the cache entry to --out atomically.  An --out already holding this key is left as is, an
+    older artifact there is replaced, anything else only with --force."""
+    manifest = out / cache.MANIFEST
+    if manifest.is_file():
+        try:
+            if json.loads(manifest.read_text()).get("key") == key and cache.verify(out) is None:
+                return out
+        except (OSError, ValueError):
+            pass
+    foreign = out.exists() and not manifest.is_file() and (not out.is_dir() or any(out.iterdir()))
+    if foreign and not force:  # never delete something that is not a build output unasked
+        raise KdtreeError(f"--out {out}: exists and is not a kdtree artifact (pass --force to replace it)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{key[:8]}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        shutil.copytree(entry, tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,137 @@
+"""Launcher of the Triton moe_w4a16 path: entry checks, static workspaces, five launches, no host sync.
+
+memset(counts) -> route_kernel (top-k + bucket by expert) -> gate_up_kernel -> down_kernel -> combine_kernel.
+Every size is a function of the static shapes (t, K, e_local, d, i); the data-dependent parts (how
+many experts are active, how many tokens each has) are read on the device.  Runs on CUDA tensors and,
+under TRITON_INTERPRET=1, on CPU tensors (the CPU tests check the kernel logic that way).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from build_pipeline.moe_layout import BLOCK_K, GROUP
+from plugins.moe_w4a16.expert_kernels import combine_kernel, down_kernel, gate_up_kernel
+from plugins.moe_w4a16.route_kernel import next_pow2, route_kernel
+
+SMS = 132  # H200; only used to pick tile sizes that give enough programs
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes: bm tokens per tile, bn1 gate (and up) rows per gate_up program, bn2 rows per down program."""
+    bm: int = 16
+    bn1: int = 16
+    bn2: int = 64
+    warps1: int = 4
+    warps2: int = 4
+    stages1: int = 3
+    stages2: int = 3
+    bd: int = 1024  # combine: features per program
+
+
+def default_config(t: int, top_k: int, e_total: int, e_local: int, d: int, i: int) -> KernelConfig:
+    """Heuristic tiles from the static shapes: bm from the mean tokens per expert, bn small enough that
+    the (active expert, row block) grid has a few programs per SM."""
+    per_expert = t * top_k / max(e_total, 1)
+    bm = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
+    slots = min(e_local, t * top_k)
+    bn1 = 16 if slots * i / 32 < 2 * SMS else 32
+    bn2 = 32 if slots * d / 64 < 2 * SMS else 64
+    return KernelConfig(bm=bm, bn1=bn1, bn2=bn2)
+
+
+def _check(x, logits, bias, w13, s13, w2, s2, top_k, n_group, topk_group, e_start) -> tuple[int, int, int, bool]:
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"moe_w4a16: x must be [t, d] bf16/fp16/fp32, got {tuple(x.shape)} {x.dtype}")
+    t, d = x.shape
+    if logits.dim() != 2 or logits.shape[0] != t or logits.dtype != torch.float32:
+        raise ValueError(f"moe_w4a16: logits must be fp32 [{t}, e], got {tuple(logits.shape)} {logits.dtype}")
+    e = logits.shape[1]
+    if bias.shape != (e,):
+        raise ValueError(f"moe_w4a16: bias must be [{e}], got {tuple(bias.shape)}")
+    if not 1 <= top_k <= e or n_group < 1 or e % n_group or (n_group > 1 and (e // n_group < 2
+                                                                                  or not 1 <= topk_group <= n_group)):
+        raise ValueError(f"moe_w4a16: bad routing (e {e}, top_k {top_k}, n_group {n_group}, topk_group {topk_group})")
+    int4 = s13 is not None
+    if int4 != (s2 is not None):
+        raise ValueError("moe_w4a16: give both scales (INT4 experts) or neither (dense experts)")
+    e_local, two_i = w13.shape[0], w13.shape[1]
+    i = two_i // 2
+    if int4:
+        kp1, kp2 = -(-d // BLOCK_K) * BLOCK_K, -(-i // BLOCK_K) * BLOCK_K
+        want = {"w13": (w13, (e_local, 2 * i, kp1 // 8), torch.int32),
+                "w2": (w2, (e_local, d, kp2 // 8), torch.int32),
+                "w13_scale": (s13, (e_local, kp1 // GROUP, 2 * i), None),
+                "w2_scale": (s2, (e_local, kp2 // GROUP, d), None)}
+    else:
+        want = {"w13": (w13, (e_local, 2 * i, d), x.dtype), "w2": (w2, (e_local, d, i), x.dtype)}
+    for name, (ten, shape, dtype) in want.items():
+        if tuple(ten.shape) != shape or (dtype is not None and ten.dtype != dtype) or not ten.is_contiguous():
+            raise ValueError(f"moe_w4a16: {name} must be contiguous {dtype or 'float'} {list(shape)}, "
+                             f"got {ten.dtype} {list(ten.shape)}")
+    if not 0 <= e_start <= e - e_local:
+        raise ValueError(f"moe_w4a16: local experts [{e_start}, {e_start + e_local}) outside [0, {e})")
+    return e, e_local, i, int4
+
+
+def moe_w4a16_triton(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13: torch.Tensor,
+                     w13_scale: torch.Tensor | None, w2: torch.Tensor, w2_scale: torch.Tensor | None,
+                     top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool, scaling: float,
+                     e_start: int = 0, config: KernelConfig | None = None) -> torch.Tensor:
+    """Routed experts of one MoE layer: x [t, d], logits [t, e] fp32 -> y [t, d] (x's dtype).
+
+    INT4 experts in the kernel layout (build_pipeline/moe_layout.py): w13 int32 [e_local, 2i, kp_d/8],
+    w13_scale [e_local, kp_d/32, 2i], w2 int32 [e_local, d, kp_i/8], w2_scale [e_local, kp_i/32, d];
+    or dense experts (scales None): w13 [e_local, 2i, d], w2 [e_local, d, i] in x's dtype.
+    Only experts [e_start, e_start + e_local) are held; other slots add nothing.
+    """
+    x, logits = x.contiguous(), logits.contiguous()
+    e, e_local, i, int4 = _check(x, logits, bias, w13, w13_scale, w2, w2_scale, top_k, n_group, topk_group, e_start)
+    t, d = x.shape
+    y = torch.empty_like(x)
+    if t == 0:
+        return y
+    cfg = config or default_config(t, top_k, e, e_local, d, i)
+    dev = x.device
+    counts = torch.zeros(e_local + 1, dtype=torch.int32, device=dev)  # [e_local] tokens per expert | n_active
+    active = torch.empty(e_local, dtype=torch.int32, device=dev)  # local ids of the active experts
+    lists = torch.empty(e_local * t, dtype=torch.int32, device=dev)  # [e_local, t] slot ids per expert
+    topk_idx = torch.empty(t * top_k, dtype=torch.int32, device=dev)  # [t, K] global expert ids
+    topk_w = torch.empty(t * top_k, dtype=torch.float32, device=dev)  # [t, K]
+    h = torch.empty(t * top_k, i, dtype=x.dtype, device=dev)  # [t*K, i] silu(gate) * up per slot
+    out = torch.empty(t * top_k, d, dtype=x.dtype, device=dev)  # [t*K, d] weighted expert output per slot
+
+    be = next_pow2(e)
+    bt = max(1, min(16, 4096 // be))
+    route_kernel[(triton_cdiv(t, bt),)](
+        logits, bias, topk_idx, topk_w, counts, active, lists, t, e, e_start, e_local, float(scaling),
+        K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group, NORM=bool(norm_topk_prob),
+        BT=bt, BE=be, BKK=next_pow2(top_k), BG=next_pow2(n_group), num_warps=4)
+
+    prec = "interp" if os.environ.get("TRITON_INTERPRET") == "1" else "ieee" if x.dtype == torch.float32 else "tf32"
+    slots = min(e_local, t * top_k)
+    s13 = w13_scale if int4 else w13  # any tensor: unused when dense
+    s2 = w2_scale if int4 else w2
+    n_kb1 = w13.shape[2] * 8 // BLOCK_K if int4 else triton_cdiv(d, BLOCK_K)
+    n_kb2 = w2.shape[2] * 8 // BLOCK_K if int4 else triton_cdiv(i, BLOCK_K)
+    gate_up_kernel[(slots, triton_cdiv(i, cfg.bn1))](
+        x, w13, s13, h, counts, active, lists, t, d, i, e_local,
+        w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
+        TOPK=top_k, INT4=int4, N_KB=n_kb1, BN=cfg.bn1, BM=cfg.bm, DOT_PREC=prec,
+        num_warps=cfg.warps1, num_stages=cfg.stages1)
+    down_kernel[(slots, triton_cdiv(d, cfg.bn2))](
+        h, w2, s2, topk_w, out, counts, active, lists, t, d, i, e_local,
+        w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
+        INT4=int4, N_KB=n_kb2, BN=cfg.bn2, BM=cfg.bm, DOT_PREC=prec,
+        num_warps=cfg.warps2, num_stages=cfg.stages2)
+    bd = min(cfg.bd, next_pow2(d))
+    combine_kernel[(t, triton_cdiv(d, bd))](out, topk_idx, y, d, e_start, e_local, K=top_k, BD=bd, num_warps=4)
+    return y
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)

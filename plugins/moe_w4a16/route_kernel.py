@@ -1,0 +1,88 @@
+"""Triton routing + grouping for moe_w4a16: noaux_tc top-k per token, then tokens bucketed by expert.
+
+One program per BT tokens.  Routing is route_reference's function (sigmoid, + correction bias for the
+choice, group-limited when N_GROUP > 1, unbiased weights normalised and scaled); ties go to the lower
+expert index.  Grouping has no host round trip and no sort: each (token, slot) routed to a local
+expert takes a place in that expert's fixed-capacity list by an atomic increment of its counter
+(capacity t: a token picks an expert at most once); the slot that takes place 0 also appends the
+expert to the list of active experts.  The order inside a list is whatever the atomics give; the
+GEMMs compute each row independently, so the results do not depend on it.
+
+Workspace (int32, zeroed before the launch): counts [e_local + 1] (the last entry counts active
+experts), active [e_local], lists [e_local, t] holding slot ids s = token * K + j.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, counts_ptr, active_ptr, lists_ptr,
+                 T, E, e_start, e_local, scaling,
+                 K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr,
+                 BT: tl.constexpr, BE: tl.constexpr, BKK: tl.constexpr, BG: tl.constexpr):
+    NEG = float("-inf")
+    pid = tl.program_id(0)
+    rt = pid * BT + tl.arange(0, BT)  # [BT] tokens
+    re = tl.arange(0, BE)  # [BE] experts (padded to a power of two)
+    tmask = rt < T
+    emask = re < E
+    lg = tl.load(logits_ptr + rt[:, None] * E + re[None, :], mask=tmask[:, None] & emask[None, :], other=0.0)
+    scores = tl.sigmoid(lg.to(tl.float32))  # [BT, BE]
+    bias = tl.load(bias_ptr + re, mask=emask, other=0.0).to(tl.float32)  # [BE]
+    choice = tl.where(emask[None, :], scores + bias[None, :], NEG)  # [BT, BE]
+
+    if N_GROUP > 1:
+        # group score = sum of the group's two best choices; keep the TOPK_GROUP best groups
+        gid = re // (E // N_GROUP)  # [BE]
+        rg = tl.arange(0, BG)
+        gscore = tl.full([BT, BG], NEG, tl.float32)
+        for g in tl.static_range(N_GROUP):
+            cg = tl.where((gid == g)[None, :], choice, NEG)
+            m1 = tl.max(cg, axis=1)
+            i1 = tl.min(tl.where(cg == m1[:, None], re[None, :], BE), axis=1)
+            m2 = tl.max(tl.where(re[None, :] == i1[:, None], NEG, cg), axis=1)
+            gscore = tl.where(rg[None, :] == g, (m1 + m2)[:, None], gscore)
+        keep = tl.zeros([BT, BE], tl.int32)
+        for r in tl.static_range(TOPK_GROUP):
+            mg = tl.max(gscore, axis=1)
+            ig = tl.min(tl.where(gscore == mg[:, None], rg[None, :], BG), axis=1)  # [BT]
+            keep = tl.where(gid[None, :] == ig[:, None], 1, keep)
+            gscore = tl.where(rg[None, :] == ig[:, None], NEG, gscore)
+        choice = tl.where(keep != 0, choice, NEG)
+
+    rk = tl.arange(0, BKK)  # [BKK] slots (padded)
+    sel_w = tl.zeros([BT, BKK], tl.float32)
+    sel_i = tl.zeros([BT, BKK], tl.int32)
+    for j in tl.static_range(K):
+        m = tl.max(choice, axis=1)
+        ij = tl.min(tl.where(choice == m[:, None], re[None, :], BE), axis=1)  # [BT] lowest index among ties
+        hit = re[None, :] == ij[:, None]
+        wj = tl.sum(tl.where(hit, scores, 0.0), axis=1)  # unbiased score of the pick
+        choice = tl.where(hit, NEG, choice)
+        sel_w = tl.where(rk[None, :] == j, wj[:, None], sel_w)
+        sel_i = tl.where(rk[None, :] == j, ij[:, None], sel_i)
+    if NORM:
+        sel_w = sel_w / (tl.sum(sel_w, axis=1)[:, None] + 1e-20)
+    sel_w = sel_w * scaling
+
+    kmask = tmask[:, None] & (rk[None, :] < K)  # [BT, BKK]
+    slot = rt[:, None] * K + rk[None, :]  # [BT, BKK]
+    tl.store(idx_ptr + slot, sel_i, mask=kmask)
+    tl.store(w_ptr + slot, sel_w, mask=kmask)
+
+    le = sel_i - e_start  # local expert index
+    local = kmask & (le >= 0) & (le < e_local)
+    le = tl.where(local, le, 0)
+    pos = tl.atomic_add(counts_ptr + le, 1, mask=local)  # [BT, BKK] place in the expert's list
+    first = local & (pos == 0)
+    a = tl.atomic_add(counts_ptr + e_local + le * 0, 1, mask=first)
+    tl.store(active_ptr + a, le, mask=first)
+    tl.store(lists_ptr + le * T + pos, slot, mask=local)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= max(n, 2) (tile extents; 2 keeps every arange a real vector)."""
+    return 1 << max(1, (n - 1).bit_length())

@@ -1,0 +1,51 @@
+"""Triton kernel of the posterior op (see posterior.py): per row, argmax of logits (T = 0) or of
+logits / T + Gumbel noise (T > 0), ties to the lowest id.
+
+The noise is runtime/rng.py's counter-based uniform, bit for bit: with (seed, counter) = state,
+key = mix(seed * G + counter) and u[i] = ((mix(key + (i + 1) * G) >> 40) + 0.5) / 2^24 for the flat
+element index i = row * V + col (mix = the splitmix64 finaliser, G = the golden-ratio increment,
+all arithmetic modulo 2^64).  So the GPU draws the same samples as runtime.rng.choose on the CPU.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _mix(z):
+    """splitmix64 finaliser on uint64 (multiplications wrap modulo 2^64, shifts are logical)."""
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+    return z ^ (z >> 31)
+
+
+@triton.jit
+def posterior_kernel(logits_ptr, out_ptr, state_ptr, v, s_row, inv_t, SAMPLE: tl.constexpr, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * s_row
+    lane = tl.arange(0, BLOCK_V).to(tl.int64)
+    best = tl.full((BLOCK_V,), float("-inf"), dtype=tl.float32)  # per-lane running max
+    best_i = lane  # and the lowest column reaching it
+    if SAMPLE:
+        seed = tl.load(state_ptr).to(tl.uint64, bitcast=True)
+        counter = tl.load(state_ptr + 1).to(tl.uint64, bitcast=True)
+        key = _mix(seed * 0x9E3779B97F4A7C15 + counter)
+    start = row * 0  # int64; a while loop (a runtime trip count) also runs in the interpreter
+    while start < v:
+        cols = start + lane  # [BLOCK_V]
+        inside = cols < v
+        x = tl.load(base + cols, mask=inside, other=float("-inf")).to(tl.float32)  # [BLOCK_V]
+        if SAMPLE:
+            flat = (row * v + cols + 1).to(tl.uint64, bitcast=True)  # [BLOCK_V] element index + 1
+            bits = _mix(key + flat * 0x9E3779B97F4A7C15)  # [BLOCK_V]
+            u = ((bits >> 40).to(tl.float32) + 0.5) * 5.9604644775390625e-08  # 24 bits, strictly inside (0, 1)
+            x = tl.where(inside, x * inv_t - tl.log(-tl.log(u)), float("-inf"))
+        better = x > best  # strict: an earlier column keeps a tie
+        best_i = tl.where(better, cols, best_i)
+        best = tl.where(better, x, best)
+        start += BLOCK_V
+    top = tl.max(best, axis=0)
+    pick = tl.min(tl.where(best == top, best_i, v), axis=0)
+    tl.store(out_ptr + row, tl.minimum(pick, v - 1))

@@ -1,0 +1,65 @@
+"""tree_build on the GPU (Triton): entry checks, workspace, and the two stages.
+
+Eight launches, no host synchronisation, no data-dependent shapes: capturable in a CUDA graph (pass
+a preallocated TreeBuildWorkspace to allocate nothing).  Under TRITON_INTERPRET=1 the same code runs
+on CPU tensors (the CI check of the kernel logic).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from plugins.bitmask import mask_words
+from plugins.tree_build.topk_kernel import topk_logprobs_triton
+from plugins.tree_build.tree_kernel import build_tree_triton
+from plugins.tree_build.workspace import TreeBuildWorkspace
+
+
+def prefix_count(k: int, depth: int, cap: int) -> int:
+    """min(cap, sum_{d=1..depth} k^d): how many prefixes exist, saturated at cap."""
+    total, level = 0, 1
+    for _ in range(depth):
+        level = min(level * k, cap)
+        total = min(total + level, cap)
+    return total
+
+
+def check_tree_build_args(logits, root, start, topk, tokens, parents, depth, positions, mask) -> None:
+    if logits.dim() != 3 or logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"tree_build: logits must be [b, D, V] fp32/bf16/fp16, got {tuple(logits.shape)} "
+                         f"{logits.dtype}")
+    b, d, v = logits.shape
+    n = tokens.shape[1] if tokens.dim() == 2 else -1
+    want = {"tokens": (tokens, (b, n), torch.int64), "parents": (parents, (b, n), torch.int32),
+            "depth": (depth, (b, n), torch.int32), "positions": (positions, (b, n), torch.int64),
+            "mask": (mask, (b, n, mask_words(n)), torch.int64), "root": (root, (b,), torch.int64),
+            "start": (start, (b,), torch.int64)}
+    for name, (t, shape, dtype) in want.items():
+        if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous() or t.device != logits.device:
+            raise ValueError(f"tree_build: {name} must be contiguous {dtype} {list(shape)} on {logits.device}, "
+                             f"got {t.dtype} {list(t.shape)} on {t.device}")
+    budget = n - 1
+    if budget < 1:
+        raise ValueError(f"tree_build: budget N - 1 must be >= 1, got tokens [{b}, {n}]")
+    k = min(topk, v)
+    if prefix_count(k, d, budget) < budget:
+        raise ValueError(f"tree_build: only {prefix_count(k, d, budget)} prefixes exist for budget {budget} "
+                         f"(depth {d}, {k} candidates per depth)")
+
+
+def tree_build_triton(logits: torch.Tensor, root: torch.Tensor, start: torch.Tensor, topk: int,
+                      tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor, positions: torch.Tensor,
+                      mask: torch.Tensor, ws: TreeBuildWorkspace | None = None) -> TreeBuildWorkspace:
+    """Same contract as kdtree::tree_build (see reference.py); writes the outputs in place and returns the
+    workspace used (ws.lp / ws.ids then hold the sorted candidates [b * D, K], K = min(topk, V, B))."""
+    check_tree_build_args(logits, root, start, topk, tokens, parents, depth, positions, mask)
+    b, d, v = logits.shape
+    budget = tokens.shape[1] - 1
+    if ws is None:
+        ws = TreeBuildWorkspace.allocate(b, d, v, budget, topk, logits.device)
+    elif not ws.fits(b, d, v, budget, topk):
+        raise ValueError(f"tree_build: workspace is for (b, D, V, B, K) = {(ws.b, ws.depth, ws.vocab, ws.budget, ws.k)}, "
+                         f"call has {(b, d, v, budget, min(topk, v, budget))}")
+    topk_logprobs_triton(logits.contiguous().view(b * d, v), ws.k, ws)
+    build_tree_triton(ws.lp, ws.ids, root, start, tokens, parents, depth, positions, mask, ws)
+    return ws

@@ -1,0 +1,213 @@
+"""Launcher of the tree_verify_mla Triton kernels: config table, split plan, workspace size, launch.
+
+Everything here depends on static shapes only (b, n, h, l_max, dtype, SM count), so one call
+allocates nothing when given a workspace, never syncs with the host, and can be captured in a
+CUDA graph once compiled.  See kernel.py for the algorithm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from plugins.tree_verify_mla.kernel import (
+    LOG2E,
+    tree_verify_mla_combine_kernel,
+    tree_verify_mla_split_kernel,
+)
+
+H200_SMS = 132
+MAX_SPLITS = 512
+MIN_TILES_PER_SPLIT = 2  # a split shorter than this many key tiles costs more in partials than it saves
+PARTIAL_SHARE = 0.5  # partial o/lse written by all splits <= this share of the request's work in bytes
+HBM_PER_FLOP = 4.25e12 / 687e12  # H200 bytes per bf16 flop at the measured ceilings (benchmarks/common.py)
+USE_PDL = True  # programmatic dependent launch on sm_90+ (the combine launches while the split kernel runs)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Tile shape of the split kernel.  block_n must divide 64 (one mask word per key tile).
+
+    dv_split 2: each program owns half of the d_v output columns (scores computed twice, the
+    accumulator halved: 64 x 256 fp32 fits one warpgroup).  keys_m: keys are the M side of both
+    products (scores^T, o^T), so few query rows still run wgmma with M = 64 keys (block_n 64).
+    ctas_per_sm: programs the plan puts on one SM (shared memory permitting), i.e. waves of splits."""
+    block_m: int  # (node, head) query rows per program
+    block_n: int  # latent rows per key tile: block_n * d_qk * itemsize bytes per pipeline stage
+    num_warps: int
+    num_stages: int
+    dv_split: int = 1
+    keys_m: bool = False
+    ctas_per_sm: int = 1
+
+    def tag(self) -> str:
+        return (f"m{self.block_m}-n{self.block_n}-w{self.num_warps}-s{self.num_stages}"
+                + (f"-dv{self.dv_split}" if self.dv_split > 1 else "") + ("-keysm" if self.keys_m else "")
+                + (f"-x{self.ctas_per_sm}" if self.ctas_per_sm > 1 else ""))
+
+
+# Per regime, by m = n * h query rows per request: (largest m, config).  Resource use from the sm_90
+# cubin (Triton 3.6, cuobjdump --dump-resource-usage; NOTES.md has the table and the reasoning).
+# Triton issues the cp.async of tile i + stages - 1 near the END of iteration i (after the wgmma that
+# frees its buffer), so with 2 stages the next tile's HBM latency is exposed every iteration: every
+# choice below has >= 3 stages or >= 2 programs per SM.
+#   m <= 16 (h = 8, N <= 2; memory-bound): 16 x 32 tiles on mma.sync, 3 stages (91 KB, 128 registers)
+#     and two programs per SM (2 x the splits): 4 tiles in flight per SM, and one program computes
+#     while the other waits.
+#   m <= 32 (N = 4): keys as M (scores^T = k q^T on wgmma 64x32, o^T += v^T p^T): q read once per
+#     tile instead of once per warp (the 32 x 32 8-warp mma.sync version was smem-bound), 184 KB.
+#   m > 32 (N = 8 memory-bound and everything compute-bound): 64 rows x 32 keys, one warpgroup,
+#     half of d_v per program (dv_split 2): no cross-warpgroup reductions or p exchange per tile
+#     (the 8-warp version split every row over two warpgroups and ran ~4x under the tensor rate),
+#     3 stages, 181 KB, 255 registers, 8 B of spills; 1.53x the flops, predicted net ~1.6x faster.
+# fp32 inputs (tiny test models) take exact fp32 dots on the FMA units: small tiles.
+# The benchmark's sweep (benchmarks/tree_verify_mla.py) times the alternatives on the H200.
+CONFIGS_16BIT: tuple[tuple[int, Config], ...] = (
+    (16, Config(block_m=16, block_n=32, num_warps=4, num_stages=3, ctas_per_sm=2)),
+    (32, Config(block_m=32, block_n=64, num_warps=4, num_stages=2, keys_m=True)),
+    (1 << 62, Config(block_m=64, block_n=32, num_warps=4, num_stages=3, dv_split=2)),
+)
+CONFIGS_FP32: tuple[tuple[int, Config], ...] = (  # 128 registers, no spill (4 warps: 255 and 1 KB of spills)
+    (1 << 62, Config(block_m=16, block_n=32, num_warps=8, num_stages=2)),
+)
+
+
+@dataclass(frozen=True)
+class Plan:
+    config: Config
+    num_splits: int  # splits of the committed range; 1 = no workspace, no combine
+
+
+def pick_config(m: int, dtype: torch.dtype) -> Config:
+    table = CONFIGS_FP32 if dtype == torch.float32 else CONFIGS_16BIT
+    return next(cfg for limit, cfg in table if m <= limit)
+
+
+def plan(b: int, n: int, h: int, l_max: int, dtype: torch.dtype, num_sms: int = H200_SMS,
+         config: Config | None = None, num_splits: int | None = None, d_qk: int = 576, d_v: int = 512) -> Plan:
+    """Tile config and split count from static shapes: about config.ctas_per_sm waves of programs
+    (units = b * m-blocks * dv_split programs per split), each split at least MIN_TILES_PER_SPLIT key
+    tiles long, and the fp32 partials of all splits (m * (d_v + 1) * 4 B each) at most PARTIAL_SHARE
+    of the request's work counted in bytes, max(latent rows read, flops * HBM_PER_FLOP)."""
+    m = n * h
+    cfg = config or pick_config(m, dtype)
+    if num_splits is None:
+        units = b * triton.cdiv(m, cfg.block_m) * cfg.dv_split
+        tiles = triton.cdiv(l_max, cfg.block_n) + triton.cdiv(n, cfg.block_n)
+        work = max(l_max * d_qk * torch.finfo(dtype).bits // 8, 2 * m * l_max * (d_qk + d_v) * HBM_PER_FLOP)
+        by_partials = int(PARTIAL_SHARE * work // (m * (d_v + 1) * 4))
+        num_splits = max(1, min(num_sms * cfg.ctas_per_sm // max(units, 1), tiles // MIN_TILES_PER_SPLIT,
+                                by_partials, MAX_SPLITS))
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"tree_verify_mla: num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    return Plan(cfg, num_splits)
+
+
+def workspace_numel(b: int, n: int, h: int, d_v: int, l_max: int, dtype: torch.dtype,
+                    num_sms: int = H200_SMS, config: Config | None = None, num_splits: int | None = None,
+                    d_qk: int = 576) -> int:
+    """fp32 elements of the workspace for these static shapes: partial o [b, s, n*h, d_v] then
+    partial lse [b, s, n*h]; 0 when the plan has one split."""
+    p = plan(b, n, h, l_max, dtype, num_sms, config, num_splits, d_qk, d_v)
+    if p.num_splits == 1:
+        return 0
+    return b * p.num_splits * n * h * (d_v + 1)
+
+
+def device_sms(device: torch.device) -> int:
+    """SM count of a CUDA device (cached by torch, no sync); the H200's 132 elsewhere."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return H200_SMS
+
+
+def kernel_supports(dtype: torch.dtype, d_qk: int, d_v: int) -> bool:
+    """Whether the Triton kernel takes these: bf16/fp16/fp32, d_v and d_qk - d_v powers of two >= 16."""
+    d_r = d_qk - d_v
+    return dtype in (torch.bfloat16, torch.float16, torch.float32) and all(
+        d >= 16 and not d & (d - 1) for d in (d_v, d_r))
+
+
+def _check_layout(q, cache, tree_kv, tree_mask, out, lse, d_v: int, d_r: int) -> None:
+    for name, t in (("q", q), ("cache", cache), ("tree_kv", tree_kv), ("tree_mask", tree_mask), ("out", out),
+                    ("lse", lse)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"tree_verify_mla: {name} must have a contiguous last dim, got strides {t.stride()}")
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"tree_verify_mla: q must be bf16, fp16 or fp32 for the Triton kernel, got {q.dtype}")
+    if out.dtype != q.dtype and out.dtype != torch.float32:
+        raise ValueError(f"tree_verify_mla: out must be {q.dtype} or fp32, got {out.dtype}")
+    for name, d in (("d_v", d_v), ("d_r = d_qk - d_v", d_r)):
+        if d < 16 or d & (d - 1):
+            raise ValueError(f"tree_verify_mla: {name} must be a power of two >= 16 for the Triton kernel, got {d}")
+
+
+def tree_verify_mla_triton(q: torch.Tensor, cache: torch.Tensor, cache_lens: torch.Tensor, tree_kv: torch.Tensor,
+                           tree_mask: torch.Tensor, scale: float, out: torch.Tensor, lse: torch.Tensor,
+                           workspace: torch.Tensor | None = None, config: Config | None = None,
+                           num_splits: int | None = None, num_sms: int | None = None,
+                           pdl: bool | None = None) -> None:
+    """Writes out [b, n, h, d_v] and lse [b, n, h] (the reference's function, see reference.py).
+
+    workspace: fp32, >= workspace_numel(...) elements for the same static shapes and overrides;
+    allocated here (static shape) when None.  config / num_splits override the table and the plan
+    (benchmark sweeps, tests); num_sms defaults to the device's SM count; pdl (programmatic dependent
+    launch) defaults to USE_PDL on sm_90+ CUDA devices and is off elsewhere.  Shapes and dtypes are
+    checked by plugins.tree_verify_mla.check_inputs; this checks the layout the kernel needs.
+    """
+    b, n, h, d_qk = q.shape
+    l_max = cache.shape[1]
+    d_v = out.shape[-1]
+    d_r = d_qk - d_v
+    _check_layout(q, cache, tree_kv, tree_mask, out, lse, d_v, d_r)
+    if b == 0 or n == 0 or h == 0:
+        return
+    sms = num_sms if num_sms is not None else device_sms(q.device)
+    p = plan(b, n, h, l_max, q.dtype, sms, config, num_splits, d_qk, d_v)
+    cfg = p.config
+    if 64 % cfg.block_n or cfg.block_n < 16 or cfg.block_m < 16 or cfg.dv_split not in (1, 2) \
+            or d_v // cfg.dv_split < 16:
+        raise ValueError(f"tree_verify_mla: config needs 16 <= block_n | 64, block_m >= 16, dv_split in (1, 2) "
+                         f"and d_v / dv_split >= 16, got {cfg} for d_v {d_v}")
+    pdl = (USE_PDL if pdl is None else pdl) and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
+    launch = {"launch_pdl": True} if pdl else {}  # the interpreter takes no launch options
+    s = p.num_splits
+    m_rows = n * h
+    need = 0 if s == 1 else b * s * m_rows * (d_v + 1)
+    if need and workspace is None:
+        workspace = torch.empty(need, dtype=torch.float32, device=q.device)
+    if need:
+        if workspace.dtype != torch.float32 or workspace.device != q.device or not workspace.is_contiguous() \
+                or workspace.numel() < need:
+            raise ValueError(f"tree_verify_mla: workspace must be contiguous fp32 on {q.device} with >= {need} "
+                             f"elements, got {workspace.dtype} {workspace.device} numel {workspace.numel()}")
+        o_part = workspace[:b * s * m_rows * d_v]  # [b, s, m, d_v]
+        l_part = workspace[b * s * m_rows * d_v:need]  # [b, s, m]
+    else:
+        o_part = l_part = lse  # unused by the one-split kernel
+
+    grid = (triton.cdiv(m_rows, cfg.block_m) * cfg.dv_split, s, b)
+    tree_verify_mla_split_kernel[grid](
+        q, cache, cache_lens, tree_kv, tree_mask, out, lse, o_part, l_part,
+        q.stride(0), q.stride(1), q.stride(2),
+        cache.stride(0), cache.stride(1),
+        tree_kv.stride(0), tree_kv.stride(1),
+        tree_mask.stride(0), tree_mask.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1),
+        n, h, l_max, s, float(scale) * LOG2E,
+        D_V=d_v, D_R=d_r, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DV_SPLIT=cfg.dv_split, KEYS_M=cfg.keys_m,
+        DIRECT=s == 1, IEEE=q.dtype == torch.float32, PDL=pdl, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **launch)
+    if s == 1:
+        return
+    s_pad = triton.next_power_of_2(s)
+    block_dv = min(d_v, max(16, 8192 // s_pad))
+    tree_verify_mla_combine_kernel[(m_rows, d_v // block_dv, b)](
+        o_part, l_part, out, lse,
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1),
+        n, h, s,
+        S_PAD=s_pad, D_V=d_v, BLOCK_DV=block_dv, PDL=pdl, num_warps=4, **launch)

@@ -1,0 +1,257 @@
+"""tree_build's GPU algorithm and Triton kernels against the reference heap, exactly.
+
+- the torch prototype of the level-parallel algorithm (plugins/tree_build/parallel_reference.py) vs the
+  heap on ~300 random tie-heavy cases and a hand-made fp32 absorption case;
+- the Triton kernels under TRITON_INTERPRET=1 on CPU (run in a subprocess, so that no other test module
+  sees the interpreter's triton): end to end from logits, and stage 2 alone on crafted candidate lists;
+- on CUDA (pytest -m gpu): >= 200 random shapes up to the Kimi vocabulary, B 1024, depth 16, all five
+  outputs equal; a JSON summary goes to $KDTREE_RESULTS_DIR/tree_build-device-test.json when set
+  ($KDTREE_TREE_BUILD_SHAPES overrides the 240 shapes; they compile ~30 variants of the tree kernel).
+
+`python tests/test_tree_build_kernel.py --interpret` runs the interpreter worker by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from plugins.bitmask import mask_words  # noqa: E402
+from plugins.tree_build.parallel_reference import best_prefixes_parallel  # noqa: E402
+from plugins.tree_build.reference import _best_first, build_from_topk_reference, topk_logprobs_reference  # noqa: E402
+
+# lp [D, K] where a naive rectangle pruning without the tie step is wrong at B = 22: the two best
+# depth-2 parents differ by less than half an ulp of the depth-3 scores, so their children tie and
+# the lexicographically smaller (lower-scoring) parent's children come first.
+ABSORPTION_LP = np.array([[0, -6e-8] + [-5] * 6, [0, -1e-7] + [-5] * 6, [-2] * 8], dtype=np.float32)
+
+
+def random_lp(rng: random.Random, depth: int, k: int, mode: int) -> np.ndarray:
+    """[depth, k] fp32 rows sorted descending; modes 0, 2, 3 make many exactly tied and absorbed sums."""
+    if mode == 0:
+        rows = [[-rng.choice([0.25, 0.5, 0.5, 1.0, 2.0]) for _ in range(k)] for _ in range(depth)]
+    elif mode == 1:
+        rows = [[-rng.expovariate(1.0) for _ in range(k)] for _ in range(depth)]
+    elif mode == 2:
+        vals = [0, -6e-8, -1.2e-7, -1.8e-7, -1e-7, -3e-7, -1, -1 - 1.2e-7, -2, -2 - 2.4e-7, -3, -4]
+        rows = [[rng.choice(vals[:rng.randint(3, len(vals))]) for _ in range(k)] for _ in range(depth)]
+    else:
+        rows = [[-rng.randint(0, 8) / 4 - rng.choice([0, 1e-6, 16.0, 16.000002]) for _ in range(k)]
+                for _ in range(depth)]
+    return np.array([sorted(r, reverse=True) for r in rows], dtype=np.float32)
+
+
+def _heap_nodes(lp: np.ndarray, budget: int) -> tuple[list[int], list[int], list[int]]:
+    nodes = _best_first(lp, budget)
+    return [len(r) for r, _ in nodes], [r[-1] for r, _ in nodes], [p for _, p in nodes]
+
+
+def test_parallel_reference_matches_heap():
+    for case in range(300):
+        rng = random.Random(case)
+        depth, k = rng.randint(1, 5), rng.randint(1, 10)
+        total = sum(k ** d for d in range(1, depth + 1))
+        budget = rng.randint(1, min(total, 60)) if case % 10 else total if total <= 60 else 60
+        lp = random_lp(rng, depth, k, case % 4)
+        d, r, p = best_prefixes_parallel(torch.from_numpy(lp), budget)
+        assert (d.tolist(), r.tolist(), p.tolist()) == _heap_nodes(lp, budget), f"case {case}"
+    for budget in (20, 22, 24):
+        d, r, p = best_prefixes_parallel(torch.from_numpy(ABSORPTION_LP), budget)
+        assert (d.tolist(), r.tolist(), p.tolist()) == _heap_nodes(ABSORPTION_LP, budget)
+
+
+# ---------------------------------------------------------------------------------------------------
+# shared by the interpreter worker and the GPU test
+
+def make_logits(rng: random.Random, gen: torch.Generator, b: int, depth: int, vocab: int, mode: str,
+                device) -> torch.Tensor:
+    """[b, D, V] fresh random logits; 'quant' and 'few' make many exact duplicates."""
+    shape = (b, depth, vocab)
+    if mode == "randn":
+        x = torch.randn(shape, generator=gen) * rng.choice([0.5, 3.0, 10.0])
+    elif mode == "quant":
+        x = torch.randint(-40, 40, shape, generator=gen).float() / 4
+    elif mode == "few":
+        x = torch.randint(0, 3, shape, generator=gen).float() * 0.5
+    elif mode == "peaked":
+        x = torch.randn(shape, generator=gen)
+        x[..., rng.randrange(vocab)] += 25.0
+    elif mode == "masked":  # vocabulary padding at -inf
+        x = torch.randn(shape, generator=gen) * 2
+        x[..., vocab - max(1, vocab // 10):] = float("-inf")
+    else:
+        raise ValueError(mode)
+    return x.to(device)
+
+
+def poisoned_outputs(b: int, n: int, device) -> list[torch.Tensor]:
+    return [torch.full((b, n), -77, dtype=torch.int64, device=device),
+            torch.full((b, n), -77, dtype=torch.int32, device=device),
+            torch.full((b, n), -77, dtype=torch.int32, device=device),
+            torch.full((b, n), -77, dtype=torch.int64, device=device),
+            torch.full((b, n, mask_words(n)), -77, dtype=torch.int64, device=device)]
+
+
+def check_end_to_end(logits: torch.Tensor, topk: int, budget: int, seed: int, dtype=torch.float32) -> dict:
+    """Runs the kernels and the reference on the same logits; returns a summary with `ok`."""
+    from plugins.tree_build.kernel import tree_build_triton
+    b, depth, vocab = logits.shape
+    logits = logits.to(dtype)
+    gen = torch.Generator().manual_seed(seed)
+    root = torch.randint(0, vocab, (b,), generator=gen).to(logits.device)
+    start = torch.randint(0, 10_000, (b,), generator=gen).to(logits.device)
+    outs = poisoned_outputs(b, budget + 1, logits.device)
+    ws = tree_build_triton(logits, root, start, topk, *outs)
+    k = min(topk, vocab)
+    lp, ids = topk_logprobs_reference(logits, k)
+    kk = ws.k
+    lp_ok = torch.equal(ws.lp.view(b, depth, kk).cpu(), lp[..., :kk].cpu())
+    ids_ok = torch.equal(ws.ids.view(b, depth, kk).long().cpu(), ids[..., :kk].cpu())
+    ref = build_from_topk_reference(lp, ids, budget, root, start)
+    names = ("tokens", "parents", "depth", "positions", "mask")
+    bad = [name for name, o, r in zip(names, outs, ref) if not torch.equal(o.cpu(), r.cpu())]
+    return {"b": b, "D": depth, "V": vocab, "B": budget, "topk": topk, "dtype": str(dtype).split(".")[-1],
+            "stage1_ok": lp_ok and ids_ok, "bad_outputs": bad, "ok": lp_ok and ids_ok and not bad}
+
+
+def check_stage2(lp: np.ndarray, budget: int, seed: int, device="cpu") -> dict:
+    """Stage 2 alone on crafted sorted candidates lp [D, K] (one request)."""
+    from plugins.tree_build.tree_kernel import build_tree_triton
+    from plugins.tree_build.workspace import TreeBuildWorkspace
+    depth, k = lp.shape
+    rng = random.Random(seed)
+    ids = torch.tensor([rng.sample(range(1000), k) for _ in range(depth)], dtype=torch.int64)[None]  # [1, D, K]
+    lpt = torch.from_numpy(lp)[None]  # [1, D, K]
+    ws = TreeBuildWorkspace.allocate(1, depth, 1000, budget, k, device)
+    kk = ws.k
+    ws.lp.copy_(lpt[0, :, :kk].to(device))
+    ws.ids.copy_(ids[0, :, :kk].to(device))
+    root, start = torch.tensor([5], device=device), torch.tensor([17], device=device)
+    outs = poisoned_outputs(1, budget + 1, device)
+    build_tree_triton(ws.lp, ws.ids, root, start, *outs, ws)
+    ref = build_from_topk_reference(lpt, ids, budget, root.cpu(), start.cpu())
+    names = ("tokens", "parents", "depth", "positions", "mask")
+    bad = [name for name, o, r in zip(names, outs, ref) if not torch.equal(o.cpu(), r.cpu())]
+    return {"D": depth, "K": k, "B": budget, "ok": not bad, "bad_outputs": bad}
+
+
+def _interpreter_cases() -> list[tuple]:
+    """(kind, args) small enough for the interpreter: V <= 300, B <= 40, D <= 5, b <= 2."""
+    cases = [
+        ("e2e", 2, 3, 100, 12, 12, "quant", torch.float32),
+        ("e2e", 1, 4, 37, 30, 30, "few", torch.float32),
+        ("e2e", 2, 2, 300, 40, 40, "randn", torch.float32),
+        ("e2e", 1, 5, 64, 5, 1, "quant", torch.float32),       # chain: topk = 1
+        ("e2e", 1, 3, 7, 30, 30, "quant", torch.float32),       # K = V < B
+        ("e2e", 1, 3, 3, 39, 39, "few", torch.float32),         # B = every prefix (3 + 9 + 27)
+        ("e2e", 1, 2, 200, 33, 40, "masked", torch.float32),
+        ("e2e", 1, 3, 150, 20, 20, "peaked", torch.bfloat16),
+        ("e2e", 1, 1, 90, 17, 40, "quant", torch.float32),      # depth 1, topk > B
+        ("e2e", 1, 4, 2, 1, 2, "randn", torch.float32),         # B = 1
+    ]
+    cases += [("s2", ABSORPTION_LP, budget) for budget in (20, 22, 24)]
+    rng = random.Random(1234)
+    for case in range(6):
+        depth, k = rng.randint(2, 5), rng.randint(2, 8)
+        total = sum(k ** d for d in range(1, depth + 1))
+        cases.append(("s2", random_lp(rng, depth, k, (0, 2, 3, 2)[case % 4]), rng.randint(1, min(total, 40))))
+    return cases
+
+
+def interpreter_worker() -> list[dict]:
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    results = []
+    for i, case in enumerate(_interpreter_cases()):
+        if case[0] == "e2e":
+            _, b, depth, vocab, budget, topk, mode, dtype = case
+            rng, gen = random.Random(i), torch.Generator().manual_seed(i)
+            logits = make_logits(rng, gen, b, depth, vocab, mode, "cpu")
+            res = check_end_to_end(logits, topk, budget, seed=i, dtype=dtype)
+            res["mode"] = mode
+        else:
+            _, lp, budget = case
+            res = check_stage2(lp, budget, seed=i)
+        res["case"] = i
+        results.append(res)
+    return results
+
+
+def test_triton_kernels_interpreted():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--interpret"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    failed = [r for r in results if not r["ok"]]
+    assert len(results) == len(_interpreter_cases()) and not failed, failed
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU
+
+def _gpu_shapes(n_shapes: int = 240) -> list[dict]:
+    """Random shapes from menus (bounded number of kernel compilations)."""
+    rng = random.Random(2026)
+    budgets = [1, 5, 16, 64, 200, 256, 1024]
+    vocabs = [50, 4099, 163840]
+    depths = [1, 3, 6, 7, 8, 13, 16]
+    modes = ["randn", "quant", "few", "peaked", "masked"]
+    shapes = []
+    while len(shapes) < n_shapes:
+        budget, vocab, depth = rng.choice(budgets), rng.choice(vocabs), rng.choice(depths)
+        b = rng.choice([1, 1, 2, 3, 8, 16])
+        if budget == 1024 and vocab == 163840:
+            b = min(b, 4)
+        topk = budget
+        if budget <= 64 and rng.random() < 0.3:  # chains and K < B (each K is another kernel variant)
+            topk = rng.choice([1, max(1, budget // 3)])
+        if sum(min(topk, vocab) ** d for d in range(1, depth + 1)) < budget:
+            continue
+        shapes.append(dict(b=b, D=depth, V=vocab, B=budget, topk=topk, mode=rng.choice(modes),
+                           dtype=rng.choice([torch.float32, torch.float32, torch.bfloat16])))
+    return shapes
+
+
+@pytest.mark.gpu
+def test_tree_build_kernel_gpu():
+    t0 = time.time()
+    results = []
+    for i, s in enumerate(_gpu_shapes(int(os.environ.get("KDTREE_TREE_BUILD_SHAPES", "240")))):
+        rng, gen = random.Random(i), torch.Generator().manual_seed(i)
+        logits = make_logits(rng, gen, s["b"], s["D"], s["V"], s["mode"], "cuda")
+        res = check_end_to_end(logits, s["topk"], s["B"], seed=i, dtype=s["dtype"])
+        res.update(mode=s["mode"], case=i)
+        results.append(res)
+    torch.cuda.synchronize()
+    for i, budget in enumerate((20, 22, 24)):
+        res = check_stage2(ABSORPTION_LP, budget, seed=i, device="cuda")
+        res.update(case=f"absorption-{budget}")
+        results.append(res)
+    failed = [r for r in results if not r["ok"]]
+    summary = {"op": "tree_build", "shapes_checked": len(results), "failed": len(failed),
+               "exact": "all five outputs and the stage-1 lp/ids compared with torch.equal",
+               "seconds": round(time.time() - t0, 1), "failures": failed[:20], "shapes": results}
+    out_dir = os.environ.get("KDTREE_RESULTS_DIR")
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / "tree_build-device-test.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"tree_build GPU: {len(results)} shapes, {len(failed)} failed, {summary['seconds']} s")
+    assert not failed, failed[:5]
+
+
+if __name__ == "__main__":
+    if "--interpret" in sys.argv:
+        print(json.dumps(interpreter_worker()))
