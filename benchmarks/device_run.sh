@@ -24,12 +24,15 @@ if [[ $what == tests || $what == all ]]; then
   pack
 fi
 if [[ $what == bench || $what == all ]]; then
-  for b in ${BENCH:-tree_verify_mla tree_build tree_accept kv_commit moe_w4a16 allreduce}; do
+  # an entry is NAME or NAME:ARG,ARG (e.g. tree_verify_mla:--no-sweep); QUICK=1 adds --quick to plain names
+  for entry in ${BENCH:-tree_verify_mla tree_build tree_accept kv_commit moe_w4a16 allreduce}; do
+    b=${entry%%:*}; args=""; [[ $entry == *:* ]] && args=${entry#*:} && args=${args//,/ }
+    [[ -z $args && -n ${QUICK:-} ]] && args="--quick"
     [[ -f benchmarks/$b.py ]] || continue
     left=$(( ${BUDGET_S:-560} - SECONDS ))
     if (( left < 30 )); then echo "=== $b skipped: ${left}s left of BUDGET_S"; continue; fi
     echo "=== $b"
-    timeout $(( left < 240 ? left : 240 )) python3 benchmarks/$b.py --out "$OUT/res" ${QUICK:+--quick} \
+    timeout $(( left < 240 ? left : 240 )) python3 benchmarks/$b.py --out "$OUT/res" $args \
       >"$OUT/res/bench-$b.log" 2>&1
     echo "rc=$?"; tail -25 "$OUT/res/bench-$b.log"
     pack

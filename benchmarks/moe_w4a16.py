@@ -131,7 +131,7 @@ def bench_shape(name, t, routing, ex, e_start, dev, peers: bool, sweep: list[Ker
     nbytes = n_touch * bytes_per_expert(ex) // e_local + t * D * 2 * 2 + t * E * 4
     flops = 2.0 * t * K * 3 * D * i
     roof = roofline_us(nbytes, flops)
-    args = (x, logits, bias, ex["w13"], ex["s13"], ex["w2"], ex["s2"], K, 1, 1, True, SCALING, e_start)
+    args = (x, logits, None, bias, ex["w13"], ex["s13"], ex["w2"], ex["s2"], K, 1, 1, True, SCALING, e_start)
     op = lambda: torch.ops.kdtree.moe_w4a16(*args)  # noqa: E731
     us = time_us(op, graph=True)
     row = {"shape": name, "t": t, "routing": routing, "experts_touched": n_touch, "bytes": nbytes,
@@ -146,7 +146,7 @@ def bench_shape(name, t, routing, ex, e_start, dev, peers: bool, sweep: list[Ker
             row["bf16_grouped_mm_error"] = repr(exc)[:200]
     rows = [row]
     for cfg in sweep:
-        f = lambda: moe_w4a16_triton(*args, config=cfg)  # noqa: E731
+        f = lambda: moe_w4a16_triton(x, logits, *args[3:], config=cfg)  # noqa: E731  (launcher: no gate arg)
         try:
             v = time_us(f, graph=True)
             rows.append({"shape": name + "/sweep", "t": t, "routing": routing, "experts_touched": n_touch,
@@ -168,7 +168,8 @@ def check_once(ex, dev) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="fewer token counts, no peers, no tile sweep")
+    ap.add_argument("--no-sweep", action="store_true", help="all shapes and peers, no tile sweep")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -179,7 +180,7 @@ def main() -> None:
     rel = check_once(tp8, dev)
     print(f"check TP8 t=16: rel err {rel:.2e} vs fp32 dequantised reference")
     dense = None if args.quick else dense_copy(tp8)
-    sweep = [] if args.quick else [KernelConfig(bn1=32), KernelConfig(bn2=128), KernelConfig(stages1=4),
+    sweep = [] if args.quick or args.no_sweep else [KernelConfig(bn1=32), KernelConfig(bn2=128), KernelConfig(stages1=4),
                                    KernelConfig(warps1=8, warps2=8), KernelConfig(bn1=32, bn2=128, stages1=4)]
     for t in ts:
         for routing in ("tree", "uniform"):
