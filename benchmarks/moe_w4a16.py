@@ -74,6 +74,7 @@ def touched(logits, bias, e_start, e_local) -> int:
 
 
 def bytes_per_expert(ex: dict) -> int:
+    """Packed weights + scales of ONE expert (index 0 of each [e, ...] tensor)."""
     return sum(ex[k][0].numel() * ex[k][0].element_size() for k in ("w13", "s13", "w2", "s2"))
 
 
@@ -128,7 +129,7 @@ def bench_shape(name, t, routing, ex, e_start, dev, peers: bool, sweep: list[Ker
     x, logits, bias = make_inputs(t, routing, dev, seed=t)
     e_local, i = ex["e_local"], ex["i"]
     n_touch = touched(logits, bias, e_start, e_local)
-    nbytes = n_touch * bytes_per_expert(ex) // e_local + t * D * 2 * 2 + t * E * 4
+    nbytes = n_touch * bytes_per_expert(ex) + t * D * 2 * 2 + t * E * 4  # touched experts + x, y, logits
     flops = 2.0 * t * K * 3 * D * i
     roof = roofline_us(nbytes, flops)
     args = (x, logits, None, bias, ex["w13"], ex["s13"], ex["w2"], ex["s2"], K, 1, 1, True, SCALING, e_start)

@@ -59,6 +59,8 @@ def run(
                            "rank of torchrun's)"),
     ep: bool = typer.Option(False, "--ep", help="with --tp: routed experts whole per rank (expert parallel)"),
     dtype: str = typer.Option("auto", "--dtype", help="auto (fp32 on CPU, bf16 on CUDA) | float32 | float64 | bfloat16"),
+    build: bool = typer.Option(False, "--build", help="take a checkpoint dir through `kdtree build`'s cache "
+                               "first (built once, then a cache hit) and run the artifact"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Generate from a prompt: plain AR, or speculative (--spec chain|ddtree with --drafter)."""
@@ -88,7 +90,7 @@ def run(
         if dtype not in ("auto", "float32", "float64", "bfloat16"):
             raise ValueError(f"--dtype must be auto, float32, float64 or bfloat16, got {dtype!r}")
         eng = Engine.load(model_dir, device=device, drafter=drafter, spec=spec, budget=budget, graphs=graphs,
-                          progress=not as_json, tp=tp, ep=ep, dtype=None if dtype == "auto" else getattr(torch, dtype))
+                          progress=not as_json, tp=tp, ep=ep, build=build, dtype=None if dtype == "auto" else getattr(torch, dtype))
         if getattr(eng, "rank", 0) != 0:  # under torchrun: every rank decodes, rank 0 alone prints
             sys.stdout = open(os.devnull, "w")
         tok = eng.tokenizer

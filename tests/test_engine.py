@@ -170,3 +170,19 @@ def test_engine_and_run_load_a_built_artifact(tiny, tmp_path, monkeypatch):
                                  "ddtree", "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["token_ids"] == want
+
+
+def test_run_build_takes_a_checkpoint_dir_through_the_cache(tiny, tmp_path, monkeypatch):
+    """`kdtree run MODEL_DIR --build`: built once into KDTREE_CACHE, then a cache hit; same tokens."""
+    pytest.importorskip("build_pipeline.build")
+    monkeypatch.setenv("KDTREE_CACHE", str(tmp_path / "cache"))
+    path = tiny.get("kimi")
+    args = ["run", str(path), "--prompt", "Hello world", "--max-new-tokens", "6", "--json"]
+    plain = CliRunner().invoke(app, args)
+    assert plain.exit_code == 0, plain.output
+    for _ in range(2):  # first call builds, second finds the entry
+        r = CliRunner().invoke(app, args + ["--build"])
+        assert r.exit_code == 0, r.output
+        assert json.loads(r.stdout)["token_ids"] == json.loads(plain.stdout)["token_ids"]
+    entries = [p for p in (tmp_path / "cache").rglob("manifest.json")]
+    assert len(entries) == 1, entries
