@@ -159,10 +159,7 @@ class Engine:
 
     def _rounds(self, prompts: list[list[int]], max_new_tokens: int, temperature: float,
                 stop: Sequence[int | str] | None, seed: int | None) -> Iterator[list[list[int]]]:
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        check_decode_args(max_new_tokens, temperature)
         stats = SpecStats()
         stats.extra.update(spec=self.spec, budget=self.budget if self.spec == "ddtree" else None,
                            device=str(self.device), batch=len(prompts), plan=self.target.plan.flag())
@@ -185,6 +182,14 @@ class Engine:
             s = self._sessions[key] = DecodeSession(self.target, self.drafter, self.spec, self.budget, batch,
                                                     capacity, self._pool)
         return s
+
+
+def check_decode_args(max_new_tokens: int, temperature: float) -> None:
+    """The argument checks every generate path shares (one rank or many)."""
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
 
 
 def _is_artifact(path: Path) -> bool:

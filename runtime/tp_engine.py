@@ -20,7 +20,7 @@ import torch
 
 from build_pipeline.errors import CheckpointError
 from runtime.dist import Comm, RankGroup
-from runtime.engine import Engine
+from runtime.engine import Engine, check_decode_args
 from runtime.tokenizer import Tokenizer
 
 
@@ -98,10 +98,7 @@ class TPEngine(Engine):
 
     def _rounds(self, prompts: list[list[int]], max_new_tokens: int, temperature: float,
                 stop: Sequence[int | str] | None, seed: int | None) -> Iterator[list[list[int]]]:
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        check_decode_args(max_new_tokens, temperature)
         ids, _ = self.stop_ids(stop)
         req = (prompts, max_new_tokens, temperature, tuple(ids), seed)
         for r in range(self.tp):

@@ -44,6 +44,16 @@ def _plane_dot(w, P: tl.constexpr, xt, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
+def _owned_expert(pid_e, counts_ptr, active_ptr, e_local):
+    """(expert, its slot count) for grid row pid_e: the pid_e-th active expert, or (0, 0) past
+    n_active = counts[e_local] (active[a] is unset there), so the program does nothing."""
+    live = pid_e < tl.load(counts_ptr + e_local)
+    e = tl.where(live, tl.load(active_ptr + pid_e), 0)
+    cnt = tl.where(live, tl.load(counts_ptr + e), 0)
+    return e, cnt
+
+
+@triton.jit
 def gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, counts_ptr, active_ptr, lists_ptr,
                    T, D, I, e_local, stride_we, stride_wn, stride_se, stride_sg,
                    TOPK: tl.constexpr, INT4: tl.constexpr, N_KB: tl.constexpr, BN: tl.constexpr,
@@ -54,9 +64,7 @@ def gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, counts_ptr, active_ptr, lists_ptr
     """
     pid_e = tl.program_id(0)
     pid_n = tl.program_id(1)
-    live = pid_e < tl.load(counts_ptr + e_local)
-    e = tl.where(live, tl.load(active_ptr + pid_e), 0)  # active[a] is unset past n_active
-    cnt = tl.where(live, tl.load(counts_ptr + e), 0)
+    e, cnt = _owned_expert(pid_e, counts_ptr, active_ptr, e_local)
     rn = pid_n * BN + tl.arange(0, BN)  # [BN] gate rows; up rows are i + rn
     nmask = rn < I
     rj = tl.arange(0, 32)
@@ -110,9 +118,7 @@ def down_kernel(h_ptr, w_ptr, s_ptr, topw_ptr, out_ptr, counts_ptr, active_ptr, 
     """
     pid_e = tl.program_id(0)
     pid_n = tl.program_id(1)
-    live = pid_e < tl.load(counts_ptr + e_local)
-    e = tl.where(live, tl.load(active_ptr + pid_e), 0)  # active[a] is unset past n_active
-    cnt = tl.where(live, tl.load(counts_ptr + e), 0)
+    e, cnt = _owned_expert(pid_e, counts_ptr, active_ptr, e_local)
     rn = pid_n * BN + tl.arange(0, BN)  # [BN] output features
     nmask = rn < D
     rj = tl.arange(0, 32)
