@@ -167,13 +167,50 @@ def check_once(ex, dev) -> float:
     return ((y.float() - ref).norm() / ref.norm()).item()
 
 
+def profile_launches(dev, out_dir) -> None:
+    """Device time per launch of the op (torch.profiler / CUPTI, eager calls), for the diagnosis in NOTES.md."""
+    from torch.profiler import ProfilerActivity, profile
+    rows = []
+    for name, e_local, i, e_start, ts in (("k26_tp8", E, 256, 0, (1, 16, 64, 512)), ("k26_ep8", 48, 2048, 144, (1, 16))):
+        ex = make_experts(e_local, i, dev)
+        for t in ts:
+            for routing in ("tree", "uniform"):
+                x, logits, bias = make_inputs(t, routing, dev, seed=t)
+                args = (x, logits, None, bias, ex["w13"], ex["s13"], ex["w2"], ex["s2"], K, 1, 1, True, SCALING,
+                        e_start)
+                for _ in range(3):
+                    torch.ops.kdtree.moe_w4a16(*args)
+                torch.cuda.synchronize()
+                reps = 20
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(reps):
+                        torch.ops.kdtree.moe_w4a16(*args)
+                    torch.cuda.synchronize()
+                per = {}
+                for ev in prof.key_averages():
+                    if ev.device_type.name == "CUDA" and ev.count:
+                        per[ev.key[:40]] = round(ev.device_time_total / reps, 2)  # µs per op call
+                row = {"shape": f"{name}_t{t}", "routing": routing, "experts_touched": touched(logits, bias, e_start,
+                                                                                               e_local),
+                       "launch_us": per, "sum_us": round(sum(per.values()), 2)}
+                rows.append(row)
+                print(row, flush=True)
+        del ex
+        torch.cuda.empty_cache()
+    write_result("moe_w4a16_launches", rows, out_dir=out_dir)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer token counts, no peers, no tile sweep")
     ap.add_argument("--no-sweep", action="store_true", help="all shapes and peers, no tile sweep")
+    ap.add_argument("--profile", action="store_true", help="only the per-launch device times (torch.profiler)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
+    if args.profile:
+        profile_launches(dev, args.out)
+        return
     ts = [1, 16, 64, 512] if args.quick else [1, 8, 16, 64, 256, 512]
     rows: list[dict] = []
 
