@@ -35,6 +35,10 @@ from plugins.moe_w4a16 import experts_reference, route_reference  # noqa: E402,F
 from plugins.moe_w4a16.launch import KernelConfig, default_config, moe_w4a16_triton  # noqa: E402
 
 D, E, K, SCALING = 7168, 384, 8, 2.827
+# tile sweep on the TP8 tree rows (split 0 = the heuristic's k split; scale_tile runs on row-major scales)
+SWEEP = [KernelConfig(bn1=128, warps1=8), KernelConfig(bn2=128, warps2=8), KernelConfig(stages1=4),
+         KernelConfig(split=1), KernelConfig(split=2), KernelConfig(split=4), KernelConfig(split=14),
+         KernelConfig(scale_tile=True), KernelConfig(bm=32), KernelConfig(bn1=32, bn2=32)]
 
 
 def make_experts(e_local: int, i: int, dev) -> dict:
@@ -146,8 +150,15 @@ def bench_shape(name, t, routing, ex, e_start, dev, peers: bool, sweep: list[Ker
         except Exception as exc:  # torch build without _grouped_mm for these shapes
             row["bf16_grouped_mm_error"] = repr(exc)[:200]
     rows = [row]
+    row_major = {}  # the same scales stored [e, n, g] (viewed [e, g, n]) for the scale_tile rows
     for cfg in sweep:
-        f = lambda: moe_w4a16_triton(x, logits, *args[3:], config=cfg)  # noqa: E731  (launcher: no gate arg)
+        call = list(args[3:])
+        if cfg.scale_tile:
+            if not row_major:
+                row_major.update(s13=ex["s13"].transpose(1, 2).contiguous().transpose(1, 2),
+                                 s2=ex["s2"].transpose(1, 2).contiguous().transpose(1, 2))
+            call[2], call[4] = row_major["s13"], row_major["s2"]
+        f = lambda: moe_w4a16_triton(x, logits, *call, config=cfg)  # noqa: E731  (launcher: no gate arg)
         try:
             v = time_us(f, graph=True)
             rows.append({"shape": name + "/sweep", "t": t, "routing": routing, "experts_touched": n_touch,
@@ -205,11 +216,22 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer token counts, no peers, no tile sweep")
     ap.add_argument("--no-sweep", action="store_true", help="all shapes and peers, no tile sweep")
     ap.add_argument("--profile", action="store_true", help="only the per-launch device times (torch.profiler)")
+    ap.add_argument("--sweep-only", action="store_true",
+                    help="only the tile sweep on the TP8 tree rows (moe_w4a16_sweep.json, rewritten after each t)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
     if args.profile:
         profile_launches(dev, args.out)
+        return
+    if args.sweep_only:
+        tp8, rows = make_experts(E, 256, dev), []
+        for t in (1, 16, 64, 512):
+            rows += bench_shape(f"k26_tp8_t{t}", t, "tree", tp8, 0, dev, peers=False, sweep=SWEEP)
+            write_result("moe_w4a16_sweep", rows, out_dir=args.out)
+            for r in rows[-len(SWEEP) - 1:]:
+                print(f"t={t} {r.get('us', float('nan')):8.1f} us {r.get('roofline_fraction', 0):.3f} {r['config']}",
+                      flush=True)
         return
     ts = [1, 16, 64, 512] if args.quick else [1, 8, 16, 64, 256, 512]
     rows: list[dict] = []
@@ -218,8 +240,7 @@ def main() -> None:
     rel = check_once(tp8, dev)
     print(f"check TP8 t=16: rel err {rel:.2e} vs fp32 dequantised reference")
     dense = None if args.quick else dense_copy(tp8)
-    sweep = [] if args.quick or args.no_sweep else [KernelConfig(bn1=32), KernelConfig(bn2=128), KernelConfig(stages1=4),
-                                   KernelConfig(warps1=8, warps2=8), KernelConfig(bn1=32, bn2=128, stages1=4)]
+    sweep = [] if args.quick or args.no_sweep else SWEEP
     for t in ts:
         for routing in ("tree", "uniform"):
             rows += bench_shape(f"k26_tp8_t{t}", t, routing, tp8, 0, dev, peers=True,

@@ -115,7 +115,8 @@ def interp_results():
 
 
 @pytest.mark.parametrize("case", ["t1_int4_bf16", "t5_grouped_int4_bf16", "t3_ep_int4_fp32", "t4_dense_bf16",
-                                  "t20_hot_expert_int4_fp32"])
+                                  "t20_hot_expert_int4_fp32", "t3_split_k_int4_fp32", "t3_split_k_dense_fp32",
+                                  "t40_hot_loop_int4_fp32", "t3_scale_tile_int4_fp32"])
 def test_triton_interpreter_matches_reference(interp_results, case):
     r = interp_results[case]
     # the interpreter rounds fp32 -> bf16 by truncation (the GPU rounds to nearest): 2e-2 for bf16 there
@@ -163,18 +164,19 @@ def _gpu_case(t, e, d, i, k, n_group, topk_group, e_start, e_local, int4, seed, 
 
 
 def _random_shapes(n: int, seed: int = 0) -> list[tuple]:
+    """n random routing / size / EP cases.  The compile-time parameters (expert count, top-k, groups, token
+    count class) take few values, so the GPU run compiles a few dozen kernel variants instead of hundreds
+    (compiling, not checking, dominated the first runs); sizes, EP ranges and data vary freely."""
     rng = random.Random(seed)
     out = []
     for s in range(n):
-        e = rng.choice([8, 16, 32, 64])
-        n_group = rng.choice([1, 1, 2, 4])
-        k = rng.choice([1, 2, 4, 8] if e // n_group >= 8 else [1, 2])
-        topk_group = rng.randint(1, n_group)
-        while k > topk_group * (e // n_group):
-            topk_group += 1
+        e = rng.choice([16, 64])
+        n_group = rng.choice([1, 1, 4])
+        k = rng.choice([2, 8] if e // n_group >= 8 else [2])
+        topk_group = n_group if n_group == 1 else rng.choice([2, 4])
         e_local = rng.choice([e, e, max(1, e // 4)])
         e_start = rng.randrange(0, e - e_local + 1)
-        out.append((rng.choice([1, 2, 3, 7, 16, 33, 100]), e, rng.choice([64, 96, 256, 320, 512]),
+        out.append((rng.choice([1, 3, 16, 100]), e, rng.choice([64, 96, 256, 320, 512]),
                     rng.choice([32, 64, 96, 256]), k, n_group, topk_group, e_start, e_local,
                     rng.random() < 0.85, 1000 + s))
     return out
@@ -186,20 +188,30 @@ BIG = [  # K2.6 TP8 rank (384 x 256 x 7168, top-8), EP8 rank (48 whole experts o
 ]
 
 
-@pytest.mark.gpu
-def test_gpu_matches_reference_on_random_and_k26_shapes():
-    dev = torch.device("cuda")
-    results = [_gpu_case(*c, dev=dev) for c in _random_shapes(200)]
-    results += [_gpu_case(*c, dev=dev) | {"big": True} for c in BIG]
+def _write_device_summary(results: list[dict], done: bool) -> dict:
+    """$KDTREE_RESULTS_DIR/moe_w4a16-device-test.json, rewritten as the run goes (complete = false if cut short)."""
     bad = [r for r in results if not (r["finite"] and r["rel"] < 2e-2)]
-    summary = {"op": "moe_w4a16", "checked": len(results), "failed": len(bad), "tolerance_rel": 2e-2,
-               "max_rel": max(r["rel"] for r in results), "cases": results}
+    summary = {"op": "moe_w4a16", "complete": done, "checked": len(results), "failed": len(bad),
+               "tolerance_rel": 2e-2, "max_rel": max(r["rel"] for r in results), "failures": bad[:20],
+               "cases": results}
     out_dir = os.environ.get("KDTREE_RESULTS_DIR")
     if out_dir:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         (Path(out_dir) / "moe_w4a16-device-test.json").write_text(json.dumps(summary, indent=1))
-    print(f"moe_w4a16 GPU: {len(results)} shapes, {len(bad)} failed, max rel {summary['max_rel']:.2e}")
-    assert not bad, bad[:5]
+    return summary
+
+
+@pytest.mark.gpu
+def test_gpu_matches_reference_on_random_and_k26_shapes():
+    dev = torch.device("cuda")
+    results = []
+    for j, c in enumerate([*_random_shapes(200), *BIG]):
+        results.append(_gpu_case(*c, dev=dev) | {"big": j >= 200})
+        if j % 20 == 19:
+            _write_device_summary(results, done=False)
+    summary = _write_device_summary(results, done=True)
+    print(f"moe_w4a16 GPU: {len(results)} shapes, {summary['failed']} failed, max rel {summary['max_rel']:.2e}")
+    assert not summary["failed"], summary["failures"][:5]
 
 
 @pytest.mark.gpu

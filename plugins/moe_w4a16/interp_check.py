@@ -19,17 +19,25 @@ from build_pipeline.moe_layout import dequantize_kernel_layout, padded_k  # noqa
 from plugins.moe_w4a16 import experts_reference, route_reference  # noqa: E402
 from plugins.moe_w4a16.launch import KernelConfig, moe_w4a16_triton  # noqa: E402
 
-# name: (t, e, d, i, k, n_group, topk_group, e_start, e_local, int4, dtype, hot expert or None)
+SPLIT3 = KernelConfig(bm=16, bn1=16, bn2=32, split=2)  # 3 k-blocks over 2 splits: the last split is half masked
+LOOP = KernelConfig(bm=16, bn1=16, bn2=32, mt=1)  # one token tile in the grid: a hot expert's tiles loop
+TILE = KernelConfig(bm=16, bn1=16, bn2=32, split=2, scale_tile=True)  # [BN, 8] scale tiles, row-major scales
+
+# name: (t, e, d, i, k, n_group, topk_group, e_start, e_local, int4, dtype, hot expert or None[, config])
 CASES = {
     "t1_int4_bf16": (1, 8, 64, 32, 2, 1, 1, 0, 8, True, torch.bfloat16, None),
     "t5_grouped_int4_bf16": (5, 8, 64, 32, 2, 2, 1, 0, 8, True, torch.bfloat16, None),
     "t3_ep_int4_fp32": (3, 8, 96, 64, 2, 1, 1, 2, 4, True, torch.float32, None),
     "t4_dense_bf16": (4, 8, 64, 32, 2, 2, 2, 0, 8, False, torch.bfloat16, None),
     "t20_hot_expert_int4_fp32": (20, 8, 64, 32, 2, 1, 1, 0, 8, True, torch.float32, 3),
+    "t3_split_k_int4_fp32": (3, 8, 520, 32, 2, 1, 1, 0, 8, True, torch.float32, None, SPLIT3),
+    "t3_split_k_dense_fp32": (3, 8, 520, 32, 2, 1, 1, 0, 8, False, torch.float32, None, SPLIT3),
+    "t40_hot_loop_int4_fp32": (40, 8, 64, 32, 2, 1, 1, 0, 8, True, torch.float32, 5, LOOP),
+    "t3_scale_tile_int4_fp32": (3, 8, 520, 32, 2, 1, 1, 0, 8, True, torch.float32, None, TILE),
 }
 
 
-def run_case(t, e, d, i, k, n_group, topk_group, e_start, e_local, int4, dtype, hot, seed=0) -> dict:
+def run_case(t, e, d, i, k, n_group, topk_group, e_start, e_local, int4, dtype, hot, cfg=None, seed=0) -> dict:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(t, d, generator=g).to(dtype)
     logits = torch.randn(t, e, generator=g)
@@ -49,7 +57,9 @@ def run_case(t, e, d, i, k, n_group, topk_group, e_start, e_local, int4, dtype, 
         w2 = (torch.randn(e_local, d, i, generator=g) * 0.1).to(dtype)
         s13 = s2 = None
         w13d, w2d = w13.float(), w2.float()
-    cfg = KernelConfig(bm=16, bn1=16, bn2=32)
+    cfg = cfg or KernelConfig(bm=16, bn1=16, bn2=32)
+    if int4 and cfg.scale_tile:  # the same scales stored row-major [e, n, g], viewed as [e, g, n]
+        s13, s2 = (s.transpose(1, 2).contiguous().transpose(1, 2) for s in (s13, s2))
     y = moe_w4a16_triton(x, logits, bias, w13, s13, w2, s2, k, n_group, topk_group, True, 2.5, e_start, cfg)
     idx, tw = route_reference(logits, bias, k, n_group, topk_group, True, 2.5)
     ref = experts_reference(x.double(), idx, tw.double(), w13d.double(), w2d.double(), e_start)

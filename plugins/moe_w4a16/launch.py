@@ -1,6 +1,7 @@
 """Launcher of the Triton moe_w4a16 path: entry checks, static workspaces, five launches, no host sync.
 
-memset(counts) -> route_kernel (top-k + bucket by expert) -> gate_up_kernel -> down_kernel -> combine_kernel.
+memset(counts) -> route_kernel (top-k + bucket by expert) -> gate_up_kernel (split-K partials) ->
+down_kernel -> combine_kernel.
 Every size is a function of the static shapes (t, K, e_local, d, i); the data-dependent parts (how
 many experts are active, how many tokens each has) are read on the device.  Runs on CUDA tensors and,
 under TRITON_INTERPRET=1, on CPU tensors (the CPU tests check the kernel logic that way).
@@ -22,10 +23,14 @@ SMS = 132  # H200; only used to pick tile sizes that give enough programs
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Tile sizes: bm tokens per tile, bn1 gate (and up) rows per gate_up program, bn2 rows per down program."""
+    """Tiles: bm tokens per tile; bn1 rows of w13 (of 2i) per gate_up program, bn2 rows of w2 (of d) per down
+    program; split: k splits of gate_up (0: chosen from the shapes); mt: token tiles in the grid (0: chosen)."""
     bm: int = 16
-    bn1: int = 16
+    bn1: int = 64
     bn2: int = 64
+    split: int = 0
+    mt: int = 0
+    scale_tile: bool = False
     warps1: int = 4
     warps2: int = 4
     stages1: int = 3
@@ -34,14 +39,15 @@ class KernelConfig:
 
 
 def default_config(t: int, top_k: int, e_total: int, e_local: int, d: int, i: int) -> KernelConfig:
-    """Heuristic tiles from the static shapes: bm from the mean tokens per expert, bn small enough that
-    the (active expert, row block) grid has a few programs per SM."""
+    """Heuristic tiles from the static shapes: bm from the mean tokens per expert; the k split of gate_up
+    so that (experts likely active) x (row blocks) x splits covers the SMs about twice (tree routing
+    touches about half the slots' worth of distinct experts)."""
     per_expert = t * top_k / max(e_total, 1)
     bm = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
-    slots = min(e_local, t * top_k)
-    bn1 = 16 if slots * i / 32 < 2 * SMS else 32
-    bn2 = 32 if slots * d / 64 < 2 * SMS else 64
-    return KernelConfig(bm=bm, bn1=bn1, bn2=bn2)
+    base = KernelConfig(bm=bm)
+    active = max(1, min(e_local, t * top_k) // 2)
+    blocks = active * triton_cdiv(2 * i, base.bn1)
+    return KernelConfig(bm=bm, split=max(1, min(triton_cdiv(2 * SMS, blocks), triton_cdiv(d, BLOCK_K))))
 
 
 def _check(x, logits, bias, w13, s13, w2, s2, top_k, n_group, topk_group, e_start) -> tuple[int, int, int, bool]:
@@ -70,9 +76,10 @@ def _check(x, logits, bias, w13, s13, w2, s2, top_k, n_group, topk_group, e_star
     else:
         want = {"w13": (w13, (e_local, 2 * i, d), x.dtype), "w2": (w2, (e_local, d, i), x.dtype)}
     for name, (ten, shape, dtype) in want.items():
-        if tuple(ten.shape) != shape or (dtype is not None and ten.dtype != dtype) or not ten.is_contiguous():
-            raise ValueError(f"moe_w4a16: {name} must be contiguous {dtype or 'float'} {list(shape)}, "
-                             f"got {ten.dtype} {list(ten.shape)}")
+        packed = dtype is not None  # weights: contiguous; scales: any strides (indexed [e, g, n])
+        if tuple(ten.shape) != shape or (packed and ten.dtype != dtype) or (packed and not ten.is_contiguous()):
+            raise ValueError(f"moe_w4a16: {name} must be {'contiguous ' if packed else ''}{dtype or 'float'} "
+                             f"{list(shape)}, got {ten.dtype} {list(ten.shape)}")
     if not 0 <= e_start <= e - e_local:
         raise ValueError(f"moe_w4a16: local experts [{e_start}, {e_start + e_local}) outside [0, {e})")
     return e, e_local, i, int4
@@ -102,35 +109,45 @@ def moe_w4a16_triton(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
     lists = torch.empty(e_local * t, dtype=torch.int32, device=dev)  # [e_local, t] slot ids per expert
     topk_idx = torch.empty(t * top_k, dtype=torch.int32, device=dev)  # [t, K] global expert ids
     topk_w = torch.empty(t * top_k, dtype=torch.float32, device=dev)  # [t, K]
-    h = torch.empty(t * top_k, i, dtype=x.dtype, device=dev)  # [t*K, i] silu(gate) * up per slot
     out = torch.empty(t * top_k, d, dtype=x.dtype, device=dev)  # [t*K, d] weighted expert output per slot
 
     be = next_pow2(e)
-    bt = max(1, min(16, 4096 // be))
+    bt = 1  # one token per one-warp program: the picks are warp-shuffle reductions (route_kernel.py)
     route_kernel[(triton_cdiv(t, bt),)](
         logits, bias, topk_idx, topk_w, counts, active, lists, t, e, e_start, e_local, float(scaling),
         K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group, NORM=bool(norm_topk_prob),
-        BT=bt, BE=be, BKK=next_pow2(top_k), BG=next_pow2(n_group), num_warps=4)
+        BT=bt, BE=be, BKK=next_pow2(top_k), BG=next_pow2(n_group), num_warps=1)
 
     prec = "interp" if os.environ.get("TRITON_INTERPRET") == "1" else "ieee" if x.dtype == torch.float32 else "tf32"
     slots = min(e_local, t * top_k)
+    n_slots = t * top_k
     s13 = w13_scale if int4 else w13  # any tensor: unused when dense
     s2 = w2_scale if int4 else w2
     n_kb1 = w13.shape[2] * 8 // BLOCK_K if int4 else triton_cdiv(d, BLOCK_K)
     n_kb2 = w2.shape[2] * 8 // BLOCK_K if int4 else triton_cdiv(i, BLOCK_K)
-    gate_up_kernel[(slots, triton_cdiv(i, cfg.bn1))](
-        x, w13, s13, h, counts, active, lists, t, d, i, e_local,
-        w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
-        TOPK=top_k, INT4=int4, N_KB=n_kb1, BN=cfg.bn1, BM=cfg.bm, DOT_PREC=prec,
+    kb_per = triton_cdiv(n_kb1, max(1, min(cfg.split or 1, n_kb1)))
+    splits = triton_cdiv(n_kb1, kb_per)
+    mt = cfg.mt or min(triton_cdiv(t, cfg.bm), 4)
+    part = torch.empty(splits, n_slots, 2 * i, dtype=torch.float32, device=dev)  # [splits, t*K, 2i] gate|up partials
+    gate_up_kernel[(slots, triton_cdiv(2 * i, cfg.bn1), splits * mt)](
+        x, w13, s13, part, counts, active, lists, t, d, 2 * i, e_local, n_slots,
+        w13.stride(0), w13.stride(1), *_scale_strides(s13, int4),
+        TOPK=top_k, INT4=int4, N_KB=n_kb1, KB_PER=kb_per, MT=mt, BN=cfg.bn1, BM=cfg.bm, SCALE_TILE=cfg.scale_tile,
+        DOT_PREC=prec,
         num_warps=cfg.warps1, num_stages=cfg.stages1)
-    down_kernel[(slots, triton_cdiv(d, cfg.bn2))](
-        h, w2, s2, topk_w, out, counts, active, lists, t, d, i, e_local,
-        w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
-        INT4=int4, N_KB=n_kb2, BN=cfg.bn2, BM=cfg.bm, DOT_PREC=prec,
+    down_kernel[(slots, triton_cdiv(d, cfg.bn2), mt)](
+        part, w2, s2, topk_w, out, counts, active, lists, t, d, i, e_local, n_slots,
+        w2.stride(0), w2.stride(1), *_scale_strides(s2, int4),
+        SPLITS=splits, INT4=int4, N_KB=n_kb2, BN=cfg.bn2, BM=cfg.bm, SCALE_TILE=cfg.scale_tile, DOT_PREC=prec,
         num_warps=cfg.warps2, num_stages=cfg.stages2)
     bd = min(cfg.bd, next_pow2(d))
     combine_kernel[(t, triton_cdiv(d, bd))](out, topk_idx, y, d, e_start, e_local, K=top_k, BD=bd, num_warps=4)
     return y
+
+
+def _scale_strides(s: torch.Tensor, int4: bool) -> tuple[int, int, int]:
+    """(expert, row, group) strides of a scale tensor indexed [e, g, n] (any memory order); zeros when dense."""
+    return (s.stride(0), s.stride(2), s.stride(1)) if int4 else (0, 0, 0)
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -1,6 +1,7 @@
 """Triton routing + grouping for moe_w4a16: noaux_tc top-k per token, then tokens bucketed by expert.
 
-One program per BT tokens.  Routing is route_reference's function (sigmoid, + correction bias for the
+One program per BT tokens (BT = 1, one warp, by default: each pick is one warp-shuffle reduction of the
+row's packed (choice, expert id) keys, no shared memory, no barrier).  Routing is route_reference's function (sigmoid, + correction bias for the
 choice, group-limited when N_GROUP > 1, unbiased weights normalised and scaled); ties go to the lower
 expert index.  Grouping has no host round trip and no sort: each (token, slot) routed to a local
 expert takes a place in that expert's fixed-capacity list by an atomic increment of its counter
@@ -16,6 +17,10 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from plugins.tree_build.keys import pack, unpack
+
+KEY_NONE = tl.constexpr(-(2**63))  # below every packed key: a lane already picked, masked or outside the allowed groups
 
 
 @triton.jit
@@ -53,22 +58,23 @@ def route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, counts_ptr, active_ptr, l
             gscore = tl.where(rg[None, :] == ig[:, None], NEG, gscore)
         choice = tl.where(keep != 0, choice, NEG)
 
+    # one reduction per pick: the packed key (choice desc, expert id asc) of each lane, max over the row
+    key = tl.where(emask[None, :] & (choice > NEG), pack(choice, re[None, :]), KEY_NONE)  # [BT, BE] int64
     rk = tl.arange(0, BKK)  # [BKK] slots (padded)
-    sel_w = tl.zeros([BT, BKK], tl.float32)
     sel_i = tl.zeros([BT, BKK], tl.int32)
     for j in tl.static_range(K):
-        m = tl.max(choice, axis=1)
-        ij = tl.min(tl.where(choice == m[:, None], re[None, :], BE), axis=1)  # [BT] lowest index among ties
-        hit = re[None, :] == ij[:, None]
-        wj = tl.sum(tl.where(hit, scores, 0.0), axis=1)  # unbiased score of the pick
-        choice = tl.where(hit, NEG, choice)
-        sel_w = tl.where(rk[None, :] == j, wj[:, None], sel_w)
+        m = tl.max(key, axis=1)  # [BT]
+        ij = unpack(m)[1]  # [BT] the pick (lowest id among equal choices)
+        key = tl.where(re[None, :] == ij[:, None], KEY_NONE, key)
         sel_i = tl.where(rk[None, :] == j, ij[:, None], sel_i)
+    kmask = tmask[:, None] & (rk[None, :] < K)  # [BT, BKK]
+    # the unbiased scores of the picks, re-read from the logits (same sigmoid as above, bit for bit)
+    sel_w = tl.sigmoid(tl.load(logits_ptr + rt[:, None] * E + sel_i, mask=kmask, other=0.0).to(tl.float32))
+    sel_w = tl.where(kmask, sel_w, 0.0)
     if NORM:
         sel_w = sel_w / (tl.sum(sel_w, axis=1)[:, None] + 1e-20)
     sel_w = sel_w * scaling
 
-    kmask = tmask[:, None] & (rk[None, :] < K)  # [BT, BKK]
     slot = rt[:, None] * K + rk[None, :]  # [BT, BKK]
     tl.store(idx_ptr + slot, sel_i, mask=kmask)
     tl.store(w_ptr + slot, sel_w, mask=kmask)
