@@ -44,9 +44,8 @@ def default_config(t: int, top_k: int, e_total: int, e_local: int, d: int, i: in
     touches about half the slots' worth of distinct experts)."""
     per_expert = t * top_k / max(e_total, 1)
     bm = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
-    base = KernelConfig(bm=bm)
     active = max(1, min(e_local, t * top_k) // 2)
-    blocks = active * triton_cdiv(2 * i, base.bn1)
+    blocks = active * triton_cdiv(2 * i, KernelConfig.bn1)
     return KernelConfig(bm=bm, split=max(1, min(triton_cdiv(2 * SMS, blocks), triton_cdiv(d, BLOCK_K))))
 
 
@@ -112,11 +111,10 @@ def moe_w4a16_triton(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
     out = torch.empty(t * top_k, d, dtype=x.dtype, device=dev)  # [t*K, d] weighted expert output per slot
 
     be = next_pow2(e)
-    bt = 1  # one token per one-warp program: the picks are warp-shuffle reductions (route_kernel.py)
-    route_kernel[(triton_cdiv(t, bt),)](
+    route_kernel[(t,)](  # one token per one-warp program: each pick is a warp-shuffle reduction
         logits, bias, topk_idx, topk_w, counts, active, lists, t, e, e_start, e_local, float(scaling),
         K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group, NORM=bool(norm_topk_prob),
-        BT=bt, BE=be, BKK=next_pow2(top_k), BG=next_pow2(n_group), num_warps=1)
+        BT=1, BE=be, BKK=next_pow2(top_k), BG=next_pow2(n_group), num_warps=1)
 
     prec = "interp" if os.environ.get("TRITON_INTERPRET") == "1" else "ieee" if x.dtype == torch.float32 else "tf32"
     slots = min(e_local, t * top_k)
