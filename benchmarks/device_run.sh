@@ -32,9 +32,9 @@ if [[ $what == bench || $what == all ]]; then
     left=$(( ${BUDGET_S:-560} - SECONDS ))
     if (( left < 30 )); then echo "=== $b skipped: ${left}s left of BUDGET_S"; continue; fi
     echo "=== $b"
-    timeout $(( left < 240 ? left : 240 )) python3 benchmarks/$b.py --out "$OUT/res" $args \
-      >"$OUT/res/bench-$b.log" 2>&1
-    echo "rc=$?"; tail -25 "$OUT/res/bench-$b.log"
+    log="$OUT/res/bench-$b${args:+-${args//[^a-z]/}}.log"  # one log per entry (the same benchmark may run twice)
+    timeout $(( left < 240 ? left : 240 )) python3 benchmarks/$b.py --out "$OUT/res" $args >"$log" 2>&1
+    echo "rc=$?"; tail -25 "$log"
     pack
   done
 fi

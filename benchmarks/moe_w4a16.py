@@ -32,13 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import print_table, roofline_us, time_us, write_result  # noqa: E402
 from build_pipeline.moe_layout import dequantize_kernel_layout, padded_k  # noqa: E402
 from plugins.moe_w4a16 import experts_reference, route_reference  # noqa: E402,F401  (registers the op)
-from plugins.moe_w4a16.launch import KernelConfig, default_config, moe_w4a16_triton  # noqa: E402
+from plugins.moe_w4a16.launch import KernelConfig, launch_plan, moe_w4a16_triton  # noqa: E402
 
 D, E, K, SCALING = 7168, 384, 8, 2.827
-# tile sweep on the TP8 tree rows (split 0 = the heuristic's k split; scale_tile runs on row-major scales)
-SWEEP = [KernelConfig(bn1=128, warps1=8), KernelConfig(bn2=128, warps2=8), KernelConfig(stages1=4),
-         KernelConfig(split=1), KernelConfig(split=2), KernelConfig(split=4), KernelConfig(split=14),
-         KernelConfig(scale_tile=True), KernelConfig(bm=32), KernelConfig(bn1=32, bn2=32)]
+# tile sweep on the TP8 tree rows: each entry changes the default (launch_plan's choices for its 0 fields)
+SWEEP = [KernelConfig(bn2=64), KernelConfig(bn2=256, warps2=8), KernelConfig(bn1=128, warps1=8),
+         KernelConfig(stages1=4), KernelConfig(split=1), KernelConfig(split=4), KernelConfig(bm=16),
+         KernelConfig(bm=32), KernelConfig(bm=64), KernelConfig(scale_tile=True)]
 
 
 def make_experts(e_local: int, i: int, dev) -> dict:
@@ -141,7 +141,7 @@ def bench_shape(name, t, routing, ex, e_start, dev, peers: bool, sweep: list[Ker
     us = time_us(op, graph=True)
     row = {"shape": name, "t": t, "routing": routing, "experts_touched": n_touch, "bytes": nbytes,
            "roofline_us": roof, "us": us, "roofline_fraction": roof / us,
-           "config": default_config(t, K, E, e_local, D, i).__dict__}
+           "config": launch_plan(t, K, e_local, D, i).cfg.__dict__}
     if peers and t <= 16:
         row["torch_dequant_ref_us"] = time_us(lambda: dequant_reference(x, logits, bias, ex, e_start))
     if peers and dense is not None:
@@ -218,9 +218,19 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="only the per-launch device times (torch.profiler)")
     ap.add_argument("--sweep-only", action="store_true",
                     help="only the tile sweep on the TP8 tree rows (moe_w4a16_sweep.json, rewritten after each t)")
+    ap.add_argument("--calls-only", type=int, metavar="T", default=0,
+                    help="only 3 eager calls at TP8 tree routing with T tokens (a target for ncu)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
+    if args.calls_only:
+        ex = make_experts(E, 256, dev)
+        x, logits, bias = make_inputs(args.calls_only, "tree", dev, seed=args.calls_only)
+        for _ in range(3):
+            torch.ops.kdtree.moe_w4a16(x, logits, None, bias, ex["w13"], ex["s13"], ex["w2"], ex["s2"], K, 1, 1,
+                                       True, SCALING, 0)
+        torch.cuda.synchronize()
+        return
     if args.profile:
         profile_launches(dev, args.out)
         return

@@ -50,6 +50,7 @@ KM32 = Config(32, 64, 4, 2, keys_m=True)
 X2 = Config(16, 32, 4, 3, ctas_per_sm=2)
 DV2_64 = Config(64, 64, 4, 2, dv_split=2)
 DV2_32 = Config(64, 32, 4, 3, dv_split=2)
+W8_64 = Config(64, 64, 8, 2)
 SWEEP = {
     (1, 8, 1, 32768): [(X2, None, True), (KM16, None, True), (X2, None, False), (Config(16, 32, 4, 4), None, True),
                        (Config(16, 64, 4, 3), None, True), (Config(16, 32, 4, 2, ctas_per_sm=3), None, True),
@@ -61,8 +62,9 @@ SWEEP = {
                        (DV2_32, None, False)],
     (1, 8, 4, 32768): [(KM32, None, True), (X2, None, True), (Config(32, 32, 8, 4), None, True),
                        (DV2_32, None, True)],
-    (1, 64, 64, 32768): [(DV2_32, None, True), (DV2_64, None, True), (Config(64, 64, 8, 2), None, True),
+    (1, 64, 64, 32768): [(W8_64, None, True), (DV2_32, None, True), (W8_64, 4, True),
                          (Config(64, 32, 8, 3), None, True)],
+    (1, 8, 64, 32768): [(DV2_32, None, True), (W8_64, None, True)],  # m = 512: where the table switches to W8_64?
 }
 SWEEP_BUDGET_S = 150  # stop sweeping past this many seconds of the sweep
 RUN_BUDGET_S = 215  # ... or of the whole run (benchmarks/device_run.sh kills it at 240 s)

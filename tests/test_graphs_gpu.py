@@ -45,8 +45,9 @@ def _margins(target, prompt: list[int], out: list[int]) -> list[float]:
 
 
 class Reference:
-    def __init__(self, tiny, tmp: Path):
-        self.path = tiny.get("kimi")
+    def __init__(self, tiny, tmp: Path, int4: bool = False):
+        self.path = tiny.get("kimi", int4=int4)
+        self.model = "int4" if int4 else "dense"
         self.drafter = tmp / "dr"
         make_tiny_drafter(self.path, self.drafter)
         cpu = Engine.load(self.path, device="cpu", drafter=self.drafter, spec="none", dtype=torch.float32)
@@ -67,6 +68,12 @@ def ref(tiny, tmp_path_factory):
     r = Reference(tiny, tmp_path_factory.mktemp("graphs"))
     yield r
     _write_report(r)
+
+
+@pytest.fixture(scope="module")
+def ref_int4(tiny, tmp_path_factory):
+    """The tiny model with INT4 experts (compressed-tensors pack-quantized), as `make demo` runs it."""
+    return Reference(tiny, tmp_path_factory.mktemp("graphs-int4"), int4=True)
 
 
 def _diff(r: Reference, outs: list[list[int]]) -> list[str]:
@@ -114,26 +121,37 @@ def test_step_has_no_host_sync(ref, spec):
     torch.cuda.synchronize()
 
 
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
-@pytest.mark.parametrize("spec,budget", MODES, ids=[f"{s}-{b}" if b else s for s, b in MODES])
-def test_gpu_tokens_equal_cpu_reference(ref, spec, budget, graphs):
-    eng = ref.gpu.configure(spec=spec, budget=budget or 16, graphs=graphs)
-    singles = [list(eng.generate_ids(p, NEW)) for p in ref.prompts]
+def _compare(r: Reference, spec: str, budget: int, graphs: bool) -> None:
+    eng = r.gpu.configure(spec=spec, budget=budget or 16, graphs=graphs)
+    singles = [list(eng.generate_ids(p, NEW)) for p in r.prompts]
     st1 = dict(eng.last_stats)
-    batched = eng.generate_batch_ids(ref.prompts, NEW)
+    batched = eng.generate_batch_ids(r.prompts, NEW)
     st3 = dict(eng.last_stats)
-    errs = [f"batch 1: {e}" for e in _diff(ref, singles)] + [f"batch 3: {e}" for e in _diff(ref, batched)]
+    errs = [f"batch 1: {e}" for e in _diff(r, singles)] + [f"batch 3: {e}" for e in _diff(r, batched)]
     used = [st1.get("graphs"), st3.get("graphs")]
-    entry = {"spec": spec, "budget": budget or None, "graphs_asked": graphs, "graphs_used": used,
+    entry = {"model": r.model, "spec": spec, "budget": budget or None, "graphs_asked": graphs, "graphs_used": used,
              "graph_via": st1.get("graph_via"), "graph_note": st1.get("graph_note") or st3.get("graph_note"),
-             "tau": st1.get("tau"), "errors": errs, "safe": ref.safe}
+             "tau": st1.get("tau"), "errors": errs, "safe": r.safe}
     REPORT["compared"].append(entry)
-    print(f"\n{spec}-{budget} graphs={graphs}: used {used} via {st1.get('graph_via')} tau {st1.get('tau')} "
+    print(f"\n{r.model} {spec}-{budget} graphs={graphs}: used {used} via {st1.get('graph_via')} tau {st1.get('tau')} "
           f"note {entry['graph_note']}")
     assert not errs, "\n".join(errs)
     if graphs:
         assert all(used), f"graphs were asked for but not used: {entry['graph_note']}"
         assert st1.get("graph_via") == "cuda-python", f"replayed via {st1.get('graph_via')}: {entry['graph_note']}"
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize("spec,budget", MODES, ids=[f"{s}-{b}" if b else s for s, b in MODES])
+def test_gpu_tokens_equal_cpu_reference(ref, spec, budget, graphs):
+    _compare(ref, spec, budget, graphs)
+
+
+@pytest.mark.parametrize("spec,budget,graphs", [("none", 0, False), ("ddtree", 16, True)],
+                         ids=["none-eager", "ddtree-16-graphs"])
+def test_int4_model_gpu_tokens_equal_cpu_reference(ref_int4, spec, budget, graphs):
+    """INT4 experts: moe_w4a16's Triton kernels on the GPU against its dequantising reference on the CPU."""
+    _compare(ref_int4, spec, budget, graphs)
 
 
 def test_sampled_replay_equals_eager(ref):
@@ -171,11 +189,11 @@ def test_bench_host_overhead_with_graphs(ref):
 def _write_report(r: Reference) -> None:
     out = os.environ.get("KDTREE_RESULTS_DIR")
     rows = REPORT["compared"]
-    lines = [f"{'mode':<12}{'graphs':>8}{'used':>16}{'via':>13}{'tau':>8}  result"]
+    lines = [f"{'model':<7}{'mode':<12}{'graphs':>8}{'used':>16}{'via':>13}{'tau':>8}  result"]
     for e in rows:
         mode = e["spec"] + (f"-{e['budget']}" if e["budget"] else "")
         result = "ok" if not e["errors"] else f"{len(e['errors'])} mismatches"
-        lines.append(f"{mode:<12}{str(e['graphs_asked']):>8}{str(e['graphs_used']):>16}{str(e['graph_via']):>13}"
+        lines.append(f"{e['model']:<7}{mode:<12}{str(e['graphs_asked']):>8}{str(e['graphs_used']):>16}{str(e['graph_via']):>13}"
                      f"{str(e['tau']):>8}  {result}")
     print("\n" + "\n".join(lines))
     if out:

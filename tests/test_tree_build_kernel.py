@@ -6,7 +6,8 @@
   sees the interpreter's triton): end to end from logits, and stage 2 alone on crafted candidate lists;
 - on CUDA (pytest -m gpu): >= 200 random shapes up to the Kimi vocabulary, B 1024, depth 16, all five
   outputs equal; a JSON summary goes to $KDTREE_RESULTS_DIR/tree_build-device-test.json when set
-  ($KDTREE_TREE_BUILD_SHAPES overrides the 240 shapes; they compile ~30 variants of the tree kernel).
+  ($KDTREE_TREE_BUILD_SHAPES overrides the 240 shapes); their kernel variants are compiled first, in parallel
+  processes (tests/compile_warmup.py).
 
 `python tests/test_tree_build_kernel.py --interpret` runs the interpreter worker by hand.
 """
@@ -225,13 +226,55 @@ def _gpu_shapes(n_shapes: int = 240) -> list[dict]:
     return shapes
 
 
-def _write_device_summary(results: list[dict], t0: float, done: bool) -> dict:
+def _variant_keys(s: dict) -> tuple[tuple, tuple]:
+    """What decides the kernels a shape compiles (the request count b does not): (tree kernel key, stage-1
+    key): the pads and Triton's integer specialisations of the sizes each kernel receives, and the dtype."""
+    from compile_warmup import int_spec
+    from plugins.bitmask import mask_words
+    from plugins.tree_build.workspace import candidate_count, default_chunk
+    k = min(s["topk"], s["V"], s["B"])
+    b_pad = max(2, 1 << (s["B"] - 1).bit_length())
+    p_pad = max(b_pad, 1 << (candidate_count(s["B"], k) - 1).bit_length())
+    tree = (b_pad, p_pad, 1 << (s["D"] - 1).bit_length(), *map(int_spec, (k, s["B"], s["D"], mask_words(s["B"] + 1))))
+    chunk = default_chunk(s["V"])
+    chunks = -(-s["V"] // chunk)
+    stage1 = (chunk, 1 << (chunks - 1).bit_length(), max(2, 1 << (k - 1).bit_length()),
+              *map(int_spec, (s["V"], chunks, k)), str(s["dtype"]))
+    return tree, stage1
+
+
+def _warm_groups(shapes: list[dict]) -> tuple[list[list[dict]], list[int]]:
+    """b = 1 cases covering every kernel variant of the shapes, grouped by tree-kernel variant (one group runs
+    in one process, so no variant compiles twice at once), and each group's cost (its candidate pad P_PAD:
+    the tree kernel's compile time grows with it)."""
+    groups: dict[tuple, list[dict]] = {}
+    seen_stage1 = set()
+    for s in shapes:
+        tree, stage1 = _variant_keys(s)
+        if tree not in groups or stage1 not in seen_stage1:
+            groups.setdefault(tree, []).append(dict(s, b=1, dtype=str(s["dtype"]).split(".")[-1]))
+            seen_stage1.add(stage1)
+    return list(groups.values()), [tree[1] for tree in groups]
+
+
+def warm_worker(cases: list[dict]) -> None:
+    """Launches each case once on CUDA (compiles its kernels into Triton's cache); no checks."""
+    from plugins.tree_build.kernel import tree_build_triton
+    for c in cases:
+        logits = torch.randn(1, c["D"], c["V"], device="cuda").to(getattr(torch, c["dtype"]))
+        root = torch.zeros(1, dtype=torch.int64, device="cuda")
+        tree_build_triton(logits, root, root.clone(), c["topk"], *poisoned_outputs(1, c["B"] + 1, "cuda"))
+    torch.cuda.synchronize()
+
+
+def _write_device_summary(results: list[dict], t0: float, done: bool, warmed: dict) -> dict:
     """$KDTREE_RESULTS_DIR/tree_build-device-test.json, rewritten as the run goes (a run cut short by a
     time limit still leaves what it checked, with complete = false)."""
     failed = [r for r in results if not r["ok"]]
     summary = {"op": "tree_build", "complete": done, "shapes_checked": len(results), "failed": len(failed),
                "exact": "all five outputs and the stage-1 lp/ids compared with torch.equal",
-               "seconds": round(time.time() - t0, 1), "failures": failed[:20], "shapes": results}
+               "seconds": round(time.time() - t0, 1), "compile_warmup": warmed, "failures": failed[:20],
+               "shapes": results}
     out_dir = os.environ.get("KDTREE_RESULTS_DIR")
     if out_dir:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
@@ -241,25 +284,30 @@ def _write_device_summary(results: list[dict], t0: float, done: bool) -> dict:
 
 @pytest.mark.gpu
 def test_tree_build_kernel_gpu():
+    from compile_warmup import warm
     t0 = time.time()
+    shapes = _gpu_shapes(int(os.environ.get("KDTREE_TREE_BUILD_SHAPES", "240")))
+    warmed = warm(Path(__file__), *_warm_groups(shapes))
     results = []
-    for i, s in enumerate(_gpu_shapes(int(os.environ.get("KDTREE_TREE_BUILD_SHAPES", "240")))):
+    for i, s in enumerate(shapes):
         rng, gen = random.Random(i), torch.Generator().manual_seed(i)
         logits = make_logits(rng, gen, s["b"], s["D"], s["V"], s["mode"], "cuda")
         res = check_end_to_end(logits, s["topk"], s["B"], seed=i, dtype=s["dtype"])
         res.update(mode=s["mode"], case=i, seconds=round(time.time() - t0, 1))
         results.append(res)
         if i % 10 == 9:
-            _write_device_summary(results, t0, done=False)
+            _write_device_summary(results, t0, False, warmed)
     torch.cuda.synchronize()
     for i, budget in enumerate((20, 22, 24)):
         res = check_stage2(ABSORPTION_LP, budget, seed=i, device="cuda")
         res.update(case=f"absorption-{budget}")
         results.append(res)
-    summary = _write_device_summary(results, t0, done=True)
+    summary = _write_device_summary(results, t0, True, warmed)
     print(f"tree_build GPU: {len(results)} shapes, {summary['failed']} failed, {summary['seconds']} s")
     assert not summary["failed"], summary["failures"][:5]
 
 if __name__ == "__main__":
     if "--interpret" in sys.argv:
         print(json.dumps(interpreter_worker()))
+    elif "--warm" in sys.argv:
+        warm_worker(json.loads(sys.argv[sys.argv.index("--warm") + 1]))

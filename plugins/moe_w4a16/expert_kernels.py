@@ -1,5 +1,5 @@
-"""Triton grouped expert GEMMs for moe_w4a16: gate/up (split-K partials), down (SiLU * up of the summed
-partials, routing weight), combine.
+"""Triton grouped expert GEMMs for moe_w4a16: gate/up (split-K partials), SiLU * up of the summed partials,
+down (routing weight), combine.
 
 Both GEMMs run "swapped": a program computes out^T [BN weight rows, BM tokens] = W [BN, k] . X^T [k, BM],
 so the weight rows fill the tensor core's M side and the few tokens of an expert its N side (>= 16,
@@ -8,7 +8,8 @@ a < n_active reads the local expert id active[a] and its token count from the ro
 past n_active and experts with no tokens do nothing.  The grid's first dim is min(e_local, t * K), a
 static bound.  A program takes token tiles z, z + MT, ... of its expert and, for each, streams its k range.
 Small token counts give few (expert, row block) pairs, so gate/up splits k over programs and writes fp32
-partials [splits, t*K, 2i]; down sums them in a fixed order (deterministic, no atomics, no memset).
+partials [splits, t*K, 2i]; silu_mul_kernel sums them once in a fixed order (deterministic, no atomics, no
+memset) into h [t*K, i], which down reads like gate/up reads x.
 
 INT4 (build_pipeline/moe_layout.py): a [BN, 32] int32 tile of a 256-block holds 8 nibble planes;
 plane p is the K-contiguous [BN, 32] slice k = 256 b + 32 p + (0..31) of one scale group.  The plane is
@@ -83,7 +84,7 @@ def gate_up_kernel(x_ptr, w_ptr, s_ptr, part_ptr, counts_ptr, active_ptr, lists_
     """part[split, s, n] = sum over this split's k of w13_e[n, k] x[s // K, k], for the slots s of expert e.
 
     x [t, d]; w13 int32 [e, 2i, kp/8] (INT4) or [e, 2i, d] (dense); scales [e, kp/32, 2i] (any strides);
-    part [splits, t*K, 2i] fp32 (gate rows then up rows; down_kernel sums the splits and applies SiLU * up).
+    part [splits, t*K, 2i] fp32 (gate rows then up rows; silu_mul_kernel sums the splits).
     Grid (active expert slot, BN-row block of the 2i rows, split * MT + token tile): split-K over blocks of
     256 k (KB_PER per split) gives small token counts enough programs; token tiles past MT loop.
     """
@@ -129,28 +130,34 @@ def gate_up_kernel(x_ptr, w_ptr, s_ptr, part_ptr, counts_ptr, active_ptr, lists_
 
 
 @triton.jit
-def _h_plane(part_ptr, slot, mmask, rk, kmask, I, n_slots, SPLITS: tl.constexpr, BM: tl.constexpr,
-             dtype: tl.constexpr):
-    """h[s, rk] = silu(gate) * up for slots [BM] at k = rk [32], the gate/up sums over the SPLITS partials
-    (fixed order: deterministic) -> [BM, 32] in dtype."""
-    g = tl.zeros([BM, 32], tl.float32)
-    u = tl.zeros([BM, 32], tl.float32)
-    m = mmask[:, None] & kmask[None, :]
+def silu_mul_kernel(part_ptr, h_ptr, idx_ptr, I, n_slots, e_start, e_local, SPLITS: tl.constexpr,
+                    BI: tl.constexpr):
+    """h[s, j] = silu(gate) * up for the slots s routed to a local expert, gate / up the sums over the SPLITS
+    partials part[:, s, j] / part[:, s, I + j] (fixed order: deterministic), rounded once to h's dtype.
+
+    part [SPLITS, t*K, 2i] fp32 -> h [t*K, i].  Grid (slot, BI block of i).  The partials are read once here
+    instead of by every row block of down_kernel."""
+    s = tl.program_id(0).to(tl.int64)
+    rj = tl.program_id(1) * BI + tl.arange(0, BI)  # [BI]
+    le = tl.load(idx_ptr + s) - e_start
+    m = (rj < I) & (le >= 0) & (le < e_local)
+    g = tl.zeros([BI], tl.float32)
+    u = tl.zeros([BI], tl.float32)
     for sp in tl.static_range(SPLITS):
-        row = part_ptr + (sp * n_slots + slot[:, None]).to(tl.int64) * (2 * I) + rk[None, :]  # [BM, 32]
-        g += tl.load(row, mask=m, other=0.0)
-        u += tl.load(row + I, mask=m, other=0.0)
-    return (g / (1.0 + tl.exp(-g)) * u).to(dtype)
+        row = part_ptr + (sp * n_slots + s) * (2 * I)
+        g += tl.load(row + rj, mask=m, other=0.0)
+        u += tl.load(row + I + rj, mask=m, other=0.0)
+    tl.store(h_ptr + s * I + rj, (g / (1.0 + tl.exp(-g)) * u).to(h_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
-def down_kernel(part_ptr, w_ptr, s_ptr, topw_ptr, out_ptr, counts_ptr, active_ptr, lists_ptr,
-                T, D, I, e_local, n_slots, stride_we, stride_wn, stride_se, stride_sn, stride_sg,
-                SPLITS: tl.constexpr, INT4: tl.constexpr, N_KB: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+def down_kernel(h_ptr, w_ptr, s_ptr, topw_ptr, out_ptr, counts_ptr, active_ptr, lists_ptr,
+                T, D, I, e_local, stride_we, stride_wn, stride_se, stride_sn, stride_sg,
+                INT4: tl.constexpr, N_KB: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
                 SCALE_TILE: tl.constexpr, DOT_PREC: tl.constexpr):
-    """out[s, n] = topk_w[s] * (down_e[n] . h[s]), h = silu(gate) * up from gate_up_kernel's partials.
+    """out[s, n] = topk_w[s] * (down_e[n] . h[s]), h = silu(gate) * up from silu_mul_kernel.
 
-    part [SPLITS, t*K, 2i] fp32; w2 int32 [e, d, kp/8] (INT4) or [e, d, i] (dense); scales [e, kp/32, d];
+    h [t*K, i] (x's dtype); w2 int32 [e, d, kp/8] (INT4) or [e, d, i] (dense); scales [e, kp/32, d];
     out [t*K, d] (x's dtype).  Grid (active expert slot, BN block of d, token tile).
     """
     pid_e = tl.program_id(0)
@@ -164,6 +171,7 @@ def down_kernel(part_ptr, w_ptr, s_ptr, topw_ptr, out_ptr, counts_ptr, active_pt
     m0 = tl.program_id(2) * BM
     while m0 < cnt:  # (a while, not range(cnt): the interpreter cannot range over a loaded value)
         slot, mmask = _token_tile(lists_ptr, e, T, m0, cnt, BM)  # [BM]
+        h_rows = h_ptr + slot.to(tl.int64) * I  # [BM]
         acc = tl.zeros([BN, BM], tl.float32)
         for kb in range(0, N_KB):  # N_KB constexpr: the interpreter cannot range over a runtime int
             if INT4:
@@ -175,7 +183,7 @@ def down_kernel(part_ptr, w_ptr, s_ptr, topw_ptr, out_ptr, counts_ptr, active_pt
             for p in tl.static_range(8):
                 rk = kb * 256 + p * 32 + rj
                 kmask = rk < I
-                hk = _h_plane(part_ptr, slot, mmask, rk, kmask, I, n_slots, SPLITS, BM, out_ptr.dtype.element_ty)
+                hk = tl.load(h_rows[:, None] + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)  # [BM, 32]
                 if INT4:
                     sc = _plane_scale(s_e, s8, rn, nmask, kb * 8 + p, stride_sn, stride_sg, p, SCALE_TILE)
                     a = _plane(w, p, sc, hk.dtype)  # [BN, 32]

@@ -1,7 +1,7 @@
-"""Launcher of the Triton moe_w4a16 path: entry checks, static workspaces, five launches, no host sync.
+"""Launcher of the Triton moe_w4a16 path: entry checks, static workspaces, six launches, no host sync.
 
 memset(counts) -> route_kernel (top-k + bucket by expert) -> gate_up_kernel (split-K partials) ->
-down_kernel -> combine_kernel.
+silu_mul_kernel (h = silu(gate) * up) -> down_kernel -> combine_kernel.
 Every size is a function of the static shapes (t, K, e_local, d, i); the data-dependent parts (how
 many experts are active, how many tokens each has) are read on the device.  Runs on CUDA tensors and,
 under TRITON_INTERPRET=1, on CPU tensors (the CPU tests check the kernel logic that way).
@@ -10,12 +10,12 @@ under TRITON_INTERPRET=1, on CPU tensors (the CPU tests check the kernel logic t
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from build_pipeline.moe_layout import BLOCK_K, GROUP
-from plugins.moe_w4a16.expert_kernels import combine_kernel, down_kernel, gate_up_kernel
+from plugins.moe_w4a16.expert_kernels import combine_kernel, down_kernel, gate_up_kernel, silu_mul_kernel
 from plugins.moe_w4a16.route_kernel import next_pow2, route_kernel
 
 SMS = 132  # H200; only used to pick tile sizes that give enough programs
@@ -24,10 +24,11 @@ SMS = 132  # H200; only used to pick tile sizes that give enough programs
 @dataclass(frozen=True)
 class KernelConfig:
     """Tiles: bm tokens per tile; bn1 rows of w13 (of 2i) per gate_up program, bn2 rows of w2 (of d) per down
-    program; split: k splits of gate_up (0: chosen from the shapes); mt: token tiles in the grid (0: chosen)."""
-    bm: int = 16
+    program; split: k splits of gate_up; mt: token tiles in the grid.  0 in bm, split or mt: chosen from the
+    shapes (launch_plan)."""
+    bm: int = 0
     bn1: int = 64
-    bn2: int = 64
+    bn2: int = 128
     split: int = 0
     mt: int = 0
     scale_tile: bool = False
@@ -35,18 +36,37 @@ class KernelConfig:
     warps2: int = 4
     stages1: int = 3
     stages2: int = 3
+    bi: int = 1024  # silu_mul: features of h per program
     bd: int = 1024  # combine: features per program
 
 
-def default_config(t: int, top_k: int, e_total: int, e_local: int, d: int, i: int) -> KernelConfig:
-    """Heuristic tiles from the static shapes: bm from the mean tokens per expert; the k split of gate_up
-    so that (experts likely active) x (row blocks) x splits covers the SMs about twice (tree routing
-    touches about half the slots' worth of distinct experts)."""
-    per_expert = t * top_k / max(e_total, 1)
-    bm = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
-    active = max(1, min(e_local, t * top_k) // 2)
-    blocks = active * triton_cdiv(2 * i, KernelConfig.bn1)
-    return KernelConfig(bm=bm, split=max(1, min(triton_cdiv(2 * SMS, blocks), triton_cdiv(d, BLOCK_K))))
+@dataclass(frozen=True)
+class LaunchPlan:
+    """The static launch sizes of one call, from the shapes alone: the tiles, the 256-wide k blocks of each GEMM
+    (n_kb1 over d, n_kb2 over i), gate_up's k blocks per split and split count, and the token tiles in the
+    grid (mt).  Kernel variants are keyed by these (tests/test_moe_w4a16.py groups its compile warm-up by them)."""
+    cfg: KernelConfig
+    n_kb1: int
+    n_kb2: int
+    kb_per: int
+    splits: int
+    mt: int
+
+
+def launch_plan(t: int, top_k: int, e_local: int, d: int, i: int, config: KernelConfig | None = None) -> LaunchPlan:
+    """config (default KernelConfig()) with its 0 fields chosen from the static shapes, from the H200 tile
+    sweep (NOTES.md): bm 16 up to 128 token slots (t * top_k), 32 above (64 past 48 slots per local expert);
+    the k split of gate_up so that (experts likely active) x (row blocks) x splits fills the SMs about four
+    times over (tree routing touches about half the slots' worth of distinct experts)."""
+    cfg = config or KernelConfig()
+    slots = t * top_k
+    bm = cfg.bm or (16 if slots <= 128 else 32 if slots <= 48 * e_local else 64)
+    n_kb1, n_kb2 = triton_cdiv(d, BLOCK_K), triton_cdiv(i, BLOCK_K)
+    blocks = max(1, min(e_local, slots) // 2) * triton_cdiv(2 * i, cfg.bn1)
+    split = cfg.split or max(1, min(triton_cdiv(4 * SMS, blocks), n_kb1))
+    kb_per = triton_cdiv(n_kb1, min(split, n_kb1))
+    cfg = replace(cfg, bm=bm, split=split, mt=cfg.mt or min(triton_cdiv(t, bm), 4))
+    return LaunchPlan(cfg, n_kb1, n_kb2, kb_per, triton_cdiv(n_kb1, kb_per), cfg.mt)
 
 
 def _check(x, logits, bias, w13, s13, w2, s2, top_k, n_group, topk_group, e_start) -> tuple[int, int, int, bool]:
@@ -101,7 +121,8 @@ def moe_w4a16_triton(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
     y = torch.empty_like(x)
     if t == 0:
         return y
-    cfg = config or default_config(t, top_k, e, e_local, d, i)
+    plan = launch_plan(t, top_k, e_local, d, i, config)
+    cfg = plan.cfg
     dev = x.device
     counts = torch.zeros(e_local + 1, dtype=torch.int32, device=dev)  # [e_local] tokens per expert | n_active
     active = torch.empty(e_local, dtype=torch.int32, device=dev)  # local ids of the active experts
@@ -121,22 +142,21 @@ def moe_w4a16_triton(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
     n_slots = t * top_k
     s13 = w13_scale if int4 else w13  # any tensor: unused when dense
     s2 = w2_scale if int4 else w2
-    n_kb1 = w13.shape[2] * 8 // BLOCK_K if int4 else triton_cdiv(d, BLOCK_K)
-    n_kb2 = w2.shape[2] * 8 // BLOCK_K if int4 else triton_cdiv(i, BLOCK_K)
-    kb_per = triton_cdiv(n_kb1, max(1, min(cfg.split or 1, n_kb1)))
-    splits = triton_cdiv(n_kb1, kb_per)
-    mt = cfg.mt or min(triton_cdiv(t, cfg.bm), 4)
+    splits, mt = plan.splits, plan.mt
     part = torch.empty(splits, n_slots, 2 * i, dtype=torch.float32, device=dev)  # [splits, t*K, 2i] gate|up partials
     gate_up_kernel[(slots, triton_cdiv(2 * i, cfg.bn1), splits * mt)](
         x, w13, s13, part, counts, active, lists, t, d, 2 * i, e_local, n_slots,
         w13.stride(0), w13.stride(1), *_scale_strides(s13, int4),
-        TOPK=top_k, INT4=int4, N_KB=n_kb1, KB_PER=kb_per, MT=mt, BN=cfg.bn1, BM=cfg.bm, SCALE_TILE=cfg.scale_tile,
-        DOT_PREC=prec,
-        num_warps=cfg.warps1, num_stages=cfg.stages1)
+        TOPK=top_k, INT4=int4, N_KB=plan.n_kb1, KB_PER=plan.kb_per, MT=mt, BN=cfg.bn1, BM=cfg.bm,
+        SCALE_TILE=cfg.scale_tile, DOT_PREC=prec, num_warps=cfg.warps1, num_stages=cfg.stages1)
+    h = torch.empty(n_slots, i, dtype=x.dtype, device=dev)  # [t*K, i] silu(gate) * up per slot
+    bi = min(cfg.bi, next_pow2(i))
+    silu_mul_kernel[(n_slots, triton_cdiv(i, bi))](part, h, topk_idx, i, n_slots, e_start, e_local,
+                                                    SPLITS=splits, BI=bi, num_warps=4)
     down_kernel[(slots, triton_cdiv(d, cfg.bn2), mt)](
-        part, w2, s2, topk_w, out, counts, active, lists, t, d, i, e_local, n_slots,
+        h, w2, s2, topk_w, out, counts, active, lists, t, d, i, e_local,
         w2.stride(0), w2.stride(1), *_scale_strides(s2, int4),
-        SPLITS=splits, INT4=int4, N_KB=n_kb2, BN=cfg.bn2, BM=cfg.bm, SCALE_TILE=cfg.scale_tile, DOT_PREC=prec,
+        INT4=int4, N_KB=plan.n_kb2, BN=cfg.bn2, BM=cfg.bm, SCALE_TILE=cfg.scale_tile, DOT_PREC=prec,
         num_warps=cfg.warps2, num_stages=cfg.stages2)
     bd = min(cfg.bd, next_pow2(d))
     combine_kernel[(t, triton_cdiv(d, bd))](out, topk_idx, y, d, e_start, e_local, K=top_k, BD=bd, num_warps=4)

@@ -58,16 +58,19 @@ class Config:
 #     while the other waits.
 #   m <= 32 (N = 4): keys as M (scores^T = k q^T on wgmma 64x32, o^T += v^T p^T): q read once per
 #     tile instead of once per warp (the 32 x 32 8-warp mma.sync version was smem-bound), 184 KB.
-#   m > 32 (N = 8 memory-bound and everything compute-bound): 64 rows x 32 keys, one warpgroup,
+#   32 < m <= 1024 (N = 8 memory-bound, and compute-bound up to h = 128 x N = 8): 64 rows x 32 keys, one warpgroup,
 #     half of d_v per program (dv_split 2): no cross-warpgroup reductions or p exchange per tile
 #     (the 8-warp version split every row over two warpgroups and ran ~4x under the tensor rate),
 #     3 stages, 181 KB, 255 registers, 8 B of spills; 1.53x the flops, predicted net ~1.6x faster.
+#   m > 1024 (compute-bound: h = 64 x N = 64): 64 x 64 tiles, two warpgroups, 2 stages, whole d_v: the H200
+#     sweep of 2026-12-03 timed it at 1125 us against 1500 us for the dv_split-2 tiles (h64 N64 L32K).
 # fp32 inputs (tiny test models) take exact fp32 dots on the FMA units: small tiles.
 # The benchmark's sweep (benchmarks/tree_verify_mla.py) times the alternatives on the H200.
 CONFIGS_16BIT: tuple[tuple[int, Config], ...] = (
     (16, Config(block_m=16, block_n=32, num_warps=4, num_stages=3, ctas_per_sm=2)),
     (32, Config(block_m=32, block_n=64, num_warps=4, num_stages=2, keys_m=True)),
-    (1 << 62, Config(block_m=64, block_n=32, num_warps=4, num_stages=3, dv_split=2)),
+    (1024, Config(block_m=64, block_n=32, num_warps=4, num_stages=3, dv_split=2)),
+    (1 << 62, Config(block_m=64, block_n=64, num_warps=8, num_stages=2)),
 )
 CONFIGS_FP32: tuple[tuple[int, Config], ...] = (  # 128 registers, no spill (4 warps: 255 and 1 KB of spills)
     (1 << 62, Config(block_m=16, block_n=32, num_warps=8, num_stages=2)),
