@@ -35,10 +35,9 @@ from plugins.moe_w4a16 import experts_reference, route_reference  # noqa: E402,F
 from plugins.moe_w4a16.launch import KernelConfig, launch_plan, moe_w4a16_triton  # noqa: E402
 
 D, E, K, SCALING = 7168, 384, 8, 2.827
-# tile sweep on the TP8 tree rows: each entry changes the default (launch_plan's choices for its 0 fields)
-SWEEP = [KernelConfig(bn2=64), KernelConfig(bn2=256, warps2=8), KernelConfig(bn1=128, warps1=8),
-         KernelConfig(stages1=4), KernelConfig(split=1), KernelConfig(split=4), KernelConfig(bm=16),
-         KernelConfig(bm=32), KernelConfig(bm=64), KernelConfig(scale_tile=True)]
+# tile sweep on the TP8 tree rows: each entry changes the default (launch_plan's choices for its 0 fields);
+# packed=False: one weight per dequantising instruction; grid_e=1 << 20: one program per expert slot (no loop)
+SWEEP = [KernelConfig(packed=False), KernelConfig(grid_e=1 << 20), KernelConfig(packed=False, grid_e=1 << 20)]
 
 
 def make_experts(e_local: int, i: int, dev) -> dict:

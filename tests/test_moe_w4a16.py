@@ -116,7 +116,8 @@ def interp_results():
 
 @pytest.mark.parametrize("case", ["t1_int4_bf16", "t5_grouped_int4_bf16", "t3_ep_int4_fp32", "t4_dense_bf16",
                                   "t20_hot_expert_int4_fp32", "t3_split_k_int4_fp32", "t3_split_k_dense_fp32",
-                                  "t40_hot_loop_int4_fp32", "t3_scale_tile_int4_fp32"])
+                                  "t40_hot_loop_int4_fp32", "t3_scale_tile_int4_fp32",
+                                  "t20_expert_loop_int4_fp32"])
 def test_triton_interpreter_matches_reference(interp_results, case):
     r = interp_results[case]
     # the interpreter rounds fp32 -> bf16 by truncation (the GPU rounds to nearest): 2e-2 for bf16 there

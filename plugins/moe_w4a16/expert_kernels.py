@@ -3,10 +3,11 @@ down (routing weight), combine.
 
 Both GEMMs run "swapped": a program computes out^T [BN weight rows, BM tokens] = W [BN, k] . X^T [k, BM],
 so the weight rows fill the tensor core's M side and the few tokens of an expert its N side (>= 16,
-padding masked).  Grid (expert slot, BN block of output rows, [split x] token tile): expert slot
-a < n_active reads the local expert id active[a] and its token count from the routing workspace; slots
-past n_active and experts with no tokens do nothing.  The grid's first dim is min(e_local, t * K), a
-static bound.  A program takes token tiles z, z + MT, ... of its expert and, for each, streams its k range.
+padding masked).  Grid (G, BN block of output rows, [split x] token tile): program g loops over the active
+experts a = g, g + G, ... < n_active, reading the local expert id active[a] and its token count from the
+routing workspace (G is a static bound from the launcher: a few waves of programs, at most min(e_local,
+t * K), so that programs past the data-dependent n_active are few).  For each expert a program takes token
+tiles z, z + MT, ... and, for each, streams its k range.
 Small token counts give few (expert, row block) pairs, so gate/up splits k over programs and writes fp32
 partials [splits, t*K, 2i]; silu_mul_kernel sums them once in a fixed order (deterministic, no atomics, no
 memset) into h [t*K, i], which down reads like gate/up reads x.
@@ -15,7 +16,9 @@ INT4 (build_pipeline/moe_layout.py): a [BN, 32] int32 tile of a 256-block holds 
 plane p is the K-contiguous [BN, 32] slice k = 256 b + 32 p + (0..31) of one scale group.  The plane is
 dequantised in registers (`_plane`: shift, mask, or with 0x4B000000, one fp32 subtraction, times the
 group scale, one rounding to x's dtype, as the reference's dequantise-then-cast) and fed to the dot;
-the dots of a k block chain on one accumulator.  The token operand is loaded [BM, 32] (k contiguous,
+the dots of a k block chain on one accumulator (`_kblock`).  With bf16 tokens and bf16 scales on the GPU
+(PACKED), planes p and p + 4 are dequantised together, two weights per bf16x2 instruction
+(`_plane_pair`).  The token operand is loaded [BM, 32] (k contiguous,
 16-byte vectors, so Triton pipelines it with cp.async like the weights) and transposed in shared memory.
 Scales: per plane [BN] loads, or (SCALE_TILE) one [BN, 8] tile per k block (any scale strides).
 Dense (bf16 / fp32 checkpoints): the same loop reads the weights directly, no scales.
@@ -48,6 +51,72 @@ def _plane(w, P: tl.constexpr, scale, dtype: tl.constexpr):
 
 
 @triton.jit
+def _plane_pair(ws, s_lo, s_hi):
+    """Nibble planes P and P + 4 of int32 words shifted right by 4P (ws [BN, 32]), dequantised two weights per
+    instruction -> (q_P * s_lo, q_P+4 * s_hi), two [BN, 32] bf16 (s_lo, s_hi [BN] bf16).
+
+    The two planes are 16 bits apart, so (ws & 0x000F000F) | 0x43004300 is the bf16 pair (128 + v_P, 128 + v_P+4)
+    (v = q + 8); one bf16x2 subtraction of 136 gives q exactly and one bf16x2 multiply by the scale pair rounds
+    q * s once, as _plane does (sm_90 PTX: sub / mul .bf16x2)."""
+    s2 = (s_lo.to(tl.uint16, bitcast=True).to(tl.uint32)
+          | (s_hi.to(tl.uint16, bitcast=True).to(tl.uint32) << 16)).to(tl.int32, bitcast=True)  # [BN] (s_lo, s_hi)
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t, m;
+        lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA;
+        mov.b32 m, 0x43084308;
+        sub.rn.bf16x2 t, t, m;
+        mul.rn.bf16x2 t, t, $3;
+        mov.b32 {$0, $1}, t;
+        }""",
+        constraints="=h,=h,r,r", args=[ws, tl.broadcast_to(s2[:, None], ws.shape)],
+        dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+
+
+@triton.jit
+def _kblock(acc, rows, mmask, w_e, s_e, rn, nmask, kb, kb_ok, K, stride_wn, stride_sn, stride_sg,
+            INT4: tl.constexpr, PACKED: tl.constexpr, SCALE_TILE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """acc [BN, BM] + W[rn, k] . X[rows, k]^T over the 256 k of block kb (k < K; nothing when not kb_ok).
+
+    rows [BM] row pointers of the token operand (x or h); W: INT4 planes (8 per int32 word, dequantised in
+    registers: PACKED two per instruction for bf16 tokens and bf16 scales, else one by one) or dense rows."""
+    rj = tl.arange(0, 32)
+    if INT4:
+        w = tl.load(w_e + rn[:, None] * stride_wn + kb * 32 + rj[None, :], mask=nmask[:, None] & kb_ok,
+                    other=0)  # [BN, 32] int32: 8 nibble planes of 32 k each
+    if PACKED:
+        for pp in tl.static_range(4):
+            rk_lo = kb * 256 + pp * 32 + rj  # [32] plane pp; plane pp + 4 is 128 k further
+            x_lo = tl.load(rows[:, None] + rk_lo[None, :], mask=mmask[:, None] & ((rk_lo < K) & kb_ok)[None, :],
+                           other=0.0)  # [BM, 32]
+            x_hi = tl.load(rows[:, None] + (rk_lo + 128)[None, :],
+                           mask=mmask[:, None] & ((rk_lo + 128 < K) & kb_ok)[None, :], other=0.0)
+            s_lo = tl.load(s_e + rn * stride_sn + (kb * 8 + pp) * stride_sg, mask=nmask & kb_ok, other=0.0)
+            s_hi = tl.load(s_e + rn * stride_sn + (kb * 8 + pp + 4) * stride_sg, mask=nmask & kb_ok, other=0.0)
+            w_lo, w_hi = _plane_pair(w >> (4 * pp), s_lo, s_hi)  # [BN, 32] bf16 each
+            acc = _dot(w_lo, tl.trans(x_lo), acc, DOT_PREC)
+            acc = _dot(w_hi, tl.trans(x_hi), acc, DOT_PREC)
+    else:
+        if INT4:
+            s8 = w  # placeholder when the scales are loaded per plane
+            if SCALE_TILE:
+                s8 = tl.load(s_e + rn[:, None] * stride_sn + (kb * 8 + tl.arange(0, 8))[None, :] * stride_sg,
+                             mask=nmask[:, None] & kb_ok, other=0.0).to(tl.float32)  # [BN, 8] group scales
+        for p in tl.static_range(8):
+            rk = kb * 256 + p * 32 + rj  # [32]
+            kmask = (rk < K) & kb_ok
+            xk = tl.load(rows[:, None] + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)  # [BM, 32]
+            if INT4:
+                sc = _plane_scale(s_e, s8, rn, nmask & kb_ok, kb * 8 + p, stride_sn, stride_sg, p, SCALE_TILE)
+                wk = _plane(w, p, sc, xk.dtype)  # [BN, 32]
+            else:
+                wk = tl.load(w_e + rn[:, None] * stride_wn + rk[None, :], mask=nmask[:, None] & kmask[None, :],
+                             other=0.0)  # [BN, 32]
+            acc = _dot(wk, tl.trans(xk), acc, DOT_PREC)
+    return acc
+
+
+@triton.jit
 def _plane_scale(s_e, s8, rn, nmask, g, stride_sn, stride_sg, P: tl.constexpr, SCALE_TILE: tl.constexpr):
     """The [BN] scales of group g (= 8 kb + P) of rows rn: picked from the kb's [BN, 8] tile s8 when
     SCALE_TILE, else loaded on their own."""
@@ -58,13 +127,10 @@ def _plane_scale(s_e, s8, rn, nmask, g, stride_sn, stride_sg, P: tl.constexpr, S
 
 
 @triton.jit
-def _owned_expert(pid_e, counts_ptr, active_ptr, e_local):
-    """(expert, its slot count) for grid row pid_e: the pid_e-th active expert, or (0, 0) past
-    n_active = counts[e_local] (active[a] is unset there), so the program does nothing."""
-    live = pid_e < tl.load(counts_ptr + e_local)
-    e = tl.where(live, tl.load(active_ptr + pid_e), 0)
-    cnt = tl.where(live, tl.load(counts_ptr + e), 0)
-    return e, cnt
+def _active_expert(a, counts_ptr, active_ptr):
+    """(local expert id, its slot count) of the a-th active expert (a < n_active = counts[e_local])."""
+    e = tl.load(active_ptr + a)
+    return e, tl.load(counts_ptr + e)
 
 
 @triton.jit
@@ -79,54 +145,40 @@ def _token_tile(lists_ptr, e, T, m0, cnt, BM: tl.constexpr):
 def gate_up_kernel(x_ptr, w_ptr, s_ptr, part_ptr, counts_ptr, active_ptr, lists_ptr,
                    T, D, N2, e_local, n_slots, stride_we, stride_wn, stride_se, stride_sn, stride_sg,
                    TOPK: tl.constexpr, INT4: tl.constexpr, N_KB: tl.constexpr, KB_PER: tl.constexpr,
-                   MT: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, SCALE_TILE: tl.constexpr,
-                   DOT_PREC: tl.constexpr):
+                   MT: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, PACKED: tl.constexpr,
+                   SCALE_TILE: tl.constexpr, DOT_PREC: tl.constexpr):
     """part[split, s, n] = sum over this split's k of w13_e[n, k] x[s // K, k], for the slots s of expert e.
 
     x [t, d]; w13 int32 [e, 2i, kp/8] (INT4) or [e, 2i, d] (dense); scales [e, kp/32, 2i] (any strides);
     part [splits, t*K, 2i] fp32 (gate rows then up rows; silu_mul_kernel sums the splits).
-    Grid (active expert slot, BN-row block of the 2i rows, split * MT + token tile): split-K over blocks of
-    256 k (KB_PER per split) gives small token counts enough programs; token tiles past MT loop.
+    Grid (G, BN-row block of the 2i rows, split * MT + token tile): program (g, ., .) takes active experts
+    g, g + G, ...; split-K over blocks of 256 k (KB_PER per split) gives small token counts enough programs;
+    token tiles past MT loop.
     """
     pid_e = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_z = tl.program_id(2)
     split = pid_z // MT
-    e, cnt = _owned_expert(pid_e, counts_ptr, active_ptr, e_local)
+    part = part_ptr + split.to(tl.int64) * n_slots * N2
     rn = pid_n * BN + tl.arange(0, BN)  # [BN] rows of w13 (gate rows < i <= up rows)
     nmask = rn < N2
-    rj = tl.arange(0, 32)
-    w_e = w_ptr + e.to(tl.int64) * stride_we
-    s_e = s_ptr + e.to(tl.int64) * stride_se
-    part = part_ptr + split.to(tl.int64) * n_slots * N2
-    m0 = (pid_z % MT) * BM
-    while m0 < cnt:  # (a while, not range(cnt): the interpreter cannot range over a loaded value)
-        slot, mmask = _token_tile(lists_ptr, e, T, m0, cnt, BM)  # [BM]
-        x_rows = x_ptr + (slot // TOPK).to(tl.int64) * D  # [BM]
-        acc = tl.zeros([BN, BM], tl.float32)
-        for kk in range(0, KB_PER):  # constexpr trip count: the interpreter cannot range over a runtime int
-            kb = split * KB_PER + kk
-            kb_ok = kb < N_KB
-            if INT4:
-                w = tl.load(w_e + rn[:, None] * stride_wn + kb * 32 + rj[None, :], mask=nmask[:, None] & kb_ok,
-                            other=0)  # [BN, 32] int32: 8 nibble planes of 32 k each
-                s8 = w  # placeholder when the scales are loaded per plane
-                if SCALE_TILE:
-                    s8 = tl.load(s_e + rn[:, None] * stride_sn + (kb * 8 + tl.arange(0, 8))[None, :] * stride_sg,
-                                 mask=nmask[:, None] & kb_ok, other=0.0).to(tl.float32)  # [BN, 8] group scales
-            for p in tl.static_range(8):
-                rk = kb * 256 + p * 32 + rj  # [32]
-                kmask = (rk < D) & kb_ok
-                xk = tl.load(x_rows[:, None] + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)  # [BM, 32]
-                if INT4:
-                    sc = _plane_scale(s_e, s8, rn, nmask & kb_ok, kb * 8 + p, stride_sn, stride_sg, p, SCALE_TILE)
-                    a = _plane(w, p, sc, xk.dtype)  # [BN, 32]
-                else:
-                    a = tl.load(w_e + rn[:, None] * stride_wn + rk[None, :], mask=nmask[:, None] & kmask[None, :],
-                                other=0.0)  # [BN, 32]
-                acc = _dot(a, tl.trans(xk), acc, DOT_PREC)
-        tl.store(part + slot[None, :].to(tl.int64) * N2 + rn[:, None], acc, mask=nmask[:, None] & mmask[None, :])
-        m0 += MT * BM
+    ae = pid_e
+    while ae < tl.load(counts_ptr + e_local):  # active experts pid_e, pid_e + G, ... (G = grid dim 0)
+        e, cnt = _active_expert(ae, counts_ptr, active_ptr)
+        w_e = w_ptr + e.to(tl.int64) * stride_we
+        s_e = s_ptr + e.to(tl.int64) * stride_se
+        m0 = (pid_z % MT) * BM
+        while m0 < cnt:  # (a while, not range(cnt): the interpreter cannot range over a loaded value)
+            slot, mmask = _token_tile(lists_ptr, e, T, m0, cnt, BM)  # [BM]
+            x_rows = x_ptr + (slot // TOPK).to(tl.int64) * D  # [BM]
+            acc = tl.zeros([BN, BM], tl.float32)
+            for kk in range(0, KB_PER):  # constexpr trip count: the interpreter cannot range over a runtime int
+                kb = split * KB_PER + kk
+                acc = _kblock(acc, x_rows, mmask, w_e, s_e, rn, nmask, kb, kb < N_KB, D, stride_wn, stride_sn,
+                              stride_sg, INT4, PACKED, SCALE_TILE, DOT_PREC)
+            tl.store(part + slot[None, :].to(tl.int64) * N2 + rn[:, None], acc, mask=nmask[:, None] & mmask[None, :])
+            m0 += MT * BM
+        ae += tl.num_programs(0)
 
 
 @triton.jit
@@ -153,49 +205,37 @@ def silu_mul_kernel(part_ptr, h_ptr, idx_ptr, I, n_slots, e_start, e_local, SPLI
 @triton.jit
 def down_kernel(h_ptr, w_ptr, s_ptr, topw_ptr, out_ptr, counts_ptr, active_ptr, lists_ptr,
                 T, D, I, e_local, stride_we, stride_wn, stride_se, stride_sn, stride_sg,
-                INT4: tl.constexpr, N_KB: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+                INT4: tl.constexpr, N_KB: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, PACKED: tl.constexpr,
                 SCALE_TILE: tl.constexpr, DOT_PREC: tl.constexpr):
     """out[s, n] = topk_w[s] * (down_e[n] . h[s]), h = silu(gate) * up from silu_mul_kernel.
 
     h [t*K, i] (x's dtype); w2 int32 [e, d, kp/8] (INT4) or [e, d, i] (dense); scales [e, kp/32, d];
-    out [t*K, d] (x's dtype).  Grid (active expert slot, BN block of d, token tile).
+    out [t*K, d] (x's dtype).  Grid (G, BN block of d, token tile): program (g, ., .) takes active experts
+    g, g + G, ...
     """
     pid_e = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e, cnt = _owned_expert(pid_e, counts_ptr, active_ptr, e_local)
     rn = pid_n * BN + tl.arange(0, BN)  # [BN] output features
     nmask = rn < D
-    rj = tl.arange(0, 32)
-    w_e = w_ptr + e.to(tl.int64) * stride_we
-    s_e = s_ptr + e.to(tl.int64) * stride_se
-    m0 = tl.program_id(2) * BM
-    while m0 < cnt:  # (a while, not range(cnt): the interpreter cannot range over a loaded value)
-        slot, mmask = _token_tile(lists_ptr, e, T, m0, cnt, BM)  # [BM]
-        h_rows = h_ptr + slot.to(tl.int64) * I  # [BM]
-        acc = tl.zeros([BN, BM], tl.float32)
-        for kb in range(0, N_KB):  # N_KB constexpr: the interpreter cannot range over a runtime int
-            if INT4:
-                w = tl.load(w_e + rn[:, None] * stride_wn + kb * 32 + rj[None, :], mask=nmask[:, None], other=0)
-                s8 = w  # placeholder when the scales are loaded per plane
-                if SCALE_TILE:
-                    s8 = tl.load(s_e + rn[:, None] * stride_sn + (kb * 8 + tl.arange(0, 8))[None, :] * stride_sg,
-                                 mask=nmask[:, None], other=0.0).to(tl.float32)  # [BN, 8]
-            for p in tl.static_range(8):
-                rk = kb * 256 + p * 32 + rj
-                kmask = rk < I
-                hk = tl.load(h_rows[:, None] + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)  # [BM, 32]
-                if INT4:
-                    sc = _plane_scale(s_e, s8, rn, nmask, kb * 8 + p, stride_sn, stride_sg, p, SCALE_TILE)
-                    a = _plane(w, p, sc, hk.dtype)  # [BN, 32]
-                else:
-                    a = tl.load(w_e + rn[:, None] * stride_wn + rk[None, :], mask=nmask[:, None] & kmask[None, :],
-                                other=0.0)
-                acc = _dot(a, tl.trans(hk), acc, DOT_PREC)
-        tw = tl.load(topw_ptr + slot, mask=mmask, other=0.0)  # [BM] fp32 routing weights
-        out = acc * tw[None, :]
-        tl.store(out_ptr + slot[None, :].to(tl.int64) * D + rn[:, None], out.to(out_ptr.dtype.element_ty),
-                 mask=nmask[:, None] & mmask[None, :])
-        m0 += tl.num_programs(2) * BM
+    ae = pid_e
+    while ae < tl.load(counts_ptr + e_local):  # active experts pid_e, pid_e + G, ... (G = grid dim 0)
+        e, cnt = _active_expert(ae, counts_ptr, active_ptr)
+        w_e = w_ptr + e.to(tl.int64) * stride_we
+        s_e = s_ptr + e.to(tl.int64) * stride_se
+        m0 = tl.program_id(2) * BM
+        while m0 < cnt:  # (a while, not range(cnt): the interpreter cannot range over a loaded value)
+            slot, mmask = _token_tile(lists_ptr, e, T, m0, cnt, BM)  # [BM]
+            h_rows = h_ptr + slot.to(tl.int64) * I  # [BM]
+            acc = tl.zeros([BN, BM], tl.float32)
+            for kb in range(0, N_KB):  # N_KB constexpr: the interpreter cannot range over a runtime int
+                acc = _kblock(acc, h_rows, mmask, w_e, s_e, rn, nmask, kb, True, I, stride_wn, stride_sn, stride_sg,
+                              INT4, PACKED, SCALE_TILE, DOT_PREC)
+            tw = tl.load(topw_ptr + slot, mask=mmask, other=0.0)  # [BM] fp32 routing weights
+            out = acc * tw[None, :]
+            tl.store(out_ptr + slot[None, :].to(tl.int64) * D + rn[:, None], out.to(out_ptr.dtype.element_ty),
+                     mask=nmask[:, None] & mmask[None, :])
+            m0 += tl.num_programs(2) * BM
+        ae += tl.num_programs(0)
 
 
 @triton.jit

@@ -22,6 +22,7 @@ from plugins.moe_w4a16.launch import KernelConfig, moe_w4a16_triton  # noqa: E40
 SPLIT3 = KernelConfig(bm=16, bn1=16, bn2=32, split=2)  # 3 k-blocks over 2 splits: the last split is half masked
 LOOP = KernelConfig(bm=16, bn1=16, bn2=32, mt=1)  # one token tile in the grid: a hot expert's tiles loop
 TILE = KernelConfig(bm=16, bn1=16, bn2=32, split=2, scale_tile=True)  # [BN, 8] scale tiles, row-major scales
+EXPERT_LOOP = KernelConfig(bm=16, bn1=16, bn2=32, grid_e=3)  # 3 programs per row block loop over ~8 experts
 
 # name: (t, e, d, i, k, n_group, topk_group, e_start, e_local, int4, dtype, hot expert or None[, config])
 CASES = {
@@ -34,6 +35,7 @@ CASES = {
     "t3_split_k_dense_fp32": (3, 8, 520, 32, 2, 1, 1, 0, 8, False, torch.float32, None, SPLIT3),
     "t40_hot_loop_int4_fp32": (40, 8, 64, 32, 2, 1, 1, 0, 8, True, torch.float32, 5, LOOP),
     "t3_scale_tile_int4_fp32": (3, 8, 520, 32, 2, 1, 1, 0, 8, True, torch.float32, None, TILE),
+    "t20_expert_loop_int4_fp32": (20, 8, 64, 32, 2, 1, 1, 0, 8, True, torch.float32, 3, EXPERT_LOOP),
 }
 
 

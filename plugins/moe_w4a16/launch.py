@@ -19,18 +19,21 @@ from plugins.moe_w4a16.expert_kernels import combine_kernel, down_kernel, gate_u
 from plugins.moe_w4a16.route_kernel import next_pow2, route_kernel
 
 SMS = 132  # H200; only used to pick tile sizes that give enough programs
+PROGRAMS_PER_SM = 16  # grid size the expert loops aim at: a few waves of programs, few of them idle
 
 
 @dataclass(frozen=True)
 class KernelConfig:
     """Tiles: bm tokens per tile; bn1 rows of w13 (of 2i) per gate_up program, bn2 rows of w2 (of d) per down
-    program; split: k splits of gate_up; mt: token tiles in the grid.  0 in bm, split or mt: chosen from the
-    shapes (launch_plan)."""
+    program; split: k splits of gate_up; mt: token tiles in the grid; grid_e: programs per row block that loop
+    over the active experts.  0 in bm, split, mt or grid_e: chosen from the shapes (launch_plan, expert_programs)."""
     bm: int = 0
     bn1: int = 64
     bn2: int = 128
     split: int = 0
     mt: int = 0
+    grid_e: int = 0
+    packed: bool = True  # dequantise two weights per instruction where eligible (bf16 tokens and scales, GPU)
     scale_tile: bool = False
     warps1: int = 4
     warps2: int = 4
@@ -137,30 +140,41 @@ def moe_w4a16_triton(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
         K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group, NORM=bool(norm_topk_prob),
         BT=1, BE=be, BKK=next_pow2(top_k), BG=next_pow2(n_group), num_warps=1)
 
-    prec = "interp" if os.environ.get("TRITON_INTERPRET") == "1" else "ieee" if x.dtype == torch.float32 else "tf32"
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    prec = "interp" if interp else "ieee" if x.dtype == torch.float32 else "tf32"
+    # two weights per instruction: bf16 tokens and scales, PTX (not the interpreter), per-plane scale loads
+    paired = (cfg.packed and int4 and not interp and not cfg.scale_tile and x.dtype == torch.bfloat16
+              and w13_scale.dtype == w2_scale.dtype == torch.bfloat16)
     slots = min(e_local, t * top_k)
     n_slots = t * top_k
     s13 = w13_scale if int4 else w13  # any tensor: unused when dense
     s2 = w2_scale if int4 else w2
     splits, mt = plan.splits, plan.mt
     part = torch.empty(splits, n_slots, 2 * i, dtype=torch.float32, device=dev)  # [splits, t*K, 2i] gate|up partials
-    gate_up_kernel[(slots, triton_cdiv(2 * i, cfg.bn1), splits * mt)](
+    rows1, rows2 = triton_cdiv(2 * i, cfg.bn1), triton_cdiv(d, cfg.bn2)  # row blocks per expert
+    gate_up_kernel[(expert_programs(slots, rows1 * splits * mt, cfg.grid_e), rows1, splits * mt)](
         x, w13, s13, part, counts, active, lists, t, d, 2 * i, e_local, n_slots,
         w13.stride(0), w13.stride(1), *_scale_strides(s13, int4),
-        TOPK=top_k, INT4=int4, N_KB=plan.n_kb1, KB_PER=plan.kb_per, MT=mt, BN=cfg.bn1, BM=cfg.bm,
+        TOPK=top_k, INT4=int4, N_KB=plan.n_kb1, KB_PER=plan.kb_per, MT=mt, BN=cfg.bn1, BM=cfg.bm, PACKED=paired,
         SCALE_TILE=cfg.scale_tile, DOT_PREC=prec, num_warps=cfg.warps1, num_stages=cfg.stages1)
     h = torch.empty(n_slots, i, dtype=x.dtype, device=dev)  # [t*K, i] silu(gate) * up per slot
     bi = min(cfg.bi, next_pow2(i))
     silu_mul_kernel[(n_slots, triton_cdiv(i, bi))](part, h, topk_idx, i, n_slots, e_start, e_local,
                                                     SPLITS=splits, BI=bi, num_warps=4)
-    down_kernel[(slots, triton_cdiv(d, cfg.bn2), mt)](
+    down_kernel[(expert_programs(slots, rows2 * mt, cfg.grid_e), rows2, mt)](
         h, w2, s2, topk_w, out, counts, active, lists, t, d, i, e_local,
         w2.stride(0), w2.stride(1), *_scale_strides(s2, int4),
-        INT4=int4, N_KB=plan.n_kb2, BN=cfg.bn2, BM=cfg.bm, SCALE_TILE=cfg.scale_tile, DOT_PREC=prec,
+        INT4=int4, N_KB=plan.n_kb2, BN=cfg.bn2, BM=cfg.bm, PACKED=paired, SCALE_TILE=cfg.scale_tile, DOT_PREC=prec,
         num_warps=cfg.warps2, num_stages=cfg.stages2)
     bd = min(cfg.bd, next_pow2(d))
     combine_kernel[(t, triton_cdiv(d, bd))](out, topk_idx, y, d, e_start, e_local, K=top_k, BD=bd, num_warps=4)
     return y
+
+
+def expert_programs(slots: int, per_expert: int, grid_e: int = 0) -> int:
+    """Grid dim 0 of an expert GEMM (programs looping over the active experts): grid_e when given, else so that
+    there are at most PROGRAMS_PER_SM * SMS programs in all; never above slots = min(e_local, t * K) >= n_active."""
+    return max(1, min(slots, grid_e or triton_cdiv(PROGRAMS_PER_SM * SMS, per_expert)))
 
 
 def _scale_strides(s: torch.Tensor, int4: bool) -> tuple[int, int, int]:
