@@ -217,8 +217,7 @@ def _write_device_summary(results: list[dict], done: bool, warmed: dict) -> dict
     bad = [r for r in results if not (r["finite"] and r["rel"] < 2e-2)]
     summary = {"op": "moe_w4a16", "complete": done, "checked": len(results), "failed": len(bad),
                "tolerance_rel": 2e-2, "max_rel": max(r["rel"] for r in results), "compile_warmup": warmed,
-               "failures": bad[:20],
-               "cases": results}
+               "failures": bad[:20], "cases": results}
     out_dir = os.environ.get("KDTREE_RESULTS_DIR")
     if out_dir:
         Path(out_dir).mkdir(parents=True, exist_ok=True)

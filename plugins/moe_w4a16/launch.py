@@ -62,10 +62,10 @@ def launch_plan(t: int, top_k: int, e_local: int, d: int, i: int, config: Kernel
     the k split of gate_up so that (experts likely active) x (row blocks) x splits fills the SMs about four
     times over (tree routing touches about half the slots' worth of distinct experts)."""
     cfg = config or KernelConfig()
-    slots = t * top_k
-    bm = cfg.bm or (16 if slots <= 128 else 32 if slots <= 48 * e_local else 64)
+    n_slots = t * top_k
+    bm = cfg.bm or (16 if n_slots <= 128 else 32 if n_slots <= 48 * e_local else 64)
     n_kb1, n_kb2 = triton_cdiv(d, BLOCK_K), triton_cdiv(i, BLOCK_K)
-    blocks = max(1, min(e_local, slots) // 2) * triton_cdiv(2 * i, cfg.bn1)
+    blocks = max(1, min(e_local, n_slots) // 2) * triton_cdiv(2 * i, cfg.bn1)
     split = cfg.split or max(1, min(triton_cdiv(4 * SMS, blocks), n_kb1))
     kb_per = triton_cdiv(n_kb1, min(split, n_kb1))
     cfg = replace(cfg, bm=bm, split=split, mt=cfg.mt or min(triton_cdiv(t, bm), 4))
