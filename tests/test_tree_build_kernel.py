@@ -228,18 +228,14 @@ def _gpu_shapes(n_shapes: int = 240) -> list[dict]:
 
 def _variant_keys(s: dict) -> tuple[tuple, tuple]:
     """What decides the kernels a shape compiles (the request count b does not): (tree kernel key, stage-1
-    key): the pads and Triton's integer specialisations of the sizes each kernel receives, and the dtype."""
+    key): the workspace's pads and Triton's integer specialisations of the sizes each kernel receives, and the
+    logits dtype (the workspace is allocated on the meta device: sizes only)."""
     from compile_warmup import int_spec
     from plugins.bitmask import mask_words
-    from plugins.tree_build.workspace import candidate_count, default_chunk
-    k = min(s["topk"], s["V"], s["B"])
-    b_pad = max(2, 1 << (s["B"] - 1).bit_length())
-    p_pad = max(b_pad, 1 << (candidate_count(s["B"], k) - 1).bit_length())
-    tree = (b_pad, p_pad, 1 << (s["D"] - 1).bit_length(), *map(int_spec, (k, s["B"], s["D"], mask_words(s["B"] + 1))))
-    chunk = default_chunk(s["V"])
-    chunks = -(-s["V"] // chunk)
-    stage1 = (chunk, 1 << (chunks - 1).bit_length(), max(2, 1 << (k - 1).bit_length()),
-              *map(int_spec, (s["V"], chunks, k)), str(s["dtype"]))
+    from plugins.tree_build.workspace import TreeBuildWorkspace
+    ws = TreeBuildWorkspace.allocate(1, s["D"], s["V"], s["B"], s["topk"], "meta")
+    tree = (ws.b_pad, ws.p_pad, ws.d_pad, *map(int_spec, (ws.k, s["B"], s["D"], mask_words(s["B"] + 1))))
+    stage1 = (ws.chunk, ws.chunks, ws.k, *map(int_spec, (s["V"], ws.chunks, ws.k)), str(s["dtype"]))
     return tree, stage1
 
 

@@ -127,10 +127,11 @@ def _plane_scale(s_e, s8, rn, nmask, g, stride_sn, stride_sg, P: tl.constexpr, S
 
 
 @triton.jit
-def _active_expert(a, counts_ptr, active_ptr):
-    """(local expert id, its slot count) of the a-th active expert (a < n_active = counts[e_local])."""
+def _active_expert(a, counts_ptr, active_ptr, w_ptr, s_ptr, stride_we, stride_se):
+    """The a-th active expert (a < n_active = counts[e_local]): (local id e, its slot count, its weights,
+    its scales)."""
     e = tl.load(active_ptr + a)
-    return e, tl.load(counts_ptr + e)
+    return e, tl.load(counts_ptr + e), w_ptr + e.to(tl.int64) * stride_we, s_ptr + e.to(tl.int64) * stride_se
 
 
 @triton.jit
@@ -164,9 +165,7 @@ def gate_up_kernel(x_ptr, w_ptr, s_ptr, part_ptr, counts_ptr, active_ptr, lists_
     nmask = rn < N2
     ae = pid_e
     while ae < tl.load(counts_ptr + e_local):  # active experts pid_e, pid_e + G, ... (G = grid dim 0)
-        e, cnt = _active_expert(ae, counts_ptr, active_ptr)
-        w_e = w_ptr + e.to(tl.int64) * stride_we
-        s_e = s_ptr + e.to(tl.int64) * stride_se
+        e, cnt, w_e, s_e = _active_expert(ae, counts_ptr, active_ptr, w_ptr, s_ptr, stride_we, stride_se)
         m0 = (pid_z % MT) * BM
         while m0 < cnt:  # (a while, not range(cnt): the interpreter cannot range over a loaded value)
             slot, mmask = _token_tile(lists_ptr, e, T, m0, cnt, BM)  # [BM]
@@ -219,9 +218,7 @@ def down_kernel(h_ptr, w_ptr, s_ptr, topw_ptr, out_ptr, counts_ptr, active_ptr, 
     nmask = rn < D
     ae = pid_e
     while ae < tl.load(counts_ptr + e_local):  # active experts pid_e, pid_e + G, ... (G = grid dim 0)
-        e, cnt = _active_expert(ae, counts_ptr, active_ptr)
-        w_e = w_ptr + e.to(tl.int64) * stride_we
-        s_e = s_ptr + e.to(tl.int64) * stride_se
+        e, cnt, w_e, s_e = _active_expert(ae, counts_ptr, active_ptr, w_ptr, s_ptr, stride_we, stride_se)
         m0 = tl.program_id(2) * BM
         while m0 < cnt:  # (a while, not range(cnt): the interpreter cannot range over a loaded value)
             slot, mmask = _token_tile(lists_ptr, e, T, m0, cnt, BM)  # [BM]
