@@ -1,9 +1,10 @@
 """Triton routing + grouping for moe_w4a16: noaux_tc top-k per token, then tokens bucketed by expert.
 
 One program per BT tokens (BT = 1, one warp, by default: each pick is one warp-shuffle reduction of the
-row's packed (choice, expert id) keys, no shared memory, no barrier).  Routing is route_reference's function (sigmoid, + correction bias for the
-choice, group-limited when N_GROUP > 1, unbiased weights normalised and scaled); ties go to the lower
-expert index.  Grouping has no host round trip and no sort: each (token, slot) routed to a local
+row's packed (choice, expert id) keys, no shared memory, no barrier).  Routing is route_reference's
+function (sigmoid, + correction bias for the choice, group-limited when N_GROUP > 1, unbiased weights
+normalised and scaled); ties go to the lower expert index.  Grouping has no host round trip and no sort:
+each (token, slot) routed to a local
 expert takes a place in that expert's fixed-capacity list by an atomic increment of its counter
 (capacity t: a token picks an expert at most once); the slot that takes place 0 also appends the
 expert to the list of active experts.  The order inside a list is whatever the atomics give; the
