@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import os
-import subprocess
 from pathlib import Path
 from typing import Any, Callable
+
+from core.provenance import git_commit
 
 HBM_BYTES_PER_S = 4.25e12
 BF16_FLOPS_PER_S = 687e12
@@ -21,19 +21,6 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 def roofline_us(bytes_moved: float, flops: float = 0.0) -> float:
     """The floor in µs: max(bytes / HBM bandwidth, flops / bf16 tensor rate)."""
     return max(bytes_moved / HBM_BYTES_PER_S, flops / BF16_FLOPS_PER_S) * 1e6
-
-
-def git_commit() -> str:
-    """The checkout's HEAD (with -dirty when the tree has changes), or 'unknown' outside git."""
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return head + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("KDTREE_GIT_COMMIT", "unknown")
 
 
 def gpu_name() -> str:

@@ -12,8 +12,9 @@ Roofline bytes = the touched experts' packed weights + scales (each read once) +
 Peers in the same run: the torch dequantise reference (route, then per touched expert: dequantise
 INT4 -> bf16 and matmul; t <= 16 only) and a bf16 grouped GEMM on dequantised weights
 (torch._grouped_mm over expert-sorted tokens; the "no INT4 kernel" peer).  Our op is timed as a CUDA
-graph replay (five launches), the peers eagerly.  A small tile sweep (KernelConfig variants) runs on
-the TP8 tree shapes; the default heuristic's row is the headline.
+graph replay (the memset and five launches, scratch from a MoEWorkspace allocated once), the peers
+eagerly.  A small tile sweep (KernelConfig variants) runs on the TP8 tree shapes; the default heuristic's
+row is the headline.
 
     python3 benchmarks/moe_w4a16.py [--quick] [--out DIR]
 """
@@ -30,9 +31,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import print_table, roofline_us, time_us, write_result  # noqa: E402
-from build_pipeline.moe_layout import dequantize_kernel_layout, padded_k  # noqa: E402
-from plugins.moe_w4a16 import experts_reference, route_reference  # noqa: E402,F401  (registers the op)
-from plugins.moe_w4a16.launch import KernelConfig, launch_plan, moe_w4a16_triton  # noqa: E402
+from plugins.moe_w4a16 import MoEWorkspace, moe_w4a16, route_reference  # noqa: E402
+from plugins.moe_w4a16.launch import moe_w4a16_triton  # noqa: E402
+from plugins.moe_w4a16.layout import dequantize_kernel_layout, padded_k  # noqa: E402
+from plugins.moe_w4a16.plan import KernelConfig, launch_plan  # noqa: E402
 
 D, E, K, SCALING = 7168, 384, 8, 2.827
 # tile sweep on the TP8 tree rows: each entry changes the default (launch_plan's choices for its 0 fields);
@@ -136,11 +138,12 @@ def bench_shape(name, t, routing, ex, e_start, dev, peers: bool, sweep: list[Ker
     flops = 2.0 * t * K * 3 * D * i
     roof = roofline_us(nbytes, flops)
     args = (x, logits, None, bias, ex["w13"], ex["s13"], ex["w2"], ex["s2"], K, 1, 1, True, SCALING, e_start)
-    op = lambda: torch.ops.kdtree.moe_w4a16(*args)  # noqa: E731
+    ws = MoEWorkspace.allocate(t, K, e_local, D, i, x.dtype, dev)  # allocated once, as the runtime does
+    op = lambda: moe_w4a16(*args, ws.buffer)  # noqa: E731
     us = time_us(op, graph=True)
     row = {"shape": name, "t": t, "routing": routing, "experts_touched": n_touch, "bytes": nbytes,
            "roofline_us": roof, "us": us, "roofline_fraction": roof / us,
-           "config": launch_plan(t, K, e_local, D, i).cfg.__dict__}
+           "config": launch_plan(t, K, e_local, D, i, dev).cfg.__dict__}
     if peers and t <= 16:
         row["torch_dequant_ref_us"] = time_us(lambda: dequant_reference(x, logits, bias, ex, e_start))
     if peers and dense is not None:
@@ -171,8 +174,7 @@ def bench_shape(name, t, routing, ex, e_start, dev, peers: bool, sweep: list[Ker
 def check_once(ex, dev) -> float:
     """One correctness check before timing (fp32 reference on the dequantised touched experts)."""
     x, logits, bias = make_inputs(16, "tree", dev, seed=99)
-    y = torch.ops.kdtree.moe_w4a16(x, logits, None, bias, ex["w13"], ex["s13"], ex["w2"], ex["s2"], K, 1, 1, True,
-                                   SCALING, 0)
+    y = moe_w4a16(x, logits, None, bias, ex["w13"], ex["s13"], ex["w2"], ex["s2"], K, 1, 1, True, SCALING, 0)
     ref = dequant_reference(x.float(), logits, bias, {**ex}, 0)
     return ((y.float() - ref).norm() / ref.norm()).item()
 
@@ -186,15 +188,16 @@ def profile_launches(dev, out_dir) -> None:
         for t in ts:
             for routing in ("tree", "uniform"):
                 x, logits, bias = make_inputs(t, routing, dev, seed=t)
+                ws = MoEWorkspace.allocate(t, K, e_local, D, i, x.dtype, dev)
                 args = (x, logits, None, bias, ex["w13"], ex["s13"], ex["w2"], ex["s2"], K, 1, 1, True, SCALING,
-                        e_start)
+                        e_start, ws.buffer)
                 for _ in range(3):
-                    torch.ops.kdtree.moe_w4a16(*args)
+                    moe_w4a16(*args)
                 torch.cuda.synchronize()
                 reps = 20
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     for _ in range(reps):
-                        torch.ops.kdtree.moe_w4a16(*args)
+                        moe_w4a16(*args)
                     torch.cuda.synchronize()
                 per = {}
                 for ev in prof.key_averages():
@@ -226,8 +229,7 @@ def main() -> None:
         ex = make_experts(E, 256, dev)
         x, logits, bias = make_inputs(args.calls_only, "tree", dev, seed=args.calls_only)
         for _ in range(3):
-            torch.ops.kdtree.moe_w4a16(x, logits, None, bias, ex["w13"], ex["s13"], ex["w2"], ex["s2"], K, 1, 1,
-                                       True, SCALING, 0)
+            moe_w4a16(x, logits, None, bias, ex["w13"], ex["s13"], ex["w2"], ex["s2"], K, 1, 1, True, SCALING, 0)
         torch.cuda.synchronize()
         return
     if args.profile:

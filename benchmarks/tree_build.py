@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import print_table, roofline_us, time_us, write_result  # noqa: E402
-from plugins.bitmask import mask_words  # noqa: E402
+from plugins.common.bitmask import mask_words  # noqa: E402
 from plugins.tree_build.kernel import tree_build_triton  # noqa: E402
 from plugins.tree_build.reference import build_from_topk_reference, topk_logprobs_reference  # noqa: E402
 from plugins.tree_build.topk_kernel import topk_logprobs_triton  # noqa: E402
@@ -79,14 +79,14 @@ def main() -> None:
                     torch.full((b, n), -1, dtype=torch.int64, device="cuda"),
                     torch.full((b, n, mask_words(n)), -1, dtype=torch.int64, device="cuda")]
             ws = TreeBuildWorkspace.allocate(b, depth, VOCAB, budget, budget, "cuda")
-            tree_build_triton(logits[0], root, start, budget, *outs, ws=ws)
+            tree_build_triton(logits[0], root, start, budget, *outs, workspace=ws.buffer)
             ref = [torch.empty_like(o) for o in outs]
             reference_end_to_end(logits[0], root, start, budget, ref)
             exact = all(torch.equal(o, r) for o, r in zip(outs, ref))
 
             def whole():
                 for x in logits:
-                    tree_build_triton(x, root, start, budget, *outs, ws=ws)
+                    tree_build_triton(x, root, start, budget, *outs, workspace=ws.buffer)
 
             def stage1():
                 for x in logits:

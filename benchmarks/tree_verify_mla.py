@@ -31,9 +31,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import print_table, roofline_us, time_us, write_result  # noqa: E402
-from plugins.bitmask import unpack_mask  # noqa: E402
-from plugins.tree_verify_mla.launcher import (Config, device_sms, plan, tree_verify_mla_triton,  # noqa: E402
-                                              workspace_numel)
+from plugins.common.bitmask import unpack_mask  # noqa: E402
+from plugins.common.device import device_facts  # noqa: E402
+from plugins.tree_verify_mla.launcher import Config, plan, tree_verify_mla_triton, workspace_numel  # noqa: E402
 from plugins.tree_verify_mla.reference import tree_verify_mla_reference  # noqa: E402
 
 D_QK, D_V, D_NOPE, D_ROPE = 576, 512, 128, 64  # latent row; per-head decompressed dims for the SDPA peer
@@ -72,7 +72,7 @@ RUN_BUDGET_S = 215  # ... or of the whole run (benchmarks/device_run.sh kills it
 
 def random_tree(b: int, n: int, g: torch.Generator) -> torch.Tensor:
     """[b, n, w] int64 ancestor mask of random trees (parent of node i uniform in [0, i))."""
-    from plugins.bitmask import pack_mask
+    from plugins.common.bitmask import pack_mask
     anc = torch.zeros(b, n, n, dtype=torch.bool)
     for i in range(n):
         if i:
@@ -102,9 +102,8 @@ class Case:
         return (self.q, self.caches[k], self.lens, self.tree_kv, self.mask, self.scale, self.out, self.lse)
 
     def kernel_us(self, config: Config | None = None, num_splits: int | None = None, pdl: bool | None = None) -> float:
-        sms = device_sms(self.q.device)
-        ws = torch.empty(workspace_numel(self.b, self.n, self.h, D_V, self.l, torch.bfloat16, sms, config, num_splits),
-                         device="cuda")
+        ws = torch.empty(workspace_numel(self.b, self.n, self.h, D_V, self.l, torch.bfloat16, self.q.device, config,
+                                         num_splits), device="cuda")
 
         def run():
             for k in range(len(self.caches)):
@@ -170,7 +169,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     shapes = [s for s in SHAPES if not args.quick or s[3] == 32768]
-    sms = device_sms(torch.device("cuda"))
+    sms = device_facts("cuda").sms
     rows, sweeps, t_start = [], {}, time.time()
     for b, h, n, l_len in shapes:
         cache_bytes = b * l_len * D_QK * 2
@@ -178,7 +177,7 @@ def main() -> None:
         c = Case(b, h, n, l_len, reps)
         err = c.check()
         us = c.kernel_us()
-        p = plan(b, n, h, l_len, torch.bfloat16, sms)
+        p = plan(b, n, h, l_len, torch.bfloat16, "cuda")
         moved = b * (l_len * D_QK + n * h * D_QK + n * h * D_V + n * D_QK) * 2 + b * n * h * 4 + c.mask.numel() * 8
         flops = 2 * b * n * h * l_len * (D_QK + D_V)
         roof = roofline_us(moved, flops)
@@ -198,7 +197,7 @@ def main() -> None:
         c = Case(b, h, n, l_len, max(2, min(8, int(400e6 // (b * l_len * D_QK * 2)))))
         variants = {}
         for cfg, s, pdl in variants_in:
-            key = f"{cfg.tag()}-splits{s or plan(b, n, h, l_len, torch.bfloat16, sms, cfg).num_splits}" \
+            key = f"{cfg.tag()}-splits{s or plan(b, n, h, l_len, torch.bfloat16, 'cuda', cfg).num_splits}" \
                   + ("" if pdl else "-nopdl")
             if time.time() - t_sweep > SWEEP_BUDGET_S or time.time() - t_start > RUN_BUDGET_S:
                 variants["cut_short"] = f"over the {SWEEP_BUDGET_S} s sweep / {RUN_BUDGET_S} s run budget"

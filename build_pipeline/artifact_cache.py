@@ -6,7 +6,7 @@ exists, and `<key>/` only appears by one `os.rename` of a fully written staging 
 (`.stage-<key>-<pid>-<rand>/`), so an interrupted build leaves nothing that looks complete.
 
 Key = sha256 of canonical JSON over the input files' sha256 (config, safetensors shards, tokenizer,
-drafter), the build options, the code version (sha256 of build_pipeline/ and plugins/ sources) and
+drafter), the build options, the code version (sha256 of core/, build_pipeline/ and plugins/ sources) and
 the toolchain versions.  Input hashes are memoised by (path, size, mtime_ns, inode) in
 `.hashes.json`, so a second build of a 600 GB checkpoint does not re-read it.  On a hit every file
 of the entry is re-hashed against the manifest's sha256 list; a mismatch means a rebuild.
@@ -29,10 +29,11 @@ from pathlib import Path
 log = logging.getLogger("kdtree.cache")
 
 MANIFEST = "manifest.json"
+FORMAT = "kdtree-artifact"  # manifest["format"] of a built artifact
 FORMAT_VERSION = 1
 _CHUNK = 1 << 22  # 4 MiB reads when hashing
 _REPO = Path(__file__).resolve().parent.parent
-_CODE_DIRS = ("build_pipeline", "plugins")
+_CODE_DIRS = ("core", "build_pipeline", "plugins")
 _CODE_SUFFIXES = (".py", ".cu", ".cuh", ".h")
 
 
@@ -93,7 +94,7 @@ class HashMemo:
 
 @functools.lru_cache(maxsize=1)
 def code_version() -> str:
-    """sha256 over the relative paths and bytes of the build's sources (build_pipeline/, plugins/),
+    """sha256 over the relative paths and bytes of the build's sources (core/, build_pipeline/, plugins/),
     taken once per process: the code a process runs is the code it imported at start."""
     h = hashlib.sha256()
     for d in _CODE_DIRS:

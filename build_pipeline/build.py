@@ -17,15 +17,15 @@ from pathlib import Path
 import torch
 
 from build_pipeline import artifact_cache as cache
+from build_pipeline.artifact_cache import FORMAT
 from build_pipeline.compile_kernels import compile_all, parse_archs
-from build_pipeline.config import ModelConfig, load_config
-from build_pipeline.errors import ConfigError, KdtreeError
 from build_pipeline.export_onnx import export_rank
-from build_pipeline.plan import ParallelPlan
-from build_pipeline.safetensors_file import SafetensorsFile
 from build_pipeline.shard import GLOBALS_FILE, layer_file, write_rank_shards
+from core.config import ModelConfig, load_config
+from core.errors import ConfigError, KdtreeError
+from core.plan import ParallelPlan
+from core.safetensors_file import SafetensorsFile
 
-FORMAT = "kdtree-artifact"
 DEFAULT_BUDGETS = (16, 32, 64)
 DEFAULT_ARCHS = ("sm_90",)
 _WEIGHT_SUFFIXES = (".safetensors",)
@@ -68,7 +68,7 @@ def build(model_dir: str | Path, out: str | Path | None = None, drafter_dir: str
         from build_pipeline.trt_backend import require_tensorrt
         require_tensorrt()
     if drafter_dir is not None:
-        from build_pipeline.drafter_config import load_drafter_config
+        from core.drafter_config import load_drafter_config
         drafter_dir = Path(drafter_dir)
         load_drafter_config(drafter_dir)  # validates: a bad --drafter fails before any work
     options = {"tp": tp, "ep": ep, "backend": backend, "archs": list(archs), "budgets": list(budgets)}
@@ -146,7 +146,7 @@ def _build_into(stage: Path, model_dir: Path, drafter_dir: Path | None, cfg: Mod
         "drafter": {"dir": "drafter", "source": str(drafter_dir)} if drafter_dir is not None else None,
         "tokenizer": "tokenizer",
         "layout": {"weights": "build_pipeline/shard.py", "moe_int4": "moe_w4a16 planar blocks of 256 "
-                   "(build_pipeline/moe_layout.py)", "graph_activations": "float32"},
+                   "(plugins/moe_w4a16/layout.py)", "graph_activations": "float32"},
         "collectives": {"all_reduce": ["attn_part", "mlp_part", "moe_part", "x_part"], "gather": ["logits_part"]},
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }

@@ -5,9 +5,9 @@ No GPU is needed: nvcc compiles `plugins/**/*.cu` with `-cubin -arch=sm_XX` (and
 `triton.compile(ASTSource(...), target=GPUTarget("cuda", XX, 32))`.
 
 Triton kernels are declared by their plugin: `plugins/<op>/aot.py` defines
-`aot_kernels(budgets: tuple[int, ...]) -> list[TritonKernel]` (one entry per specialisation, e.g. a
-BLOCK per tree budget).  They compile in a subprocess without TRITON_INTERPRET (tests set it to run
-kernels on the CPU), which also keeps Triton's global state out of the build process.
+`aot_kernels(budgets: tuple[int, ...]) -> list[TritonKernel]` (plugins/common/aot.py; one entry per
+specialisation, e.g. a BLOCK per tree budget).  They compile in a subprocess without TRITON_INTERPRET
+(tests set it to run kernels on the CPU), which also keeps Triton's global state out of the build process.
 
 Output: kernels/<arch>/<op>/<name>.cubin, .ptx, and for Triton a .json of what a launcher needs
 (kernel symbol, num_warps, shared memory, scratch sizes, signature, constexprs).
@@ -21,34 +21,15 @@ import re
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from build_pipeline.errors import KdtreeError
-from build_pipeline.progress import Progress
+from core.errors import KdtreeError
+from core.progress import Progress
+from plugins.common.aot import TritonKernel
 
 REPO = Path(__file__).resolve().parent.parent
 PLUGINS = REPO / "plugins"
 _ARCH = re.compile(r"^sm_(\d+)([af]?)$")
-
-
-@dataclass(frozen=True)
-class TritonKernel:
-    """One AOT specialisation of a @triton.jit function.
-
-    signature: every parameter -> "*fp32" / "*bf16" / "*i64" / "i32" / "fp32" / "constexpr", ...;
-    constexprs: values of the constexpr parameters; attrs: Triton specialisation hints, e.g.
-    {(0,): [["tt.divisibility", 16]]} for a 16-byte-aligned first pointer.
-    """
-
-    op: str
-    name: str  # file stem, unique within the op (e.g. "tree_accept_b64")
-    fn: object
-    signature: dict[str, str]
-    constexprs: dict[str, object] = field(default_factory=dict)
-    num_warps: int = 4
-    num_stages: int = 3
-    attrs: dict | None = None
 
 
 def parse_archs(text: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
@@ -67,7 +48,8 @@ def cuda_sources() -> list[Path]:
 
 
 def triton_modules() -> list[str]:
-    return [f"plugins.{p.parent.name}.aot" for p in sorted(PLUGINS.glob("*/aot.py"))]
+    """The ops' `plugins.<op>.aot` modules (plugins/common/aot.py is the TritonKernel type, not an op)."""
+    return [f"plugins.{p.parent.name}.aot" for p in sorted(PLUGINS.glob("*/aot.py")) if p.parent.name != "common"]
 
 
 def compile_all(out: Path, archs: tuple[str, ...], budgets: tuple[int, ...], progress: bool = True,

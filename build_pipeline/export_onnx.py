@@ -19,7 +19,7 @@ Custom ops (domain "kdtree", version 1; Python implementations in onnx_ops.py):
   tree_verify_mla(q, cache, cache_lens, tree_kv, tree_mask) -> out [b, n, h_l, c], lse [b, n, h_l]
       attrs scale (float), d_v (int)
   moe_w4a16(x [t, d], logits [t, e], bias [e], w13_packed, w13_scale, w2_packed, w2_scale) -> y [t, d]
-      (INT4 experts in the kernel layout of build_pipeline/moe_layout.py, as stored by shard.py)
+      (INT4 experts in the kernel layout of plugins/moe_w4a16/layout.py, as stored by shard.py)
   moe_w16a16(x, logits, bias, w13 [e_l, 2*i_l, d], w2 [e_l, d, i_l]) -> y
       attrs top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor, expert_first, group_size
 """
@@ -32,8 +32,8 @@ import onnx
 import torch
 from onnx import TensorProto, helper
 
-from build_pipeline.config import ModelConfig
-from build_pipeline.plan import ParallelPlan
+from core.config import ModelConfig
+from core.plan import ParallelPlan
 
 OPSET = 17
 DOMAIN = "kdtree"

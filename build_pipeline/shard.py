@@ -12,8 +12,9 @@ Files per rank (rank{r}/, safetensors, our names):
                              .attn.o [d, h_l*u],
                              dense: .mlp.gate_up [2*i_l, d] (gate rows | up rows), .mlp.down [d, i_l];
                              MoE:   .moe.gate [e, d], .moe.gate_bias [e], .moe.shared.gate_up, .moe.shared.down,
-                                    INT4 experts kept packed, in the moe_w4a16 kernel layout (moe_layout.py;
-                                    k padded to kp = ceil(k/256)*256, scales group-major):
+                                    INT4 experts kept packed, in the moe_w4a16 kernel layout
+                                    (plugins/moe_w4a16/layout.py; k padded to kp = ceil(k/256)*256, scales
+                                    group-major):
                                     .moe.w13_packed [e_l, 2*i_l, dp/8] int32, .moe.w13_scale [e_l, dp/g, 2*i_l],
                                     .moe.w2_packed [e_l, d, i_lp/8] int32,    .moe.w2_scale [e_l, i_lp/g, d];
                                     or dense experts .moe.w13 [e_l, 2*i_l, d], .moe.w2 [e_l, d, i_l].
@@ -29,12 +30,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from build_pipeline.config import ModelConfig
-from build_pipeline.loader import WeightLoader
-from build_pipeline.moe_layout import pack_experts
-from build_pipeline.plan import ParallelPlan
-from build_pipeline.progress import Progress
-from build_pipeline.weight_map import TensorSpec, target_specs
+from core.config import ModelConfig
+from core.loader import WeightLoader
+from core.plan import ParallelPlan
+from core.progress import Progress
+from core.weight_map import TensorSpec, target_specs
+from plugins.moe_w4a16.layout import pack_experts
 
 GLOBALS_FILE = "globals.safetensors"
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from build_pipeline.quant_int4 import pack_int4, quantize_int4
+from core.quant_int4 import pack_int4, quantize_int4
 
 INT4_GROUP = 32
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from build_pipeline.config import load_config
+from core.config import load_config
 
 
 def default_target_layer_ids(num_target_layers: int, taps: int) -> list[int]:
@@ -28,8 +28,8 @@ def make_tiny_drafter(target_dir: str | Path, out: str | Path, layers: int = 2, 
                       seed: int = 0, force: bool = False) -> Path:
     from safetensors.torch import save_file
 
-    from build_pipeline.weight_map import drafter_specs
-    from build_pipeline.drafter_config import parse_drafter_config
+    from core.drafter_config import parse_drafter_config
+    from core.weight_map import drafter_specs
 
     out = Path(out)
     if out.exists() and not force:

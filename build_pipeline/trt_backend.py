@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from build_pipeline.errors import KdtreeError
+from core.errors import KdtreeError
 
 MIN_VERSION = (10, 9)
 PLUGINS = Path(__file__).resolve().parent.parent / "plugins"

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import torch
 
-from runtime.engine import Engine
-from runtime.round import STAGES
+from core.provenance import git_commit
+from runtime.decode.stats import STAGES
+from runtime.engine.engine import Engine
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time, in a land far away,"
 
@@ -31,7 +32,7 @@ def run_bench(path: str | Path, drafter: str | Path | None = None, budgets: tupl
     eng = Engine.load(path, device=device, drafter=drafter, spec="none", graphs=True, dtype=dtype, progress=progress)
     ids = eng.encode(prompt or DEFAULT_PROMPT) if eng.tokenizer is not None else list(range(1, 17))
     configs = [("none", 0)]
-    if eng.drafter is not None or drafter is not None:
+    if eng.has_drafter:
         configs += ([("chain", 0)] if chain else []) + [("ddtree", b) for b in budgets]
     graph_modes = (True, False) if eng.device.type == "cuda" else (False,)
     rows, ar_tokens = [], None
@@ -73,9 +74,9 @@ def _meta(path, drafter, eng: Engine, ids: list[int], max_new_tokens: int) -> di
         cb_version = None
     return {"model": str(path), "drafter": str(drafter) if drafter else None, "device": str(eng.device),
             "gpu": torch.cuda.get_device_name() if eng.device.type == "cuda" else platform.processor() or "cpu",
-            "dtype": str(eng.target.dtype).replace("torch.", ""), "torch": torch.__version__,
+            "dtype": str(eng.dtype).replace("torch.", ""), "torch": torch.__version__,
             "cuda_bindings": cb_version, "prompt_tokens": len(ids), "max_new_tokens": max_new_tokens,
-            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "git_commit": _commit()}
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "git_commit": git_commit()}
 
 
 def _summary(rows: list[dict]) -> dict:
@@ -90,14 +91,6 @@ def _summary(rows: list[dict]) -> dict:
             "graph_rows": len(graphed), "max_gpu_idle_frac_with_graphs": max(idle) if idle else None,
             "host_overhead_within_5pct": (max(idle) <= 0.05) if idle else None,
             "all_match_ar": all(r["matches_ar"] for r in rows)}
-
-
-def _commit() -> str:
-    try:
-        from benchmarks.common import git_commit
-        return git_commit()
-    except ImportError:
-        return "unknown"
 
 
 def format_table(result: dict) -> str:

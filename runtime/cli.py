@@ -13,7 +13,7 @@ from typing import Optional
 
 import typer
 
-from build_pipeline.errors import KdtreeError
+from core.errors import KdtreeError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Kimi K2.x inference with DDTree speculation.")
 
@@ -23,10 +23,18 @@ def _fail(msg: str) -> None:
     raise typer.Exit(1)
 
 
+# API field -> this CLI's flag, for runtime/decode/params.InvalidParam (the one validation of decode arguments)
+FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "spec": "--spec", "budget": "--budget"}
+
+
 def _guard(fn):
     """Turn expected user errors into one line and exit code 1."""
+    from runtime.decode.params import InvalidParam
+
     try:
         return fn()
+    except InvalidParam as exc:
+        _fail(str(exc).replace(exc.name, FLAGS.get(exc.name, exc.name), 1))
     except (KdtreeError, ValueError, FileExistsError, FileNotFoundError) as exc:
         _fail(str(exc))
 
@@ -60,7 +68,8 @@ def run(
     ep: bool = typer.Option(False, "--ep", help="with --tp: routed experts whole per rank (expert parallel)"),
     dtype: str = typer.Option("auto", "--dtype", help="auto (fp32 on CPU, bf16 on CUDA) | float32 | float64 | bfloat16"),
     build: bool = typer.Option(False, "--build", help="take a checkpoint dir through `kdtree build`'s cache "
-                               "first (built once, then a cache hit) and run the artifact"),
+                               "(built once, then a cache hit) and run the artifact: what every load of a "
+                               "checkpoint dir does"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Generate from a prompt: plain AR, or speculative (--spec chain|ddtree with --drafter)."""
@@ -68,30 +77,25 @@ def run(
     def go():
         import torch
 
-        from runtime.artifact import is_artifact
-        from runtime.engine import Engine
-        from runtime.generate import SamplingParams
-        from runtime.spec import SpecConfig
-        from runtime.tokenizer import StreamDecoder
+        from core.tokenizer import StreamDecoder
+        from runtime import Engine
+        from runtime.decode.params import SamplingParams, SpecConfig
+        from runtime.load.artifact import is_artifact
 
         if (prompt is None) == (prompt_ids is None):
             raise ValueError("give exactly one of --prompt and --prompt-ids")
         if device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, got {device!r}")
-        if device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda: no CUDA device is available")
-        if spec not in ("none", "chain", "ddtree"):
-            raise ValueError(f"--spec must be none, chain or ddtree, got {spec!r}")
-        if spec != "none" and drafter is None and not is_artifact(model_dir):
-            raise ValueError(f"--spec {spec} needs --drafter DIR")
-        if spec != "none":
-            SpecConfig(spec, budget)
-        SamplingParams(max_new_tokens, temperature, seed)  # argument checks
         if dtype not in ("auto", "float32", "float64", "bfloat16"):
             raise ValueError(f"--dtype must be auto, float32, float64 or bfloat16, got {dtype!r}")
+        SamplingParams(max_new_tokens, temperature, seed)  # bad decode arguments fail before the load
+        SpecConfig(spec, budget)
+        if spec != "none" and drafter is None and not is_artifact(model_dir):
+            raise ValueError(f"--spec {spec} needs --drafter DIR")
         eng = Engine.load(model_dir, device=device, drafter=drafter, spec=spec, budget=budget, graphs=graphs,
-                          progress=not as_json, tp=tp, ep=ep, build=build, dtype=None if dtype == "auto" else getattr(torch, dtype))
-        if getattr(eng, "rank", 0) != 0:  # under torchrun: every rank decodes, rank 0 alone prints
+                          progress=not as_json, tp=tp, ep=ep, build=build,
+                          dtype=None if dtype == "auto" else getattr(torch, dtype))
+        if eng.rank != 0:  # under torchrun: every rank decodes, rank 0 alone prints
             sys.stdout = open(os.devnull, "w")
         tok = eng.tokenizer
         if tok is None:
@@ -100,9 +104,9 @@ def run(
             ids = _parse_ids(prompt_ids)
         else:
             ids = tok.chat(prompt) if chat else tok.encode(prompt)
-        bad = [i for i in ids if not 0 <= i < eng.target.cfg.vocab_size]
+        bad = [i for i in ids if not 0 <= i < eng.cfg.vocab_size]
         if bad:
-            raise ValueError(f"--prompt-ids: ids {bad[:5]} outside the vocabulary [0, {eng.target.cfg.vocab_size})")
+            raise ValueError(f"--prompt-ids: ids {bad[:5]} outside the vocabulary [0, {eng.cfg.vocab_size})")
         stops, _ = eng.stop_ids()
         stream = eng.generate_ids(ids, max_new_tokens, temperature, seed=seed)
         out: list[int] = []
@@ -174,8 +178,8 @@ def inspect(model_dir: Path = typer.Argument(...), as_json: bool = typer.Option(
     """Print the parsed config, parameter count and memory by component (config.json only)."""
 
     def go():
-        from build_pipeline.config import load_config
-        from build_pipeline.model_stats import component_bytes, component_params, kv_bytes_per_token
+        from core.config import load_config
+        from core.model_stats import component_bytes, component_params, kv_bytes_per_token
 
         cfg = load_config(model_dir)
         params, nbytes = component_params(cfg), component_bytes(cfg)

@@ -1,6 +1,6 @@
 """Test-only drafter that proposes the target's own greedy continuation, with controllable noise.
 
-Same interface as runtime.drafter.DFlashDrafter (block_size, mask_token_id, new_cache, draft).  It
+Same interface as runtime.model.drafter.DFlashDrafter (block_size, mask_token_id, new_cache, draft).  It
 keeps its own copy of the target's latent cache, fed with the committed tokens it receives each
 round (ctx_tokens), and greedily decodes D tokens after the bonus.  Draft logits put `margin` on
 that greedy token at every depth, plus Gaussian noise; with probability `miss_prob` a random other
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from plugins.bitmask import causal_mask
+from plugins.common.bitmask import causal_mask
 from plugins.kv_commit import kv_commit
-from runtime.cache import LatentCache
-from runtime.model import TargetModel
+from runtime.model.cache import LatentCache
+from runtime.model.target import TargetModel
 
 
 class AgreeingDrafter:

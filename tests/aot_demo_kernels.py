@@ -4,7 +4,7 @@ convention of build_pipeline/compile_kernels.py, exercised without depending on 
 import triton
 import triton.language as tl
 
-from build_pipeline.compile_kernels import TritonKernel
+from plugins.common.aot import TritonKernel
 
 
 @triton.jit

@@ -41,6 +41,16 @@ class TinyModels:
         return path + "-twin" if twin else path
 
 
+@pytest.fixture(scope="session", autouse=True)
+def build_cache(tmp_path_factory):
+    """Every checkpoint dir a test loads goes through the build cache (runtime/load/models.py): one
+    fresh cache per test session, inherited by spawned ranks and CLI subprocesses."""
+    path = tmp_path_factory.mktemp("kdtree-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KDTREE_CACHE", str(path))
+        yield path
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory) -> TinyModels:
     return TinyModels(tmp_path_factory.mktemp("tiny"))

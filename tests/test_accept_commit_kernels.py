@@ -176,9 +176,10 @@ def _interpreter_checks() -> dict:
 
 
 def _posterior_checks(device: str, rows: int, block_v: int) -> list[dict]:
-    """T = 0 against torch.argmax (ties included, odd V, several blocks); T > 0 a chi-square goodness of fit
-    of rows samples of one distribution against softmax(logits / T) in float64, fresh draws per call, and
-    the same draws as runtime.rng.choose on the CPU (the op's CPU path) from the same (seed, counter)."""
+    """greedy against torch.argmax (ties included, odd V, several blocks; state untouched); sampled, a
+    chi-square goodness of fit of rows samples of one distribution against softmax(logits * inv_temp) in
+    float64, fresh draws per call, and the same draws as plugins.common.rng.choose on the CPU (the op's CPU
+    path) from the same (seed, counter) on fresh random logits, with inv_temp read from device memory."""
     from scipy.stats import chisquare
 
     from plugins.tree_accept.posterior import posterior_reference, posterior_triton
@@ -188,29 +189,36 @@ def _posterior_checks(device: str, rows: int, block_v: int) -> list[dict]:
                            (2, 5, 163840 if device == "cuda" else 100, torch.bfloat16)):
         logits = torch.randint(-3, 3, (b, n, v), generator=g, device=device).to(dtype)  # many exact ties
         got = torch.full((b, n), -1, dtype=torch.long, device=device)
-        posterior_triton(logits, 0.0, torch.zeros(2, dtype=torch.long, device=device), got, block_v=block_v)
-        out.append(dict(case=f"argmax {b}x{n}x{v} {dtype}", ok=torch.equal(got, logits.argmax(-1))))
+        state = torch.tensor([3, 8], dtype=torch.long, device=device)
+        posterior_triton(logits, True, state, torch.ones(1, device=device), got, block_v=block_v)
+        out.append(dict(case=f"greedy {b}x{n}x{v} {dtype}", ok=torch.equal(got, logits.argmax(-1))
+                        and state.tolist() == [3, 8]))
     for v, temp in ((6, 1.0), (17, 0.7)):
         logits = torch.randn(v, generator=g, device=device) * 1.5
         state = torch.tensor([1234, 0], dtype=torch.long, device=device)
+        inv_temp = torch.tensor([1 / temp], dtype=torch.float32, device=device)
         got = torch.full((rows,), -1, dtype=torch.long, device=device)
-        posterior_triton(logits.expand(rows, v), temp, state, got, block_v=block_v)
+        posterior_triton(logits.expand(rows, v), False, state, inv_temp, got, block_v=block_v)
         again = got.clone()
-        posterior_triton(logits.expand(rows, v), temp, state, again, block_v=block_v)
+        posterior_triton(logits.expand(rows, v), False, state, inv_temp, again, block_v=block_v)
         probs = torch.softmax(logits.double().cpu() / temp, -1)
         counts = torch.bincount(torch.cat([got, again]).cpu(), minlength=v).double()
         p_value = float(chisquare(counts.numpy(), (probs * 2 * rows).numpy()).pvalue)
         out.append(dict(case=f"sample V={v} T={temp}", p_value=p_value, ok=p_value > 1e-4
                         and int(state[1]) == 2 and not torch.equal(got, again)))
-    # the same samples as the CPU path: uniforms bit-identical, race values equal up to log's last bits
+    # the same samples as the CPU path: uniforms bit-identical, race values equal up to log's last bits; one
+    # inv_temp tensor rewritten in place between calls (as the round does for a new T)
+    inv_temp = torch.ones(1, dtype=torch.float32, device=device)
     for b, n, v, dtype, temp, seed in ((3, 5, 7, torch.float32, 1.0, 5), (2, 9, 300, torch.bfloat16, 0.6, -3),
-                                       (4, 17, 163840 if device == "cuda" else 1000, torch.bfloat16, 1.0, 2 ** 62)):
+                                       (4, 17, 163840 if device == "cuda" else 1000, torch.bfloat16, 1.0, 2 ** 62),
+                                       (5, 3, 50, torch.float16, 2.5, 77)):
         logits = (torch.randn(b, n, v, generator=g, device=device) * 3).to(dtype)
+        inv_temp.fill_(1 / temp)
         state = torch.tensor([seed, 41], dtype=torch.long, device=device)
         got = torch.full((b, n), -1, dtype=torch.long, device=device)
-        posterior_triton(logits, temp, state, got, block_v=block_v)
+        posterior_triton(logits, False, state, inv_temp, got, block_v=block_v)
         cpu_state = torch.tensor([seed, 41], dtype=torch.long)
-        want = posterior_reference(logits.cpu(), temp, cpu_state)
+        want = posterior_reference(logits.cpu(), False, cpu_state, inv_temp.cpu())
         same = float((got.cpu() == want).double().mean())
         out.append(dict(case=f"same draws as CPU {b}x{n}x{v} T={temp}", agreement=same,
                         ok=same >= 0.95 and int(state[1]) == int(cpu_state[1]) == 42))
@@ -276,6 +284,23 @@ def test_static_checks_raise_value_errors():
     with pytest.raises(ValueError, match="ctx_feats"):
         check_kv_commit(cache, lens, torch.zeros(2, 2, 3, 4), torch.zeros(2, 3, dtype=torch.int32), lens,
                         torch.zeros(2, 3, 6), torch.zeros(2, 2, 6))
+
+
+def test_posterior_cpu_op_is_choose():
+    """The registered op on CPU is plugins.common.rng.choose, draws and state advance included."""
+    from plugins.common.rng import choose
+    from plugins.tree_accept.posterior import posterior
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 4, 50, generator=g)  # [b, N, V]
+    inv_temp = torch.tensor([1 / 0.7])
+    for greedy in (True, False):
+        state, want_state = torch.tensor([9, 2]), torch.tensor([9, 2])
+        out = torch.full((3, 4), -1, dtype=torch.long)
+        posterior(logits, greedy, state, inv_temp, out)
+        assert torch.equal(out, choose(logits, greedy, want_state, inv_temp)) and torch.equal(state, want_state)
+        assert int(state[1]) == (2 if greedy else 3)
+    with pytest.raises(ValueError, match="inv_temp must be torch.float32 \\[1\\]"):
+        posterior(logits, False, torch.tensor([9, 2]), torch.tensor([1.0, 2.0]), torch.zeros(3, 4, dtype=torch.long))
 
 
 @pytest.mark.slow
@@ -361,26 +386,31 @@ def test_kv_commit_kernel_on_gpu_many_shapes():
 
 @pytest.mark.gpu
 def test_posterior_kernel_on_gpu_argmax_and_distribution():
-    from plugins.tree_accept.posterior import posterior
+    from plugins.tree_accept.posterior import posterior, posterior_reference
     t0 = time.time()
     cases = _posterior_checks("cuda", rows=400_000, block_v=4096)
     # the registered op in a CUDA graph: every replay draws fresh samples
     logits = torch.randn(4, 9, 1000, device="cuda")
     state = torch.tensor([5, 0], dtype=torch.long, device="cuda")
+    inv_temp = torch.ones(1, dtype=torch.float32, device="cuda")
     out = torch.zeros(4, 9, dtype=torch.long, device="cuda")
-    posterior(logits, 1.0, state, out)
+    posterior(logits, False, state, inv_temp, out)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        posterior(logits, 1.0, state, out)
+        posterior(logits, False, state, inv_temp, out)
     draws = []
     for _ in range(3):
         graph.replay()
         draws.append(out.clone())
     fresh = not torch.equal(draws[0], draws[1]) and not torch.equal(draws[1], draws[2])
     cases.append(dict(case="graph replay draws fresh samples", ok=fresh and int(state[1]) == 4))
-    posterior(logits, 0.0, state, out)
-    cases.append(dict(case="registered op T=0", ok=torch.equal(out, logits.argmax(-1))))
+    inv_temp.fill_(1 / 0.3)  # a new T into the captured graph: the replay samples softmax(logits / 0.3)
+    graph.replay()
+    want = posterior_reference(logits.cpu(), False, torch.tensor([5, 4]), inv_temp.cpu())
+    cases.append(dict(case="graph replay reads inv_temp", ok=float((out.cpu() == want).double().mean()) >= 0.95))
+    posterior(logits, True, state, inv_temp, out)
+    cases.append(dict(case="registered op greedy", ok=torch.equal(out, logits.argmax(-1)) and int(state[1]) == 5))
     bad = [c for c in cases if not c["ok"]]
     _write_summary("posterior", dict(op="posterior", cases=cases, failed=len(bad), passed=not bad,
                                      seconds=round(time.time() - t0, 1)))

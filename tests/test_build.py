@@ -10,23 +10,26 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_ref import checkpoint_model, checkpoint_tensors
+from decoding import decode
 
 from build_pipeline import artifact_cache
 from build_pipeline.build import build, ensure_built
-from build_pipeline.config import load_config
-from build_pipeline.errors import KdtreeError
 from build_pipeline.export_onnx import layer_weights
-from build_pipeline.moe_layout import dequantize_kernel_layout
-from build_pipeline.plan import ParallelPlan
-from build_pipeline.safetensors_file import SafetensorsFile
-from plugins.bitmask import pack_mask
-from runtime.artifact import is_artifact, load_rank
-from runtime.attention import mla_forward
-from runtime.generate import SamplingParams, generate_ar
-from runtime.layers import rms_norm, swiglu_mlp
-from runtime.model import TargetModel, load_target
-from runtime.moe import moe_forward
-from runtime.weights import MoEWeights, load_target_weights
+from core.config import load_config
+from core.errors import KdtreeError
+from core.plan import ParallelPlan
+from core.safetensors_file import SafetensorsFile
+from plugins.common.bitmask import pack_mask
+from plugins.moe_w4a16.layout import dequantize_kernel_layout
+from runtime.decode.params import SamplingParams
+from runtime.load.artifact import is_artifact, read_rank
+from runtime.load.models import load_models
+from runtime.model.attention import mla_forward
+from runtime.model.layers import rms_norm, swiglu_mlp
+from runtime.model.moe import moe_forward
+from runtime.model.weights import MoEWeights
+
 
 @pytest.fixture
 def kcache(tmp_path, monkeypatch) -> Path:
@@ -146,53 +149,65 @@ def test_tensorrt_backend_needs_tensorrt(k25, kcache):
 
 # ---- per-rank weights ----
 @pytest.mark.parametrize("tp,ep", [(1, False), (2, False), (2, True)])
-def test_load_rank_equals_plan_sliced_reference(k25, built, tp, ep):
+def test_read_rank_equals_plan_sliced_checkpoint(k25, built, tp, ep):
+    """Rank r's weights as read from the artifact are the plan's cut of the checkpoint's own tensors
+    (core.loader.WeightLoader, INT4 dequantised exactly); the routed experts are held once, packed."""
     art = built[tp, ep].art_dir
     cfg = load_config(k25)
-    full = load_target_weights(k25, cfg, torch.float32, progress=False)
+    full = checkpoint_tensors(k25, torch.float32)
     plan = ParallelPlan(tp, ep)
     h_l, (v0, v1) = plan.local_heads(cfg), plan.vocab_range(cfg, 1 % tp)
-    bundle = load_rank(art, 1 % tp)
+    h, p, u, c = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    bundle = read_rank(art, 1 % tp, "cpu", torch.float32)
     r, w = bundle.rank, bundle.weights
-    assert torch.equal(w.embed, full.embed[v0:v1]) and torch.equal(w.lm_head, full.lm_head[v0:v1])
-    for lw, fw in zip(w.layers, full.layers):
-        assert torch.equal(lw.attn.w_uk, fw.attn.w_uk[r * h_l:(r + 1) * h_l])
-        assert torch.equal(lw.attn.w_uv, fw.attn.w_uv[r * h_l:(r + 1) * h_l])
-        assert torch.equal(lw.attn.o, plan.shard("layers.0.attn.o", fw.attn.o, r))
-        assert torch.equal(lw.attn.kv_a, fw.attn.kv_a)
-        if isinstance(fw.mlp, MoEWeights):
+    lm_head = full["embed"] if cfg.tie_word_embeddings else full["lm_head"]
+    assert torch.equal(w.embed, full["embed"][v0:v1]) and torch.equal(w.lm_head, lm_head[v0:v1])
+    for li, lw in enumerate(w.layers):
+        pre = f"layers.{li}."
+        kv_b = full[pre + "attn.kv_b"].view(h, p + u, c)  # [h, p+u, c]
+        assert torch.equal(lw.attn.w_uk, kv_b[r * h_l:(r + 1) * h_l, :p])
+        assert torch.equal(lw.attn.w_uv, kv_b[r * h_l:(r + 1) * h_l, p:])
+        assert torch.equal(lw.attn.o, plan.shard("layers.0.attn.o", full[pre + "attn.o"], r))
+        assert torch.equal(lw.attn.kv_a, full[pre + "attn.kv_a"])
+        if cfg.is_moe_layer(li):
+            assert isinstance(lw.mlp, MoEWeights)
             first, count = plan.local_experts(cfg, r)
-            w13 = fw.mlp.w13[first:first + count]  # [e_l, 2i, d]
-            w2 = fw.mlp.w2[first:first + count]
-            if not ep:
-                i = cfg.moe_intermediate_size
-                gate, up = plan.shard("layers.1.moe.w13", w13[:, :i], r), plan.shard("layers.1.moe.w13", w13[:, i:], r)
-                w13, w2 = torch.cat([gate, up], dim=1), plan.shard("layers.1.moe.w2", w2, r)
-            assert torch.equal(lw.mlp.w13, w13) and torch.equal(lw.mlp.w2, w2)
-            assert torch.equal(lw.mlp.gate, fw.mlp.gate) and lw.mlp.gate.dtype == torch.float32
-            k = lw.mlp.int4  # the packed kernel-layout experts the CUDA path reads
-            assert k is not None and k.w13.dtype == torch.int32 and k.w13.shape[:2] == lw.mlp.w13.shape[:2]
+            ex = [full[pre + f"moe.experts.{j}.{proj}"] for j in range(first, first + count)
+                  for proj in ("gate", "up", "down")]
+            gate, up, down = (torch.stack(ex[k::3]) for k in range(3))  # [e_l, i, d], [e_l, i, d], [e_l, d, i]
+            if not ep:  # each expert cut as its checkpoint key says: gate/up rows, down columns
+                gate = torch.stack([plan.shard("layers.1.moe.experts.0.gate", t, r) for t in gate])
+                up = torch.stack([plan.shard("layers.1.moe.experts.0.up", t, r) for t in up])
+                down = torch.stack([plan.shard("layers.1.moe.experts.0.down", t, r) for t in down])
+            w13, w2 = torch.cat([gate, up], dim=1), down  # [e_l, 2i_l, d], [e_l, d, i_l]
+            k = lw.mlp.experts  # the one form held: packed kernel layout, no dequantised copy beside it
+            assert k.w13.dtype == torch.int32 and k.w2.dtype == torch.int32
+            assert k.w13_scale is not None and k.w2_scale is not None
+            assert k.w13.shape[:2] == w13.shape[:2] and k.w2.shape[:2] == w2.shape[:2]
+            assert not any(hasattr(lw.mlp, name) for name in ("w13", "w2", "int4"))
+            assert torch.equal(dequantize_kernel_layout(k.w13, k.w13_scale, w13.shape[-1]), w13)
             assert torch.equal(dequantize_kernel_layout(k.w2, k.w2_scale, w2.shape[-1]), w2)
+            assert torch.equal(lw.mlp.gate, full[pre + "moe.gate"]) and lw.mlp.gate.dtype == torch.float32
     files = {e["path"] for e in bundle.manifest["ranks"][str(r)]["files"]}
     assert files and all(p.startswith(f"rank{r}/") for p in files)
 
 
-def test_tp1_artifact_generates_the_same_tokens(k25, built):
-    bundle = load_rank(built[1, False].art_dir, 0)
+def test_tp1_artifact_generates_the_checkpoints_tokens(k25, built):
+    """The artifact, loaded by load_models with its stored drafter and tokenizer, decodes the tokens of
+    the model made straight from the checkpoint's tensors."""
+    art = built[1, False].art_dir
+    m = load_models(art, dtype=torch.float32)
+    assert m.art_dir == art and m.target.dtype == torch.float32
     params = SamplingParams(max_new_tokens=8)
-    prompt = [5, 17, 300, 42, 9]
-    ref = list(generate_ar(load_target(k25, progress=False), prompt, params))
-    got = list(generate_ar(TargetModel(bundle.cfg, bundle.weights), prompt, params))
-    assert got == ref and len(ref) > 0
+    prompts = [[5, 17, 300, 42, 9]]
+    ref, _ = decode(checkpoint_model(k25, torch.float32), None, prompts, params)
+    got, _ = decode(m.target, None, prompts, params)
+    assert got == ref and len(ref[0]) > 0
+    bundle = read_rank(art, 0, "cpu", torch.float32)
     assert bundle.drafter_dir is not None and (bundle.drafter_dir / "config.json").is_file()
     assert bundle.manifest["drafter"]["dir"] == "drafter"
-    from build_pipeline.drafter_config import load_drafter_config
-    from runtime.drafter import load_drafter
-    taps = load_drafter_config(bundle.drafter_dir).target_layer_ids
-    target = TargetModel(bundle.cfg, bundle.weights, feature_layers=taps)
-    assert load_drafter(bundle.drafter_dir, target, progress=False).block_size == 8
-    from runtime.tokenizer import Tokenizer
-    assert Tokenizer.load(bundle.tokenizer_dir).vocab_size > 0
+    assert m.drafter is not None and m.drafter.block_size == 8  # the artifact's drafter, no --drafter given
+    assert m.tokenizer is not None and m.tokenizer.vocab_size > 0
 
 
 # ---- ONNX graphs vs the torch reference ----
@@ -202,7 +217,7 @@ def test_onnx_graphs_match_torch_reference(k25, built, tp, ep):
 
     res = built[tp, ep]
     art, cfg = res.art_dir, load_config(k25)
-    model = load_target(k25, progress=False)
+    model = checkpoint_model(k25, torch.float32)  # the reference: the checkpoint's own tensors, unsharded
     g = torch.Generator().manual_seed(0)
     b, n, l_max, d, dq = 2, 3, 6, cfg.hidden_size, cfg.d_qk
     x = torch.randn(b, n, d, generator=g)
@@ -219,7 +234,7 @@ def test_onnx_graphs_match_torch_reference(k25, built, tp, ep):
     want = {
         "embed": torch.nn.functional.embedding(tokens, model.w.embed),
         "attn": mla_forward(cfg, lw1.attn, model.rope, rms_norm(x, lw1.attn_norm, cfg.rms_norm_eps), cos, sin,
-                            cache, lens, scratch, mask),
+                            cache, lens, scratch, mask, model.new_cache(b, 1, n).work),
         "mlp": swiglu_mlp(rms_norm(x, lw0.mlp_norm, cfg.rms_norm_eps), lw0.mlp.gate_up, lw0.mlp.down),
         "moe": moe_forward(cfg, lw1.mlp, rms_norm(x, lw1.mlp_norm, cfg.rms_norm_eps)),
         "head": model.logits(rms_norm(x, model.w.norm, cfg.rms_norm_eps)),

@@ -8,8 +8,8 @@ import sys
 
 from typer.testing import CliRunner
 
+from core.tokenizer import Tokenizer
 from runtime.cli import app
-from runtime.tokenizer import Tokenizer
 
 
 def test_run_json_prompt_text_and_ids(tiny):
@@ -36,7 +36,10 @@ def test_run_argument_errors(tiny):
     for args, needle in [([], "exactly one of --prompt"), (["--prompt", "a", "--prompt-ids", "1"], "exactly one"),
                          (["--prompt-ids", "1,x"], "--prompt-ids"), (["--prompt-ids", "99999"], "outside"),
                          (["--prompt", "a", "--device", "tpu"], "--device"),
-                         (["--prompt", "a", "--temperature", "-1"], "--temperature")]:
+                         (["--prompt", "a", "--temperature", "-1"], "--temperature must be >= 0"),
+                         (["--prompt", "a", "--max-new-tokens", "-1"], "--max-new-tokens must be >= 0"),
+                         (["--prompt", "a", "--spec", "ddtree", "--budget", "0", "--drafter", path],
+                          "--budget must be >= 1")]:
         r = CliRunner().invoke(app, ["run", path, *args])
         assert r.exit_code == 1 and needle in r.stderr, (args, r.stderr)
 

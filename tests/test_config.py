@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from build_pipeline.config import load_config, parse_config
-from build_pipeline.errors import ConfigError
-from build_pipeline.model_stats import component_params
-from build_pipeline.presets import KIMI_K26_CONFIG
+from core.config import load_config, parse_config
+from core.errors import ConfigError
+from core.model_stats import component_params
+from core.presets import KIMI_K26_CONFIG
 
 
 def test_kimi_k26_config_parses_and_counts_about_1_03_trillion_params():

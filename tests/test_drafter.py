@@ -6,11 +6,11 @@ import json
 
 import pytest
 import torch
+from decoding import load_pair
 
-from build_pipeline.drafter_config import load_drafter_config, parse_drafter_config
-from build_pipeline.errors import ConfigError
 from build_pipeline.tiny_drafter import default_target_layer_ids, make_tiny_drafter
-from runtime.drafter import load_target_and_drafter
+from core.drafter_config import load_drafter_config, parse_drafter_config
+from core.errors import ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +18,8 @@ def pair(tiny, tmp_path_factory):
     target_dir = tiny.get("kimi")
     drafter_dir = tmp_path_factory.mktemp("dr") / "d"
     make_tiny_drafter(target_dir, drafter_dir)
-    return load_target_and_drafter(target_dir, drafter_dir, dtype=torch.float64, progress=False)
+    m = load_pair(target_dir, drafter_dir, dtype=torch.float64)
+    return m.target, m.drafter
 
 
 def test_z_lab_layout(tiny, tmp_path):

@@ -1,5 +1,5 @@
-"""Engine and the static round on CPU: lossless against runtime/spec.py and AR, streaming text equal
-to `kdtree run`, the counter-based sampler, `kdtree bench --json`."""
+"""Engine and the static round on CPU: lossless against AR, a reused engine equal to a fresh one,
+streaming text equal to `kdtree run`, the counter-based sampler, `kdtree bench --json`."""
 
 from __future__ import annotations
 
@@ -12,12 +12,11 @@ from typer.testing import CliRunner
 
 from agreeing_drafter import AgreeingDrafter
 from build_pipeline.tiny_drafter import make_tiny_drafter
+from decoding import decode, load_pair
+from plugins.common.rng import choose
+from runtime import Engine
 from runtime.cli import app
-from runtime.drafter import load_target_and_drafter
-from runtime.engine import Engine
-from runtime.generate import SamplingParams, generate_ar, generate_ar_batch
-from runtime.rng import choose
-from runtime.spec import SpecConfig, SpecStats, generate_spec_batch
+from runtime.decode.params import SamplingParams
 
 NEW = 24
 
@@ -30,14 +29,14 @@ class Setup:
         self.path = tiny.get("small")
         self.drafter_dir = tmp / "dr"
         make_tiny_drafter(self.path, self.drafter_dir)
-        self.target, self.dflash = load_target_and_drafter(self.path, self.drafter_dir, dtype=torch.float64,
-                                                           progress=False)
+        m = load_pair(self.path, self.drafter_dir)
+        self.target, self.dflash = m.target, m.drafter
         rng = random.Random(1)
         self.prompts = [[rng.randrange(1000) for _ in range(n)] for n in (3, 11, 270)]
-        free = generate_ar_batch(self.target, self.prompts, SamplingParams(NEW))
+        free, _ = decode(self.target, None, self.prompts, SamplingParams(NEW))
         self.stop = free[1][NEW // 2]
         self.params = SamplingParams(NEW, stop_ids=(self.stop,))
-        self.ar = generate_ar_batch(self.target, self.prompts, self.params)
+        self.ar, _ = decode(self.target, None, self.prompts, self.params)
         assert any(len(o) < NEW for o in self.ar)
 
 
@@ -47,24 +46,21 @@ def setup(tiny, tmp_path_factory):
 
 
 def _engine(s: Setup, drafter, spec: str, budget: int) -> Engine:
-    return Engine(s.target, drafter, None, spec, budget, graphs=False)
+    return Engine.from_models(s.target, drafter, None, spec, budget, graphs=False)
 
 
 @pytest.mark.parametrize("drafter,spec,budget", [("agreeing", "chain", 0), ("agreeing", "ddtree", 4),
                                                  ("agreeing", "ddtree", 16), ("dflash", "ddtree", 16),
                                                  ("none", "none", 0)])
-def test_static_round_equals_generate_spec(setup, drafter, spec, budget):
+def test_reused_engine_equals_fresh_and_ar(setup, drafter, spec, budget):
     s = setup
     d = {"agreeing": lambda: AgreeingDrafter(s.target, miss_prob=0.3, seed=budget), "dflash": lambda: s.dflash,
          "none": lambda: None}[drafter]()
     eng = _engine(s, d, spec, budget or 16)
     out = eng.generate_batch_ids(s.prompts, NEW, stop=[s.stop])
     assert out == s.ar, [(r, o, a) for r, (o, a) in enumerate(zip(out, s.ar)) if o != a]
-    if spec != "none":
-        ref_d = {"agreeing": lambda: AgreeingDrafter(s.target, miss_prob=0.3, seed=budget),
-                 "dflash": lambda: s.dflash}[drafter]()
-        ref = generate_spec_batch(s.target, ref_d, s.prompts, s.params, SpecConfig(spec, budget or 16), SpecStats())
-        assert out == ref
+    again = eng.generate_batch_ids(s.prompts, NEW, stop=[s.stop])  # the session (buffers, caches) reused
+    assert again == out
     st = eng.last_stats
     assert st["new_tokens"] == sum(map(len, s.ar)) and st["graphs"] is False
     if drafter == "agreeing":
@@ -83,7 +79,11 @@ def test_edge_cases_max_new_tokens_and_first_token_stop(setup):
     with pytest.raises(ValueError, match="outside the vocabulary"):
         list(eng.generate_ids([10 ** 6], 4))
     with pytest.raises(ValueError, match="needs a drafter"):
-        Engine(s.target, None, None, "ddtree", 4, graphs=False)
+        Engine.from_models(s.target, None, None, "ddtree", 4, graphs=False)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 0"):
+        list(eng.generate_ids(s.prompts[0], -1))
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        list(eng.generate_ids(s.prompts[0], 4, temperature=-1.0))
 
 
 def test_sampling_is_seeded_and_reproducible(setup):
@@ -123,7 +123,7 @@ def test_generate_streams_the_text_of_kdtree_run(tiny):
     out = json.loads(r.stdout)
     assert "".join(pieces) == out["text"] and len(pieces) >= 2
     ids = eng.encode("Hello world")
-    assert out["token_ids"] == list(generate_ar(eng.target, ids, SamplingParams(12, stop_ids=eng.stop_ids()[0])))
+    assert out["token_ids"] == decode(eng.runner.target, None, [ids], SamplingParams(12, stop_ids=eng.stop_ids()[0]))[0][0]
     r = CliRunner().invoke(app, ["run", path, "--prompt", "Hello world", "--max-new-tokens", "12"])
     assert r.exit_code == 0 and r.stdout.rstrip("\n") == out["text"]
     assert eng.last_stats["graphs"] is False  # CPU: eager

@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from build_pipeline.tiny_drafter import make_tiny_drafter
-from plugins.bitmask import causal_mask
-from runtime.engine import Engine
-from runtime.generate import SamplingParams, generate_ar
+from plugins.common.bitmask import causal_mask
+from runtime.decode.params import SamplingParams, SpecConfig
+from runtime.engine.engine import Engine
 
 pytestmark = pytest.mark.gpu
 
@@ -54,9 +54,8 @@ class Reference:
         rng = random.Random(3)
         self.prompts = [cpu.encode("Hello world"), [rng.randrange(1000) for _ in range(13)],
                         [rng.randrange(1000) for _ in range(300)]]  # 300: two prefill chunks, two ingest calls
-        stops = cpu.stop_ids()[0]
-        self.ar = [list(generate_ar(cpu.target, p, SamplingParams(NEW, stop_ids=stops))) for p in self.prompts]
-        self.margins = [_margins(cpu.target, p, o) for p, o in zip(self.prompts, self.ar)]
+        self.ar = [list(cpu.generate_ids(p, NEW)) for p in self.prompts]  # AR; the Engine adds the default stops
+        self.margins = [_margins(cpu.runner.target, p, o) for p, o in zip(self.prompts, self.ar)]
         # tokens up to and including the first near-tie position must agree; later ones need not
         self.safe = [next((j for j, g in enumerate(m) if g < TIE), len(m)) for m in self.margins]
         self.cpu_ddtree = cpu.configure(spec="ddtree", budget=16).generate_batch_ids(self.prompts, NEW)
@@ -99,9 +98,9 @@ def test_cpu_reference_is_self_consistent(ref):
 
 def test_round_ops_have_cuda_kernels():
     """Capture needs every op of a round on its CUDA kernel (the references sync with the host)."""
-    from runtime.graphs import missing_cuda_kernels
+    import runtime.engine.engine  # noqa: F401  (imports every op's registration)
+    from runtime.decode.graphs import missing_cuda_kernels
 
-    import runtime.engine  # noqa: F401  (imports every op's registration)
     assert not missing_cuda_kernels(), f"ops without a CUDA kernel: {missing_cuda_kernels()}"
 
 
@@ -109,10 +108,10 @@ def test_round_ops_have_cuda_kernels():
 def test_step_has_no_host_sync(ref, spec):
     """One eager step under torch's sync debug mode: the first synchronising torch call raises, and
     the traceback names it (a capture would fail there)."""
-    from runtime.session import DecodeSession
+    from runtime.decode.session import DecodeSession
 
     eng = ref.gpu.configure(spec=spec, budget=16)
-    s = DecodeSession(eng.target, eng.drafter, spec, 16, 1, 512)
+    s = DecodeSession(eng.runner.target, eng.runner.drafter, SpecConfig(spec, 16), 1, 512)
     s._start([ref.prompts[1]], SamplingParams(NEW), greedy=True)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

@@ -1,5 +1,6 @@
 """moe_w4a16: the build-time INT4 repacker, the op's CPU (reference) path, the Triton path under the
-interpreter on CPU (tiny shapes, in a subprocess) and, on a GPU, the Triton path on many random shapes.
+interpreter on CPU (tiny shapes, in subprocesses: `python tests/test_moe_w4a16.py --interpreter NAME,...` runs
+cases by hand; with and without a caller's workspace) and, on a GPU, the Triton path on many random shapes.
 
 Tolerance (GPU, bf16 activations): ||y - ref|| / ||ref|| < 2e-2 against the reference run in fp32 on the
 exactly dequantised experts (x upcast, fp32 routing weights).  The kernel's own rounding is bf16 at
@@ -20,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from build_pipeline.moe_layout import (dequantize_kernel_layout, pack_experts, padded_k, repack_int4,
-                                       unrepack_int4)
-from build_pipeline.quant_int4 import dequantize_int4, pack_int4, quantize_int4
-from plugins.moe_w4a16 import experts_reference, moe_w4a16, route_reference
+from core.quant_int4 import dequantize_int4, pack_int4, quantize_int4
+from plugins.moe_w4a16 import MoEWorkspace, experts_reference, moe_w4a16, route_reference
+from plugins.moe_w4a16.layout import dequantize_kernel_layout, pack_experts, padded_k, repack_int4, unrepack_int4
+from plugins.moe_w4a16.plan import KernelConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -102,27 +103,115 @@ def test_experts_reference_ep_ranges_sum_to_the_whole():
     torch.testing.assert_close(parts, experts_reference(x, idx, tw, w13, w2))
 
 
+def test_cpu_op_with_workspace_is_the_op_without():
+    """A caller's workspace (any t up to its capacity) leaves the CPU op's result as it is; one too small for
+    the call is one ValueError naming the call's shapes."""
+    t, e, d, i, k = 6, 8, 64, 32, 3
+    g = torch.Generator().manual_seed(3)
+    x, logits, bias = torch.randn(t, d, generator=g), torch.randn(t, e, generator=g), torch.zeros(e)
+    (w13, s13), (w2, s2) = _tiny_experts(e, d, i)
+    ws = MoEWorkspace.allocate(10, k, e, d, i, x.dtype, "cpu")
+    for rows in (t, 1):  # two token counts through the one buffer
+        args = (x[:rows], logits[:rows], None, bias, w13, s13, w2, s2, k, 1, 1, True, 2.0, 0)
+        assert torch.equal(moe_w4a16(*args, ws.buffer), moe_w4a16(*args))
+    small = MoEWorkspace.allocate(2, k, e, d, i, x.dtype, "cpu")
+    with pytest.raises(ValueError, match=r"moe_w4a16: workspace holds \d+ bytes, this call \(t 6, top_k 3"):
+        moe_w4a16(x, logits, None, bias, w13, s13, w2, s2, k, 1, 1, True, 2.0, 0, small.buffer)
+
+
 # ---------------------------------------------------------------- Triton path, interpreter (CPU)
+SPLIT3 = KernelConfig(bm=16, bn1=32, bn2=128, split=2)  # 3 k-blocks over 2 splits: the last split is half masked
+LOOP = KernelConfig(bm=16, bn1=32, bn2=128, mt=1)  # one token tile in the grid: a hot expert's tiles loop
+TILE = KernelConfig(bm=16, bn1=32, bn2=128, split=2, scale_tile=True)  # [BN, 8] scale tiles, row-major scales
+EXPERT_LOOP = KernelConfig(bm=16, bn1=32, bn2=128, grid_e=3)  # 3 programs per row block loop over ~8 experts
+
+# name: (t, e, d, i, k, n_group, topk_group, e_start, e_local, int4, dtype, hot expert or None[, config])
+INTERP_CASES = {
+    "t1_int4_bf16": (1, 8, 64, 32, 2, 1, 1, 0, 8, True, torch.bfloat16, None),
+    "t5_grouped_int4_bf16": (5, 8, 64, 32, 2, 2, 1, 0, 8, True, torch.bfloat16, None),
+    "t3_ep_int4_fp32": (3, 8, 96, 64, 2, 1, 1, 2, 4, True, torch.float32, None),
+    "t4_dense_bf16": (4, 8, 64, 32, 2, 2, 2, 0, 8, False, torch.bfloat16, None),
+    "t20_hot_expert_int4_fp32": (20, 8, 64, 32, 2, 1, 1, 0, 8, True, torch.float32, 3),
+    "t3_split_k_int4_fp32": (3, 8, 520, 32, 2, 1, 1, 0, 8, True, torch.float32, None, SPLIT3),
+    "t3_split_k_dense_fp32": (3, 8, 520, 32, 2, 1, 1, 0, 8, False, torch.float32, None, SPLIT3),
+    "t24_hot_loop_int4_fp32": (24, 8, 64, 32, 2, 1, 1, 0, 8, True, torch.float32, 5, LOOP),
+    "t3_scale_tile_int4_fp32": (3, 8, 288, 32, 2, 1, 1, 0, 8, True, torch.float32, None, TILE),
+    "t10_expert_loop_int4_fp32": (10, 8, 64, 32, 2, 1, 1, 0, 8, True, torch.float32, None, EXPERT_LOOP),
+}
+WORKSPACE_CASES = ("t1_int4_bf16", "t4_dense_bf16")
+INTERP_PROCESSES = 2  # the cases split over this many interpreter processes (together ~35 s of CPU)
+
+
+def _interp_case(t, e, d, i, k, n_group, topk_group, e_start, e_local, int4, dtype, hot, cfg=None,
+                 workspace: bool = False) -> dict:
+    """The Triton path under the interpreter vs the reference in fp64 on the same (dequantised) experts and
+    routing; with workspace, also the path through a poisoned MoEWorkspace of a larger capacity, which must
+    equal the allocating path bit for bit."""
+    from plugins.moe_w4a16.launch import moe_w4a16_triton
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(t, d, generator=g).to(dtype)
+    logits = torch.randn(t, e, generator=g)
+    if hot is not None:
+        logits[:, hot] += 8.0  # every token picks `hot`: its list is longer than one tile of 16
+    bias = torch.randn(e, generator=g) * 0.1
+    if int4:
+        w13 = torch.randint(-2**31, 2**31 - 1, (e_local, 2 * i, padded_k(d) // 8), generator=g, dtype=torch.int32)
+        w2 = torch.randint(-2**31, 2**31 - 1, (e_local, d, padded_k(i) // 8), generator=g, dtype=torch.int32)
+        s13 = (torch.rand(e_local, padded_k(d) // 32, 2 * i, generator=g) * 0.02 + 0.005).to(torch.bfloat16)
+        s2 = (torch.rand(e_local, padded_k(i) // 32, d, generator=g) * 0.02 + 0.005).to(torch.bfloat16)
+        s13[:, d // 32:] = 0  # the padding groups of the kernel layout hold scale 0
+        s2[:, i // 32:] = 0
+        w13d, w2d = dequantize_kernel_layout(w13, s13, d), dequantize_kernel_layout(w2, s2, i)
+    else:
+        w13 = (torch.randn(e_local, 2 * i, d, generator=g) * 0.1).to(dtype)
+        w2 = (torch.randn(e_local, d, i, generator=g) * 0.1).to(dtype)
+        s13 = s2 = None
+        w13d, w2d = w13.float(), w2.float()
+    cfg = cfg or KernelConfig(bm=16, bn1=32, bn2=128)
+    if int4 and cfg.scale_tile:  # the same scales stored row-major [e, n, g], viewed as [e, g, n]
+        s13, s2 = (s.transpose(1, 2).contiguous().transpose(1, 2) for s in (s13, s2))
+    args = (x, logits, bias, w13, s13, w2, s2, k, n_group, topk_group, True, 2.5, e_start)
+    y = moe_w4a16_triton(*args, config=cfg)
+    idx, tw = route_reference(logits, bias, k, n_group, topk_group, True, 2.5)
+    ref = experts_reference(x.double(), idx, tw.double(), w13d.double(), w2d.double(), e_start)
+    rel = ((y.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    res = {"rel": rel, "finite": bool(torch.isfinite(y).all()), "dtype": str(dtype), "shape": list(y.shape)}
+    if workspace:
+        ws = MoEWorkspace.allocate(t + 7, k, e_local, d, i, dtype, "cpu", cfg)
+        ws.buffer.fill_(0xFF)  # NaN floats, -1 ints: whatever the kernels read before writing shows
+        res["workspace_equal"] = torch.equal(moe_w4a16_triton(*args, workspace=ws.buffer, config=cfg), y)
+    return res
+
+
+def interpreter_worker(names: list[str]) -> dict:
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    return {name: _interp_case(*INTERP_CASES[name], workspace=name in WORKSPACE_CASES) for name in names}
+
+
 @pytest.fixture(scope="module")
 def interp_results():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    run = subprocess.run([sys.executable, "-m", "plugins.moe_w4a16.interp_check"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)
-    line = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert run.returncode == 0 and line, f"interpreter run failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
-    return json.loads(line[-1][len("RESULT "):])
+    names = list(INTERP_CASES)
+    procs = [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--interpreter",
+                               ",".join(names[j::INTERP_PROCESSES])], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for j in range(INTERP_PROCESSES)]
+    results = {}
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        line = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+        assert proc.returncode == 0 and line, f"interpreter run failed:\n{out[-3000:]}\n{err[-3000:]}"
+        results.update(json.loads(line[-1][len("RESULT "):]))
+    return results
 
 
-@pytest.mark.parametrize("case", ["t1_int4_bf16", "t5_grouped_int4_bf16", "t3_ep_int4_fp32", "t4_dense_bf16",
-                                  "t20_hot_expert_int4_fp32", "t3_split_k_int4_fp32", "t3_split_k_dense_fp32",
-                                  "t40_hot_loop_int4_fp32", "t3_scale_tile_int4_fp32",
-                                  "t20_expert_loop_int4_fp32"])
+@pytest.mark.parametrize("case", list(INTERP_CASES))
 def test_triton_interpreter_matches_reference(interp_results, case):
     r = interp_results[case]
     # the interpreter rounds fp32 -> bf16 by truncation (the GPU rounds to nearest): 2e-2 for bf16 there
     tol = 1e-4 if r["dtype"] == "torch.float32" else 2e-2
     assert r["finite"] and r["rel"] < tol, r
+    assert r.get("workspace_equal", True), r  # the caller's workspace gives the allocating path's y exactly
 
 
 # ---------------------------------------------------------------- GPU
@@ -151,8 +240,11 @@ def _gpu_case(t, e, d, i, k, n_group, topk_group, e_start, e_local, int4, seed, 
         w2 = (torch.randn(e_local, d, i, device=dev, generator=g) * 0.05).to(torch.bfloat16)
         s13 = s2 = None
     _poison_allocator(dev, 4 * t * k * (d + i) + 4 * t * d + (1 << 20))
+    ws = None  # odd seeds: a caller's workspace for a few more tokens, poisoned (NaN floats, -1 ints)
+    if seed % 2:
+        ws = MoEWorkspace.allocate(t + 3, k, e_local, d, i, x.dtype, dev).buffer.fill_(0xFF)
     y = torch.ops.kdtree.moe_w4a16(x, logits, None, bias, w13, s13, w2, s2, k, n_group, topk_group, True, 2.5,
-                                   e_start)
+                                   e_start, ws)
     torch.cuda.synchronize()
     if not check:  # compile warm-up (tests/compile_warmup.py)
         return {}
@@ -196,12 +288,12 @@ def _warm_groups(cases: list[tuple]) -> tuple[list[list[tuple]], list[int]]:
     grouped by the expert GEMMs' variant (launch plan, top-k, INT4 and the specialisations of the sizes they
     receive), so that no GEMM variant compiles in two processes at once; a group's cost is its case count."""
     from compile_warmup import int_spec
-    from plugins.moe_w4a16.launch import launch_plan
+    from plugins.moe_w4a16.plan import launch_plan
     first, groups = {}, {}
     for c in cases:
         t, e, d, i, k, n_group, topk_group, e_start, e_local, int4, _ = c
         if first.setdefault((*c[:7], int_spec(e_start), e_local, int4), c) is c:
-            gemm = (launch_plan(t, k, e_local, d, i), k, int4, *map(int_spec, (t, d, i, 2 * i, e_local, t * k)))
+            gemm = (launch_plan(t, k, e_local, d, i, "cuda"), k, int4, *map(int_spec, (t, d, i, 2 * i, e_local, t * k)))
             groups.setdefault(gemm, []).append(c)
     return list(groups.values()), [len(g) for g in groups.values()]
 
@@ -250,8 +342,10 @@ def test_gpu_op_is_graph_capturable():
     logits = torch.randn(t, e, device=dev, generator=g)
     bias = torch.zeros(e, device=dev)
     (w13, s13), (w2, s2) = _random_int4(e, 2 * i, d, dev, g), _random_int4(e, d, i, dev, g)
-    call = lambda: torch.ops.kdtree.moe_w4a16(x, logits, None, bias, w13, s13, w2, s2, k, 1, 1, True, 1.0, 0)  # noqa
+    ws = MoEWorkspace.allocate(t, k, e, d, i, x.dtype, dev)  # the captured graph allocates only y
+    call = lambda: moe_w4a16(x, logits, None, bias, w13, s13, w2, s2, k, 1, 1, True, 1.0, 0, ws.buffer)  # noqa
     eager = call()
+    assert torch.equal(eager, moe_w4a16(x, logits, None, bias, w13, s13, w2, s2, k, 1, 1, True, 1.0, 0))
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
@@ -263,5 +357,7 @@ def test_gpu_op_is_graph_capturable():
 
 
 if __name__ == "__main__":
-    if "--warm" in sys.argv:
+    if "--interpreter" in sys.argv:
+        print("RESULT " + json.dumps(interpreter_worker(sys.argv[sys.argv.index("--interpreter") + 1].split(","))))
+    elif "--warm" in sys.argv:
         warm_worker(json.loads(sys.argv[sys.argv.index("--warm") + 1]))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from build_pipeline.quant_fp8 import dequantize_fp8_block
-from build_pipeline.quant_int4 import dequantize_int4, pack_int4, quantize_int4, unpack_int4
+from core.quant_fp8 import dequantize_fp8_block
+from core.quant_int4 import dequantize_int4, pack_int4, quantize_int4, unpack_int4
 
 
 @pytest.mark.parametrize("shape", [(1, 8), (7, 64), (33, 96), (128, 256)])
@@ -55,13 +55,13 @@ def test_fp8_block_checkpoint_loads_dequantised(tiny, tmp_path):
     import json
     import shutil
 
+    from decoding import decode, load_pair
     from safetensors.torch import load_file, save_file
 
-    from build_pipeline.config import load_config
-    from build_pipeline.loader import WeightLoader
-    from build_pipeline.weight_map import target_specs
-    from runtime.generate import SamplingParams, generate_ar
-    from runtime.model import load_target
+    from core.config import load_config
+    from core.loader import WeightLoader
+    from core.weight_map import target_specs
+    from runtime.decode.params import SamplingParams
 
     src = tiny.get("kimi")
     dst = tmp_path / "fp8"
@@ -91,4 +91,10 @@ def test_fp8_block_checkpoint_loads_dequantised(tiny, tmp_path):
     spec = next(s for s in target_specs(cfg) if s.ckpt == "model.layers.1.self_attn.kv_b_proj.weight")
     assert loader.storage(spec) == "fp8"
     assert torch.equal(loader.load(spec, torch.float32), expected[spec.ckpt])
-    assert len(list(generate_ar(load_target(dst, progress=False), [1, 2, 3], SamplingParams(4)))) == 4
+    model = load_pair(dst, dtype=torch.float32).target  # through the build: the artifact holds the dequantised kv_b
+    h, p, c = cfg.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    kv_b = expected[spec.ckpt].view(h, -1, c)  # [h, p+u, c]
+    attn = model.w.layers[1].attn
+    assert torch.equal(attn.w_uk, kv_b[:, :p]) and torch.equal(attn.w_uv, kv_b[:, p:])
+    outs, _ = decode(model, None, [[1, 2, 3]], SamplingParams(4))
+    assert len(outs[0]) == 4

@@ -9,11 +9,12 @@ import torch
 
 from agreeing_drafter import AgreeingDrafter
 from build_pipeline.tiny_drafter import make_tiny_drafter
-from plugins.bitmask import causal_mask
-from runtime.drafter import load_target_and_drafter
-from runtime.generate import SamplingParams, commit_chain, generate_ar, generate_ar_batch, prefill
-from runtime.session import DecodeSession
-from runtime.spec import SpecConfig, SpecStats, generate_spec_batch
+from decoding import decode, load_pair
+from plugins.common.bitmask import causal_mask
+from runtime.decode.params import SamplingParams, SpecConfig
+from runtime.decode.prefill import commit_chain, prefill
+from runtime.decode.session import DecodeSession
+from runtime.decode.stats import DecodeStats
 
 NEW_TOKENS = 128
 BUDGETS = [1, 4, 16, 64, 256]
@@ -34,13 +35,14 @@ class Setup:
         path = tiny.get("small", int4=int4)
         drafter_dir = tmp / f"drafter-{int4}"
         make_tiny_drafter(path, drafter_dir)
-        self.target, self.dflash = load_target_and_drafter(path, drafter_dir, dtype=torch.float64, progress=False)
+        m = load_pair(path, drafter_dir)
+        self.target, self.dflash = m.target, m.drafter
         self.prompts = _prompts()
-        free = generate_ar_batch(self.target, self.prompts, SamplingParams(NEW_TOKENS))
+        free, _ = decode(self.target, None, self.prompts, SamplingParams(NEW_TOKENS))
         self.stop = free[0][NEW_TOKENS // 2]  # appears mid-way in prompt 0's output, so some requests stop early
         self.params = SamplingParams(NEW_TOKENS, stop_ids=(self.stop,))
-        self.ar = generate_ar_batch(self.target, self.prompts, self.params)
-        assert self.ar[5] == list(generate_ar(self.target, self.prompts[5], self.params))  # batch == single
+        self.ar, _ = decode(self.target, None, self.prompts, self.params)
+        assert self.ar[5] == decode(self.target, None, [self.prompts[5]], self.params)[0][0]  # batch == single
         assert any(len(o) < NEW_TOKENS for o in self.ar) and any(len(o) == NEW_TOKENS for o in self.ar)
 
 
@@ -56,38 +58,33 @@ def setups(tiny, tmp_path_factory):
 def test_speculative_greedy_equals_ar(setups, int4, drafter, mode, budget):
     s = setups[int4]
     d = s.dflash if drafter == "dflash" else AgreeingDrafter(s.target, miss_prob=0.3, seed=budget)
-    stats = SpecStats()
-    out = generate_spec_batch(s.target, d, s.prompts, s.params, SpecConfig(mode, max(budget, 1)), stats)
+    out, stats = decode(s.target, d, s.prompts, s.params, mode, max(budget, 1))
     assert out == s.ar
     if drafter == "agreeing" and budget >= 16:
-        assert stats.as_dict()["tau"] > 3.0  # the tree recovers the planted misses
+        assert stats["tau"] > 3.0  # the tree recovers the planted misses
 
 
 def test_tau_reaches_block_size_with_a_perfect_drafter(setups):
     s = setups[False]
-    stats = SpecStats()
     params = SamplingParams(NEW_TOKENS)
-    out = generate_spec_batch(s.target, AgreeingDrafter(s.target, miss_prob=0.0), s.prompts[:4], params,
-                              SpecConfig("chain"), stats)
-    assert out == [list(generate_ar(s.target, p, params)) for p in s.prompts[:4]]
-    hist = stats.as_dict()["accept_len_histogram"]
+    out, stats = decode(s.target, AgreeingDrafter(s.target, miss_prob=0.0), s.prompts[:4], params, "chain")
+    assert out == [decode(s.target, None, [p], params)[0][0] for p in s.prompts[:4]]
+    hist = stats["accept_len_histogram"]
     assert max(hist) == 8 and hist[8] >= 0.9 * sum(hist.values())  # all full blocks but the tails
 
 
 def test_accept_lengths_cover_1_to_block_size(setups):
     s = setups[False]
-    stats = SpecStats()
-    generate_spec_batch(s.target, AgreeingDrafter(s.target, miss_prob=0.25, seed=3), s.prompts, s.params,
-                        SpecConfig("chain"), stats)
-    assert set(stats.as_dict()["accept_len_histogram"]) == set(range(1, 9))
+    _, stats = decode(s.target, AgreeingDrafter(s.target, miss_prob=0.25, seed=3), s.prompts, s.params, "chain")
+    assert set(stats["accept_len_histogram"]) == set(range(1, 9))
 
 
 def test_committed_cache_after_one_round_equals_ar_cache(setups):
     s = setups[False]
     prompt = s.prompts[3]
     d = AgreeingDrafter(s.target, miss_prob=0.3, seed=1)
-    session = DecodeSession(s.target, d, "ddtree", 16, 1, len(prompt) + NEW_TOKENS)
-    rounds = session.rounds([prompt], SamplingParams(NEW_TOKENS), False, SpecStats())
+    session = DecodeSession(s.target, d, SpecConfig("ddtree", 16), 1, len(prompt) + NEW_TOKENS)
+    rounds = session.rounds([prompt], SamplingParams(NEW_TOKENS), False, DecodeStats())
     first = next(rounds)[0]
     second = next(rounds)[0]
     cache = session.cache
@@ -113,7 +110,7 @@ def test_sampling_at_temperature_1_matches_the_target_distribution(setups):
     runs = 1500
     params = SamplingParams(2, temperature=1.0, seed=11)
     d = AgreeingDrafter(s.target, miss_prob=0.3, seed=5)
-    out = generate_spec_batch(s.target, d, [prompt] * runs, params, SpecConfig("ddtree", 16))
+    out, _ = decode(s.target, d, [prompt] * runs, params, "ddtree", 16)
     firsts = [o[0] for o in out]
     t1 = max(set(firsts), key=firsts.count)
     seconds = [o[1] for o in out if o[0] == t1]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from runtime.tokenizer import Tokenizer
+from core.tokenizer import Tokenizer
 
 
 def test_tiktoken_roundtrip_specials_and_chat(tiny):

@@ -23,8 +23,9 @@ import pytest
 import torch
 
 from build_pipeline.tiny_drafter import make_tiny_drafter
-from runtime.dist import Comm, RankFailure, launch
-from runtime.tp_generate import Job, generate_on_rank, run_job
+from rank_jobs import Job, generate_on_rank, run_job
+from runtime.parallel.comm import Comm
+from runtime.parallel.ranks import RankFailure, launch
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ((5, 6, 7, 8), (100, 200, 3))
@@ -61,7 +62,7 @@ def _jobs(models, tp: int) -> dict[str, Job]:
         if name == "bf16-ep" and tp == 4:
             continue  # tp 4 already runs INT4 under EP; keep CI short
         # TP-sliced INT4 experts need (moe_intermediate_size / tp) % group_size == 0: 64 / 4 = 16 < 32,
-        # so --tp 4 runs the INT4 model expert-parallel (build_pipeline/plan.py refuses the TP cut)
+        # so --tp 4 runs the INT4 model expert-parallel (core/plan.py refuses the TP cut)
         jobs[f"{name}-ar"] = Job(path, PROMPTS, NEW, ep=ep)
         jobs[f"{name}-ddtree"] = Job(path, PROMPTS, NEW, spec="ddtree", budget=8, drafter=drafter, ep=ep)
     return jobs

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.dist import Comm, launch
+from runtime.parallel.comm import Comm
+from runtime.parallel.ranks import launch
 
 pytestmark = pytest.mark.gpu
 
@@ -49,8 +50,7 @@ def _graph_collectives(comm: Comm) -> dict:
 
 
 def _tokens_tp1(comm: Comm, path: str, drafter: str, prompt: list[int]) -> dict:
-    from runtime.engine import Engine
-    from runtime.tp_engine import rank_engine
+    from runtime.engine.engine import Engine
 
     out = {}
     for spec in ("none", "ddtree"):
@@ -58,7 +58,7 @@ def _tokens_tp1(comm: Comm, path: str, drafter: str, prompt: list[int]) -> dict:
                             graphs=True)
         ref = list(plain.generate_ids(prompt, 24))
         ref_stats = plain.last_stats
-        tp = rank_engine(comm, path, drafter if spec != "none" else None, spec, 16, True, None)
+        tp = Engine.on_rank(comm, path, drafter=drafter if spec != "none" else None, spec=spec, budget=16, graphs=True)
         got = list(tp.generate_ids(prompt, 24))
         out[spec] = {"ref": ref, "tp": got, "ref_graphs": ref_stats.get("graphs"),
                      "tp_graphs": tp.last_stats.get("graphs"), "tp_graph_note": tp.last_stats.get("graph_note")}

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from plugins.bitmask import mask_words  # noqa: E402
+from plugins.common.bitmask import mask_words  # noqa: E402
 from plugins.tree_build.parallel_reference import best_prefixes_parallel  # noqa: E402
 from plugins.tree_build.reference import _best_first, build_from_topk_reference, topk_logprobs_reference  # noqa: E402
 
@@ -106,9 +106,12 @@ def poisoned_outputs(b: int, n: int, device) -> list[torch.Tensor]:
             torch.full((b, n, mask_words(n)), -77, dtype=torch.int64, device=device)]
 
 
-def check_end_to_end(logits: torch.Tensor, topk: int, budget: int, seed: int, dtype=torch.float32) -> dict:
-    """Runs the kernels and the reference on the same logits; returns a summary with `ok`."""
+def check_end_to_end(logits: torch.Tensor, topk: int, budget: int, seed: int, dtype=torch.float32,
+                     workspace: bool = False) -> dict:
+    """Runs the kernels and the reference on the same logits; returns a summary with `ok`.  workspace: also
+    through a poisoned caller's workspace of a larger capacity, which must give the same five outputs."""
     from plugins.tree_build.kernel import tree_build_triton
+    from plugins.tree_build.workspace import TreeBuildWorkspace
     b, depth, vocab = logits.shape
     logits = logits.to(dtype)
     gen = torch.Generator().manual_seed(seed)
@@ -124,6 +127,12 @@ def check_end_to_end(logits: torch.Tensor, topk: int, budget: int, seed: int, dt
     ref = build_from_topk_reference(lp, ids, budget, root, start)
     names = ("tokens", "parents", "depth", "positions", "mask")
     bad = [name for name, o, r in zip(names, outs, ref) if not torch.equal(o.cpu(), r.cpu())]
+    if workspace:
+        big = TreeBuildWorkspace.allocate(b + 1, depth + 1, vocab + 5, budget + 3, topk + 2, logits.device)
+        big.buffer.fill_(0xFF)  # NaN floats, -1 ints: whatever the kernels read before writing shows
+        again = poisoned_outputs(b, budget + 1, logits.device)
+        tree_build_triton(logits, root, start, topk, *again, workspace=big.buffer)
+        bad += [name + " (workspace)" for name, o, r in zip(names, again, outs) if not torch.equal(o, r)]
     return {"b": b, "D": depth, "V": vocab, "B": budget, "topk": topk, "dtype": str(dtype).split(".")[-1],
             "stage1_ok": lp_ok and ids_ok, "bad_outputs": bad, "ok": lp_ok and ids_ok and not bad}
 
@@ -180,7 +189,7 @@ def interpreter_worker() -> list[dict]:
             _, b, depth, vocab, budget, topk, mode, dtype = case
             rng, gen = random.Random(i), torch.Generator().manual_seed(i)
             logits = make_logits(rng, gen, b, depth, vocab, mode, "cpu")
-            res = check_end_to_end(logits, topk, budget, seed=i, dtype=dtype)
+            res = check_end_to_end(logits, topk, budget, seed=i, dtype=dtype, workspace=i in (3, 4))
             res["mode"] = mode
         else:
             _, lp, budget = case
@@ -198,6 +207,24 @@ def test_triton_kernels_interpreted():
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     failed = [r for r in results if not r["ok"]]
     assert len(results) == len(_interpreter_cases()) and not failed, failed
+
+
+def test_op_with_workspace_is_the_op_without():
+    """The registered op on CPU (the reference) takes a caller's workspace of a larger capacity and gives the
+    same outputs; a workspace too small for the call is one ValueError naming the call's shapes."""
+    from plugins.tree_build import TreeBuildWorkspace, tree_build
+    gen = torch.Generator().manual_seed(5)
+    b, depth, vocab, budget = 2, 3, 40, 12
+    logits = torch.randn(b, depth, vocab, generator=gen)
+    root, start = torch.tensor([3, 7]), torch.tensor([10, 0])
+    want, got = poisoned_outputs(b, budget + 1, "cpu"), poisoned_outputs(b, budget + 1, "cpu")
+    tree_build(logits, root, start, budget, *want)
+    ws = TreeBuildWorkspace.allocate(4, 8, 100, 64, 64, "cpu")
+    tree_build(logits, root, start, budget, *got, workspace=ws.buffer)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    small = TreeBuildWorkspace.allocate(1, depth, vocab, budget, budget, "cpu")
+    with pytest.raises(ValueError, match=r"tree_build: workspace holds \d+ bytes, this call \(b 2, D 3, V 40"):
+        tree_build(logits, root, start, budget, *got, workspace=small.buffer)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -231,7 +258,7 @@ def _variant_keys(s: dict) -> tuple[tuple, tuple]:
     key): the workspace's pads and Triton's integer specialisations of the sizes each kernel receives, and the
     logits dtype (the workspace is allocated on the meta device: sizes only)."""
     from compile_warmup import int_spec
-    from plugins.bitmask import mask_words
+    from plugins.common.bitmask import mask_words
     from plugins.tree_build.workspace import TreeBuildWorkspace
     ws = TreeBuildWorkspace.allocate(1, s["D"], s["V"], s["B"], s["topk"], "meta")
     tree = (ws.b_pad, ws.p_pad, ws.d_pad, *map(int_spec, (ws.k, s["B"], s["D"], mask_words(s["B"] + 1))))

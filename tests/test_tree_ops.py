@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from plugins.bitmask import causal_mask, pack_mask, unpack_mask
+from plugins.common.bitmask import causal_mask, pack_mask, unpack_mask
 from plugins.kv_commit import kv_commit
 from plugins.tree_accept import tree_accept
 from plugins.tree_build import build_from_topk_reference, topk_logprobs_reference, tree_build

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from plugins.bitmask import causal_mask, pack_mask
+from plugins.common.bitmask import causal_mask, pack_mask
 
 ROOT = Path(__file__).resolve().parent.parent
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 2e-3)}  # (out rel, lse abs)
@@ -162,7 +162,7 @@ def _cpu_worker() -> None:
                      keys_m="keysm" in variant)
         ws = None
         if i % 2:  # odd cases pass a preallocated (poisoned) workspace
-            numel = workspace_numel(b, n, h, d_v, l_max, dtype, config=cfg, num_splits=splits, d_qk=d_v + d_r)
+            numel = workspace_numel(b, n, h, d_v, l_max, dtype, "cpu", config=cfg, num_splits=splits, d_qk=d_v + d_r)
             ws = torch.full((numel,), float("nan"))
         tree_verify_mla_triton(x["q"], x["cache"], x["cache_lens"], x["tree_kv"], x["tree_mask"], x["scale"], out,
                                lse, workspace=ws, config=cfg, num_splits=splits)
@@ -189,17 +189,22 @@ def test_interpreted_kernel_matches_reference(interpreted, name):
 
 
 def test_plan_and_workspace_size():
+    from plugins.common.device import device_facts
     from plugins.tree_verify_mla.launcher import MAX_SPLITS, plan, workspace_numel
+    sms = device_facts("cpu").sms  # no CUDA device: the H200's facts
     for b, n, h, l_max in [(1, 1, 8, 32768), (1, 8, 8, 131072), (1, 64, 64, 32768), (64, 1024, 128, 262144),
                            (8, 8, 8, 32768), (1, 4, 8, 100)]:
-        p = plan(b, n, h, l_max, torch.bfloat16)
+        p = plan(b, n, h, l_max, torch.bfloat16, "cpu")
         assert 1 <= p.num_splits <= MAX_SPLITS
         units = b * -(-n * h // p.config.block_m) * p.config.dv_split
-        assert p.num_splits == 1 or units * p.num_splits <= 132 * p.config.ctas_per_sm  # the planned waves
-        ws = workspace_numel(b, n, h, 512, l_max, torch.bfloat16)
+        assert p.num_splits == 1 or units * p.num_splits <= sms * p.config.ctas_per_sm  # the planned waves
+        ws = workspace_numel(b, n, h, 512, l_max, torch.bfloat16, "cpu")
         assert ws == (0 if p.num_splits == 1 else b * p.num_splits * n * h * 513)
-    assert plan(1, 1, 8, 32768, torch.bfloat16).num_splits >= 64  # memory-bound: spread over the SMs
-    assert plan(64, 1024, 128, 262144, torch.bfloat16).num_splits == 1  # enough work: no workspace
+    assert plan(1, 1, 8, 32768, torch.bfloat16, "cpu").num_splits >= 64  # memory-bound: spread over the SMs
+    assert plan(64, 1024, 128, 262144, torch.bfloat16, "cpu").num_splits == 1  # enough work: no workspace
+    # a device with fewer SMs spreads a memory-bound request over fewer splits
+    assert plan(1, 1, 8, 32768, torch.bfloat16, "cpu", num_sms=33).num_splits < plan(
+        1, 1, 8, 32768, torch.bfloat16, "cpu").num_splits
 
 
 def test_launcher_rejects_bad_workspace_and_layout():
@@ -283,9 +288,8 @@ def test_gpu_random_shapes():
         if s["path"] == "op":
             torch.ops.kdtree.tree_verify_mla(*args, None)  # every arg explicit (torch 2.11)
         else:
-            ws = torch.full((workspace_numel(b, n, h, 512, l_max, dtype, num_sms=torch.cuda.get_device_properties(0)
-                                             .multi_processor_count, config=s["config"], num_splits=s["splits"]),),
-                            float("nan"), device="cuda")
+            ws = torch.full((workspace_numel(b, n, h, 512, l_max, dtype, "cuda", config=s["config"],
+                                             num_splits=s["splits"]),), float("nan"), device="cuda")
             tree_verify_mla_triton(*args, workspace=ws, config=s["config"], num_splits=s["splits"], pdl=s["pdl"])
         torch.cuda.synchronize()
         e = errors(out, lse, *reference(x, 512))
@@ -312,11 +316,10 @@ def test_gpu_random_shapes():
 @pytest.mark.parametrize("b,n,h,l_max", [(2, 17, 16, 5000), (2, 1, 8, 20000)])  # dv_split and keys_m tables
 def test_gpu_cuda_graph_capture_replays_new_inputs(b, n, h, l_max):
     import plugins.tree_verify_mla  # noqa: F401
-    from plugins.tree_verify_mla.launcher import device_sms, workspace_numel
+    from plugins.tree_verify_mla.launcher import workspace_numel
     gen = torch.Generator().manual_seed(7)
     x = make_inputs(b, n, h, l_max, [4000, 0], 512, 64, torch.bfloat16, gen, device="cuda")
-    ws = torch.empty(workspace_numel(b, n, h, 512, l_max, torch.bfloat16, device_sms(torch.device("cuda"))),
-                     device="cuda")
+    ws = torch.empty(workspace_numel(b, n, h, 512, l_max, torch.bfloat16, "cuda"), device="cuda")
     assert ws.numel() > 0  # the split path (partials + combine) is what the graph must hold
     out = torch.empty(b, n, h, 512, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(b, n, h, device="cuda")

@@ -5,7 +5,7 @@ pass 2^31 elements (layer and request strides of a 262144-row cache) are i64.  I
 
 from __future__ import annotations
 
-from build_pipeline.compile_kernels import TritonKernel
+from plugins.common.aot import TritonKernel
 from plugins.kv_commit.kernel import ADVANCE_BLOCK, _advance_lens_kernel, _kv_commit_copy_kernel
 
 D_QK = 576

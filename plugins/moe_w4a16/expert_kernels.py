@@ -12,7 +12,7 @@ Small token counts give few (expert, row block) pairs, so gate/up splits k over 
 partials [splits, t*K, 2i]; silu_mul_kernel sums them once in a fixed order (deterministic, no atomics, no
 memset) into h [t*K, i], which down reads like gate/up reads x.
 
-INT4 (build_pipeline/moe_layout.py): a [BN, 32] int32 tile of a 256-block holds 8 nibble planes;
+INT4 (plugins/moe_w4a16/layout.py): a [BN, 32] int32 tile of a 256-block holds 8 nibble planes;
 plane p is the K-contiguous [BN, 32] slice k = 256 b + 32 p + (0..31) of one scale group.  The plane is
 dequantised in registers (`_plane`: shift, mask, or with 0x4B000000, one fp32 subtraction, times the
 group scale, one rounding to x's dtype, as the reference's dequantise-then-cast) and fed to the dot;

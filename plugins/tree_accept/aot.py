@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import triton
 
-from build_pipeline.compile_kernels import TritonKernel
+from plugins.common.aot import TritonKernel
 from plugins.tree_accept.kernel import _tree_accept_kernel, _warps
 from plugins.tree_accept.posterior_kernel import posterior_kernel
 
@@ -24,8 +24,8 @@ def aot_kernels(budgets: tuple[int, ...]) -> list[TritonKernel]:
         out.append(TritonKernel("tree_accept", f"tree_accept_b{b}", _tree_accept_kernel, sig, {"BLOCK": block},
                                 num_warps=_warps(block)))
     for dtype in ("bf16", "fp32"):
-        sig = {"logits_ptr": f"*{dtype}", "out_ptr": "*i64", "state_ptr": "*i64", "v": "i32", "s_row": "i64",
-               "inv_t": "fp32", "SAMPLE": "constexpr", "BLOCK_V": "constexpr"}
+        sig = {"logits_ptr": f"*{dtype}", "out_ptr": "*i64", "state_ptr": "*i64", "inv_temp_ptr": "*fp32",
+               "v": "i32", "s_row": "i64", "SAMPLE": "constexpr", "BLOCK_V": "constexpr"}
         for sample in (False, True):
             out.append(TritonKernel("posterior", f"posterior_{dtype}_{'sample' if sample else 'argmax'}",
                                     posterior_kernel, sig, {"SAMPLE": sample, "BLOCK_V": POSTERIOR_BLOCK_V},

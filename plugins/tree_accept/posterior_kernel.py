@@ -1,10 +1,10 @@
-"""Triton kernel of the posterior op (see posterior.py): per row, argmax of logits (T = 0) or of
-logits / T + Gumbel noise (T > 0), ties to the lowest id.
+"""Triton kernel of the posterior op (see posterior.py): per row, argmax of logits (greedy) or of
+logits * inv_temp + Gumbel noise (SAMPLE; inv_temp read from device memory), ties to the lowest id.
 
-The noise is runtime/rng.py's counter-based uniform, bit for bit: with (seed, counter) = state,
+The noise is plugins/common/rng.py's counter-based uniform, bit for bit: with (seed, counter) = state,
 key = mix(seed * G + counter) and u[i] = ((mix(key + (i + 1) * G) >> 40) + 0.5) / 2^24 for the flat
 element index i = row * V + col (mix = the splitmix64 finaliser, G = the golden-ratio increment,
-all arithmetic modulo 2^64).  So the GPU draws the same samples as runtime.rng.choose on the CPU.
+all arithmetic modulo 2^64).  So the GPU draws the same samples as plugins.common.rng.choose on the CPU.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ def _mix(z):
 
 
 @triton.jit
-def posterior_kernel(logits_ptr, out_ptr, state_ptr, v, s_row, inv_t, SAMPLE: tl.constexpr, BLOCK_V: tl.constexpr):
+def posterior_kernel(logits_ptr, out_ptr, state_ptr, inv_temp_ptr, v, s_row, SAMPLE: tl.constexpr,
+                     BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * s_row
     lane = tl.arange(0, BLOCK_V).to(tl.int64)
@@ -32,6 +33,7 @@ def posterior_kernel(logits_ptr, out_ptr, state_ptr, v, s_row, inv_t, SAMPLE: tl
         seed = tl.load(state_ptr).to(tl.uint64, bitcast=True)
         counter = tl.load(state_ptr + 1).to(tl.uint64, bitcast=True)
         key = _mix(seed * 0x9E3779B97F4A7C15 + counter)
+        inv_t = tl.load(inv_temp_ptr)
     start = row * 0  # int64; a while loop (a runtime trip count) also runs in the interpreter
     while start < v:
         cols = start + lane  # [BLOCK_V]

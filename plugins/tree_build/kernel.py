@@ -1,15 +1,15 @@
 """tree_build on the GPU (Triton): entry checks, workspace, and the two stages.
 
 Eight launches, no host synchronisation, no data-dependent shapes: capturable in a CUDA graph (pass
-a preallocated TreeBuildWorkspace to allocate nothing).  Under TRITON_INTERPRET=1 the same code runs
-on CPU tensors (the CI check of the kernel logic).
+the buffer of a TreeBuildWorkspace allocated once to allocate nothing).  Under TRITON_INTERPRET=1 the
+same code runs on CPU tensors (the CI check of the kernel logic).
 """
 
 from __future__ import annotations
 
 import torch
 
-from plugins.bitmask import mask_words
+from plugins.common.bitmask import mask_words
 from plugins.tree_build.topk_kernel import topk_logprobs_triton
 from plugins.tree_build.tree_kernel import build_tree_triton
 from plugins.tree_build.workspace import TreeBuildWorkspace
@@ -49,17 +49,19 @@ def check_tree_build_args(logits, root, start, topk, tokens, parents, depth, pos
 
 def tree_build_triton(logits: torch.Tensor, root: torch.Tensor, start: torch.Tensor, topk: int,
                       tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor, positions: torch.Tensor,
-                      mask: torch.Tensor, ws: TreeBuildWorkspace | None = None) -> TreeBuildWorkspace:
+                      mask: torch.Tensor, workspace: torch.Tensor | None = None) -> TreeBuildWorkspace:
     """Same contract as kdtree::tree_build (see reference.py); writes the outputs in place and returns the
-    workspace used (ws.lp / ws.ids then hold the sorted candidates [b * D, K], K = min(topk, V, B))."""
+    workspace views used (ws.lp / ws.ids then hold the sorted candidates [b * D, K], K = min(topk, V, B)).
+    workspace: a TreeBuildWorkspace's .buffer allocated for at least this call's shapes; None allocates one."""
     check_tree_build_args(logits, root, start, topk, tokens, parents, depth, positions, mask)
     b, d, v = logits.shape
     budget = tokens.shape[1] - 1
-    if ws is None:
+    if workspace is None:
         ws = TreeBuildWorkspace.allocate(b, d, v, budget, topk, logits.device)
-    elif not ws.fits(b, d, v, budget, topk):
-        raise ValueError(f"tree_build: workspace is for (b, D, V, B, K) = {(ws.b, ws.depth, ws.vocab, ws.budget, ws.k)}, "
-                         f"call has {(b, d, v, budget, min(topk, v, budget))}")
+    else:
+        if workspace.device != logits.device:
+            raise ValueError(f"tree_build: workspace is on {workspace.device}, logits on {logits.device}")
+        ws = TreeBuildWorkspace.carve(workspace, b, d, v, budget, topk)
     topk_logprobs_triton(logits.contiguous().view(b * d, v), ws.k, ws)
     build_tree_triton(ws.lp, ws.ids, root, start, tokens, parents, depth, positions, mask, ws)
     return ws

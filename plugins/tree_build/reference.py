@@ -12,7 +12,7 @@ Stage 2, build_from_topk: (lp, ids, root tokens [b], start [b]) ->
   parents   [b, N] int32   parent node index, -1 for the root
   depth     [b, N] int32   root 0
   positions [b, N] int64   start + depth
-  mask      [b, N, w] int64 ancestor bitmask (plugins/bitmask.py), self included
+  mask      [b, N, w] int64 ancestor bitmask (plugins/common/bitmask.py), self included
 
 A prefix is a rank tuple (r_1..r_d) (rank within its depth's candidate list); its score is the fp32
 sum lp_1[r_1] + lp_2[r_2] + ... taken left to right, i.e. score(child) = score(parent) + lp.
@@ -30,7 +30,7 @@ import heapq
 import numpy as np
 import torch
 
-from plugins.bitmask import mask_words
+from plugins.common.bitmask import mask_words
 
 
 def topk_logprobs_reference(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

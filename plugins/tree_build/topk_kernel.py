@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from plugins.tree_build.keys import ordered, unordered
+from plugins.common.keys import ordered, unordered
 
 PASSES = 4  # 8-bit radix digits, most significant first
 HIST_BINS = 256

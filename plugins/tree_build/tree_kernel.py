@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from plugins.tree_build.keys import max_combine, ordered, pack, unordered, unpack
+from plugins.common.keys import max_combine, ordered, pack, unordered, unpack
 
 
 @triton.jit

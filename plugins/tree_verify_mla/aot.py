@@ -11,7 +11,7 @@ the mask and lse strides and the shape scalars are not specialised.
 
 from __future__ import annotations
 
-from build_pipeline.compile_kernels import TritonKernel
+from plugins.common.aot import TritonKernel
 from plugins.tree_verify_mla.kernel import tree_verify_mla_combine_kernel, tree_verify_mla_split_kernel
 from plugins.tree_verify_mla.launcher import CONFIGS_16BIT, MAX_SPLITS
 

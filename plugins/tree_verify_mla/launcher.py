@@ -1,8 +1,8 @@
 """Launcher of the tree_verify_mla Triton kernels: config table, split plan, workspace size, launch.
 
-Everything here depends on static shapes only (b, n, h, l_max, dtype, SM count), so one call
-allocates nothing when given a workspace, never syncs with the host, and can be captured in a
-CUDA graph once compiled.  See kernel.py for the algorithm.
+Everything here depends on static shapes and the device's facts only (b, n, h, l_max, dtype, SM count,
+bytes per flop: plugins/common/device.py), so one call allocates nothing when given a workspace, never
+syncs with the host, and can be captured in a CUDA graph once compiled.  See kernel.py for the algorithm.
 """
 
 from __future__ import annotations
@@ -12,17 +12,16 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from plugins.common.device import device_facts
 from plugins.tree_verify_mla.kernel import (
     LOG2E,
     tree_verify_mla_combine_kernel,
     tree_verify_mla_split_kernel,
 )
 
-H200_SMS = 132
 MAX_SPLITS = 512
 MIN_TILES_PER_SPLIT = 2  # a split shorter than this many key tiles costs more in partials than it saves
 PARTIAL_SHARE = 0.5  # partial o/lse written by all splits <= this share of the request's work in bytes
-HBM_PER_FLOP = 4.25e12 / 687e12  # H200 bytes per bf16 flop at the measured ceilings (benchmarks/common.py)
 USE_PDL = True  # programmatic dependent launch on sm_90+ (the combine launches while the split kernel runs)
 
 
@@ -88,18 +87,22 @@ def pick_config(m: int, dtype: torch.dtype) -> Config:
     return next(cfg for limit, cfg in table if m <= limit)
 
 
-def plan(b: int, n: int, h: int, l_max: int, dtype: torch.dtype, num_sms: int = H200_SMS,
-         config: Config | None = None, num_splits: int | None = None, d_qk: int = 576, d_v: int = 512) -> Plan:
-    """Tile config and split count from static shapes: about config.ctas_per_sm waves of programs
-    (units = b * m-blocks * dv_split programs per split), each split at least MIN_TILES_PER_SPLIT key
-    tiles long, and the fp32 partials of all splits (m * (d_v + 1) * 4 B each) at most PARTIAL_SHARE
-    of the request's work counted in bytes, max(latent rows read, flops * HBM_PER_FLOP)."""
+def plan(b: int, n: int, h: int, l_max: int, dtype: torch.dtype, device: torch.device | str,
+         config: Config | None = None, num_splits: int | None = None, d_qk: int = 576, d_v: int = 512,
+         num_sms: int | None = None) -> Plan:
+    """Tile config and split count from static shapes on `device` (the inputs' device; its SM count
+    unless num_sms overrides it): about config.ctas_per_sm waves of programs (units = b * m-blocks *
+    dv_split programs per split), each split at least MIN_TILES_PER_SPLIT key tiles long, and the fp32
+    partials of all splits (m * (d_v + 1) * 4 B each) at most PARTIAL_SHARE of the request's work
+    counted in bytes, max(latent rows read, flops * the device's bytes per flop)."""
     m = n * h
     cfg = config or pick_config(m, dtype)
     if num_splits is None:
+        facts = device_facts(device)
+        num_sms = num_sms or facts.sms
         units = b * triton.cdiv(m, cfg.block_m) * cfg.dv_split
         tiles = triton.cdiv(l_max, cfg.block_n) + triton.cdiv(n, cfg.block_n)
-        work = max(l_max * d_qk * torch.finfo(dtype).bits // 8, 2 * m * l_max * (d_qk + d_v) * HBM_PER_FLOP)
+        work = max(l_max * d_qk * torch.finfo(dtype).bits // 8, 2 * m * l_max * (d_qk + d_v) * facts.bytes_per_flop)
         by_partials = int(PARTIAL_SHARE * work // (m * (d_v + 1) * 4))
         num_splits = max(1, min(num_sms * cfg.ctas_per_sm // max(units, 1), tiles // MIN_TILES_PER_SPLIT,
                                 by_partials, MAX_SPLITS))
@@ -108,22 +111,15 @@ def plan(b: int, n: int, h: int, l_max: int, dtype: torch.dtype, num_sms: int = 
     return Plan(cfg, num_splits)
 
 
-def workspace_numel(b: int, n: int, h: int, d_v: int, l_max: int, dtype: torch.dtype,
-                    num_sms: int = H200_SMS, config: Config | None = None, num_splits: int | None = None,
-                    d_qk: int = 576) -> int:
-    """fp32 elements of the workspace for these static shapes: partial o [b, s, n*h, d_v] then
-    partial lse [b, s, n*h]; 0 when the plan has one split."""
-    p = plan(b, n, h, l_max, dtype, num_sms, config, num_splits, d_qk, d_v)
+def workspace_numel(b: int, n: int, h: int, d_v: int, l_max: int, dtype: torch.dtype, device: torch.device | str,
+                    config: Config | None = None, num_splits: int | None = None, d_qk: int = 576,
+                    num_sms: int | None = None) -> int:
+    """fp32 elements of the workspace for these static shapes on `device` (and overrides, as plan):
+    partial o [b, s, n*h, d_v] then partial lse [b, s, n*h]; 0 when the plan has one split."""
+    p = plan(b, n, h, l_max, dtype, device, config, num_splits, d_qk, d_v, num_sms)
     if p.num_splits == 1:
         return 0
     return b * p.num_splits * n * h * (d_v + 1)
-
-
-def device_sms(device: torch.device) -> int:
-    """SM count of a CUDA device (cached by torch, no sync); the H200's 132 elsewhere."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return H200_SMS
 
 
 def kernel_supports(dtype: torch.dtype, d_qk: int, d_v: int) -> bool:
@@ -167,14 +163,13 @@ def tree_verify_mla_triton(q: torch.Tensor, cache: torch.Tensor, cache_lens: tor
     _check_layout(q, cache, tree_kv, tree_mask, out, lse, d_v, d_r)
     if b == 0 or n == 0 or h == 0:
         return
-    sms = num_sms if num_sms is not None else device_sms(q.device)
-    p = plan(b, n, h, l_max, q.dtype, sms, config, num_splits, d_qk, d_v)
+    p = plan(b, n, h, l_max, q.dtype, q.device, config, num_splits, d_qk, d_v, num_sms)
     cfg = p.config
     if 64 % cfg.block_n or cfg.block_n < 16 or cfg.block_m < 16 or cfg.dv_split not in (1, 2) \
             or d_v // cfg.dv_split < 16:
         raise ValueError(f"tree_verify_mla: config needs 16 <= block_n | 64, block_m >= 16, dv_split in (1, 2) "
                          f"and d_v / dv_split >= 16, got {cfg} for d_v {d_v}")
-    pdl = (USE_PDL if pdl is None else pdl) and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
+    pdl = (USE_PDL if pdl is None else pdl) and q.is_cuda and device_facts(q.device).capability[0] >= 9
     launch = {"launch_pdl": True} if pdl else {}  # the interpreter takes no launch options
     s = p.num_splits
     m_rows = n * h

@@ -7,7 +7,7 @@ d_qk = d_v + d_r latent row width (576 for Kimi: c_kv 512 | k_pe 64), d_v value 
     cache      [b, l_max, d_qk]  committed latent cache; rows [0, cache_lens[i]) are valid
     cache_lens [b] int32
     tree_kv    [b, n, d_qk]      latent rows of the n tree nodes (scratch, not the committed cache)
-    tree_mask  [b, n, w] int64   ancestor bitmask (plugins/bitmask.py), self included
+    tree_mask  [b, n, w] int64   ancestor bitmask (plugins/common/bitmask.py), self included
     scale      float             softmax scale
     out        [b, n, h, d_v]    written: softmax(q k^T * scale) v, values = first d_v dims of each row
     lse        [b, n, h] fp32    written: natural-log sum of exp of the scaled, visible scores
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from plugins.bitmask import unpack_mask
-from plugins.precision import acc
+from plugins.common.bitmask import unpack_mask
+from plugins.common.precision import acc
 
 
 def tree_verify_mla_reference(q: torch.Tensor, cache: torch.Tensor, cache_lens: torch.Tensor, tree_kv: torch.Tensor,

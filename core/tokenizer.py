@@ -1,0 +1,161 @@
+"""Tokenizers: Kimi's tiktoken BPE (`tiktoken.model` + `tokenizer_config.json`) or a `tokenizer.json`.
+
+Kimi's `tokenization_kimi.py` is remote code and is never run; its pre-tokenizer pattern and its
+special-token layout (256 specials after the BPE ranks, named in `added_tokens_decoder`, the rest
+`<|reserved_token_i|>`) are reproduced here.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+from core.errors import CheckpointError
+
+# Kimi K2.x pre-tokenizer (`&&` is character-class intersection: Han runs split from letters)
+KIMI_PATTERN = "|".join([
+    r"[\p{Han}]+",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"\p{N}{1,3}",
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+    r"\s*[\r\n]+",
+    r"\s+(?!\S)",
+    r"\s+",
+])
+NUM_SPECIAL = 256
+CHAT_MARKERS = ("<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>")
+
+
+def read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
+    """Parse `tiktoken.model`: one `base64(token) rank` per line."""
+    ranks: dict[bytes, int] = {}
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except ValueError:
+            raise CheckpointError(f"{path}:{lineno}: expected `base64-token rank`") from None
+    return ranks
+
+
+class Tokenizer:
+    """encode/decode plus the special ids the runtime needs (stop tokens, chat markers)."""
+
+    def __init__(self, encode_fn, decode_fn, specials: dict[str, int], vocab_size: int,
+                 bos: str | None, eos: str | None):
+        self._encode, self._decode = encode_fn, decode_fn
+        self.specials = specials
+        self.vocab_size = vocab_size
+        self.bos_id = specials.get(bos) if bos else None
+        self.eos_id = specials.get(eos) if eos else None
+
+    @classmethod
+    def load(cls, model_dir: str | Path) -> "Tokenizer":
+        d = Path(model_dir)
+        cfg_path = d / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        if (d / "tiktoken.model").is_file():
+            return cls._from_tiktoken(d / "tiktoken.model", cfg)
+        if (d / "tokenizer.json").is_file():
+            return cls._from_tokenizers(d / "tokenizer.json", cfg)
+        raise CheckpointError(f"{d}: no tokenizer (expected tiktoken.model or tokenizer.json)")
+
+    @classmethod
+    def _from_tiktoken(cls, path: Path, cfg: dict) -> "Tokenizer":
+        import tiktoken
+
+        ranks = read_tiktoken_ranks(path)
+        n = len(ranks)
+        specials = {_content(v): int(k) for k, v in (cfg.get("added_tokens_decoder") or {}).items()}
+        taken = set(specials.values())
+        for i in range(n, n + NUM_SPECIAL):
+            if i not in taken:
+                specials[f"<|reserved_token_{i}|>"] = i
+        enc = tiktoken.Encoding(name=path.parent.name or "kimi", pat_str=KIMI_PATTERN, mergeable_ranks=ranks,
+                                special_tokens=specials)
+        return cls(lambda text: enc.encode(text, allowed_special="all"),
+                   lambda ids: enc.decode(ids, errors="replace"), specials, enc.n_vocab,
+                   _content(cfg.get("bos_token")), _content(cfg.get("eos_token")))
+
+    @classmethod
+    def _from_tokenizers(cls, path: Path, cfg: dict) -> "Tokenizer":
+        from tokenizers import Tokenizer as HFTokenizer
+
+        tok = HFTokenizer.from_file(str(path))
+        specials = {t.content: i for i, t in tok.get_added_tokens_decoder().items()}
+        return cls(lambda text: tok.encode(text, add_special_tokens=False).ids,
+                   lambda ids: tok.decode(ids, skip_special_tokens=False), specials, tok.get_vocab_size(),
+                   _content(cfg.get("bos_token")), _content(cfg.get("eos_token")))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._encode(text))
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ids; ids the tokenizer lacks (vocabulary padding of the model) come out as U+FFFD."""
+        ids = list(ids)
+        if all(0 <= i < self.vocab_size for i in ids):
+            return self._decode(ids)
+        parts, run = [], []
+        for i in ids:
+            if 0 <= i < self.vocab_size:
+                run.append(i)
+                continue
+            parts += [self._decode(run), "\ufffd"]
+            run = []
+        return "".join(parts) + self._decode(run)
+
+    def stop_ids(self, extra: tuple[int, ...] = ()) -> tuple[int, ...]:
+        """eos and <|im_end|> (when the vocabulary has them) plus `extra`."""
+        ids = [self.eos_id, self.specials.get("<|im_end|>"), *extra]
+        return tuple(sorted({i for i in ids if i is not None}))
+
+    def chat(self, user: str, system: str | None = None) -> list[int]:
+        """Kimi chat layout: [system turn] user turn, then the assistant header."""
+        missing = [m for m in CHAT_MARKERS if m not in self.specials]
+        if missing:
+            raise CheckpointError(f"tokenizer lacks chat markers {missing}; drop --chat")
+        s = self.specials
+        ids = []
+        if system is not None:
+            ids += [s["<|im_system|>"], *self.encode("system"), s["<|im_middle|>"], *self.encode(system), s["<|im_end|>"]]
+        ids += [s["<|im_user|>"], *self.encode("user"), s["<|im_middle|>"], *self.encode(user), s["<|im_end|>"]]
+        ids += [s["<|im_assistant|>"], *self.encode("assistant"), s["<|im_middle|>"]]
+        return ids
+
+
+class StreamDecoder:
+    """Incremental detokenisation: push ids, get the text they complete.  A multi-byte character
+    split across tokens is held back until its last byte arrives (no U+FFFD mid-stream)."""
+
+    def __init__(self, tok: Tokenizer, skip: tuple[int, ...] = ()):
+        self.tok, self.skip = tok, set(skip)
+        self.ids: list[int] = []
+        self.emitted = 0  # characters of decode(ids) already returned
+
+    def push(self, token: int) -> str:
+        if token in self.skip:
+            return ""
+        self.ids.append(token)
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        new, self.emitted = text[self.emitted:], len(text)
+        return new
+
+    def flush(self) -> str:
+        text = self.tok.decode(self.ids)
+        new, self.emitted = text[self.emitted:], len(text)
+        return new
+
+
+def _content(tok) -> str | None:
+    """tokenizer_config stores a token either as a string or as {"content": ...}."""
+    if isinstance(tok, dict):
+        return tok.get("content")
+    return tok

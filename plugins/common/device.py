@@ -1,0 +1,54 @@
+"""Device facts the launch heuristics read, per device: queried where the driver can tell, else a table.
+
+SM count and compute capability come from torch.cuda.get_device_properties (no host sync, cached per
+device index).  Memory bandwidth and the dense bf16 tensor rate cannot be queried, so their ratio
+(bytes per flop: where a kernel turns from memory- to compute-bound) comes from a table keyed by the
+compute capability (major, minor); an arch not in the table takes the sm_90 row.
+
+Without a CUDA device (CPU tensors under TRITON_INTERPRET=1, meta tensors) the facts are the H200's,
+the machine the heuristics were tuned on, so a CPU test plans the same launches as that GPU would.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+# (major, minor) -> (memory bytes/s, dense bf16 tensor flop/s, the source)
+RATES: dict[tuple[int, int], tuple[float, float, str]] = {
+    (9, 0): (4.25e12, 687e12, "H200, measured: device copy 4.25 TB/s, bf16 GEMM 687 TFLOP/s (DESIGN.md)"),
+    (12, 0): (1.792e12, 500e12, "RTX PRO 6000 Blackwell, datasheet, not measured: 1792 GB/s GDDR7; ~1 PFLOP/s "
+                                "bf16 with 2:4 sparsity, so ~500 TFLOP/s dense (assumption)"),
+}
+DEFAULT_CAPABILITY = (9, 0)  # the table row for an unlisted arch, and the arch assumed without a CUDA device
+DEFAULT_SMS = 132  # the H200's SM count, used without a CUDA device
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    sms: int  # streaming multiprocessors
+    capability: tuple[int, int]  # (major, minor); (9, 0) without a CUDA device
+    bytes_per_flop: float  # memory bandwidth / dense bf16 tensor rate (from RATES)
+
+
+def device_facts(device: torch.device | str | None) -> DeviceFacts:
+    """The facts of the device a tensor lives on (pass tensor.device); the H200's for CPU, meta or None."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type != "cuda":
+        return facts_for(DEFAULT_SMS, DEFAULT_CAPABILITY)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_facts(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_facts(index: int) -> DeviceFacts:
+    props = torch.cuda.get_device_properties(index)
+    return facts_for(props.multi_processor_count, (props.major, props.minor))
+
+
+def facts_for(sms: int, capability: tuple[int, int]) -> DeviceFacts:
+    """The facts of a device with this SM count and compute capability (e.g. to plan for another GPU)."""
+    bandwidth, flops, _ = RATES.get(capability, RATES[DEFAULT_CAPABILITY])
+    return DeviceFacts(sms, capability, bandwidth / flops)

@@ -1,0 +1,157 @@
+"""The static decode step: one speculative round (or one AR step) over persistent buffers.
+
+Everything a step reads or writes lives in preallocated tensors sized for (b requests, N tree
+nodes, a = D + 1 accept slots), so the same function runs eagerly (CPU reference, CUDA eager) or
+is captured once into a CUDA graph and replayed (runtime/decode/graphs.py): no host sync, no Python
+state that changes between calls, every result copied into a buffer.
+
+  spec_round:  draft -> tree_build -> verify (target over the N tree tokens) -> posterior
+               (`pick`: the kdtree::posterior op: argmax, or a counter-based sample) -> tree_accept
+               -> kv_commit -> emit
+  ar_step:     target over the bonus token -> kv_commit -> next token -> emit
+
+Emission (both): this step's candidate tokens (the accepted path's tokens after the root, then
+the new bonus; for AR the one new token) are cut at the first stop token or at max_new, and
+written to out [b, a + 3] = tokens | count | live | accept_len, the one buffer the host reads
+back per round.  A request that has finished (live 0) is frozen: it commits and emits nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from plugins.common.bitmask import causal_mask, mask_words
+from plugins.kv_commit import kv_commit
+from plugins.tree_accept import tree_accept
+from plugins.tree_accept.posterior import posterior
+from plugins.tree_build import tree_build
+from runtime.decode.clock import no_clock
+from runtime.model.cache import LatentCache
+from runtime.model.target import TargetModel
+
+
+@dataclass
+class RoundBuffers:
+    """Per-session device state of b requests.  Small tensors only; the caches live beside it."""
+
+    bonus: torch.Tensor  # [b] int64 last emitted token, not yet in the cache (the next tree's root)
+    accept_len: torch.Tensor  # [b] int32 path length of the last round = rows the drafter ingests next
+    accept_idx: torch.Tensor  # [b, a] int32
+    ctx_feats: torch.Tensor  # [b, a, F] target features of the rows committed last round (F >= 1)
+    ctx_tokens: torch.Tensor  # [b, a] int64 tokens of those rows (for drafters that work from tokens)
+    tokens: torch.Tensor  # [b, N] int64 tree
+    parents: torch.Tensor  # [b, N] int32
+    depth: torch.Tensor  # [b, N] int32
+    positions: torch.Tensor  # [b, N] int64
+    mask: torch.Tensor  # [b, N, w] int64
+    out: torch.Tensor  # [b, a + 3] int64 emitted tokens | count | live | accept_len
+    live: torch.Tensor  # [b] int32 1 while the request is generating
+    produced: torch.Tensor  # [b] int32 tokens emitted so far
+    max_new: torch.Tensor  # [b] int32
+    stop_ids: torch.Tensor  # [b, S] int64, padded with -1
+    rng: torch.Tensor  # [2] int64 (seed, counter)
+    inv_temp: torch.Tensor  # [1] fp32 1 / temperature (unused when greedy)
+
+    @classmethod
+    def allocate(cls, b: int, n: int, a: int, feat_dim: int, dtype: torch.dtype, device, max_stops: int = 8
+                 ) -> "RoundBuffers":
+        """n tree nodes (1 for AR), a accept slots (1 for AR), feat_dim the target's feature width
+        (0 when it returns none: a width-1 placeholder is kept)."""
+        def z(*shape, dt=torch.int64):
+            return torch.zeros(*shape, dtype=dt, device=device)
+
+        return cls(bonus=z(b), accept_len=z(b, dt=torch.int32), accept_idx=z(b, a, dt=torch.int32),
+                   ctx_feats=z(b, a, max(feat_dim, 1), dt=dtype), ctx_tokens=z(b, a),
+                   tokens=z(b, n), parents=z(b, n, dt=torch.int32), depth=z(b, n, dt=torch.int32),
+                   positions=z(b, n), mask=z(b, n, mask_words(n)), out=z(b, a + 3), live=z(b, dt=torch.int32),
+                   produced=z(b, dt=torch.int32), max_new=z(b, dt=torch.int32),
+                   stop_ids=torch.full((b, max_stops), -1, dtype=torch.int64, device=device),
+                   rng=z(2), inv_temp=torch.ones(1, dtype=torch.float32, device=device))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def pick(target: TargetModel, hidden: torch.Tensor, greedy: bool, buf: RoundBuffers) -> torch.Tensor:
+    """hidden [..., d] -> token ids [...] int64: under TP at T = 0 target.greedy (a distributed argmax,
+    no vocabulary gather); else the kdtree::posterior op over the full logits: the argmax at T = 0, a
+    counter-based sample of softmax(logits / T) drawn from buf.rng at T > 0 (the same draws on every
+    rank: the logits are gathered to every rank)."""
+    if greedy and target.comm is not None:
+        return target.greedy(hidden)
+    logits = target.logits(hidden)  # [..., v]
+    out = torch.empty(logits.shape[:-1], dtype=torch.int64, device=logits.device)
+    posterior(logits, greedy, buf.rng, buf.inv_temp, out)
+    return out
+
+
+def spec_round(target: TargetModel, drafter, cache: LatentCache, dcache, buf: RoundBuffers, topk: int, greedy: bool,
+               tree_ws: torch.Tensor | None, clock=None) -> None:
+    """One speculative round for all b requests; see the module docstring.  tree_ws: tree_build's
+    workspace buffer (TreeBuildWorkspace; None on CPU, where the op is the reference).  `clock(stage)` (a
+    context manager factory, runtime/decode/clock.StageClock) times the stages of an eager call; None
+    when captured."""
+    clock = clock or no_clock
+    with clock("draft"):
+        logits = drafter.draft(dcache, buf.ctx_feats, buf.accept_len, buf.bonus, buf.ctx_tokens)  # [b, D, V]
+    with clock("build"):
+        tree_build(logits, buf.bonus, cache.lens.long(), topk, buf.tokens, buf.parents, buf.depth, buf.positions,
+                   buf.mask, tree_ws)
+    with clock("verify"):
+        hidden, feats = target.forward(buf.tokens, buf.positions, cache, buf.mask)  # [b, N, d], [b, N, F] | None
+        chosen = pick(target, hidden, greedy, buf)  # [b, N] the target's token after each node
+    with clock("accept"):
+        tree_accept(chosen, buf.tokens, buf.parents, buf.accept_idx, buf.accept_len, buf.bonus)
+        buf.accept_len.mul_(buf.live)  # finished requests stay frozen
+    with clock("commit"):
+        kv_commit(cache.kv, cache.lens, cache.scratch, buf.accept_idx, buf.accept_len, feats,
+                  buf.ctx_feats if feats is not None else None)
+        path = buf.tokens.gather(1, buf.accept_idx.long())  # [b, a] root first
+        buf.ctx_tokens.copy_(path)
+        a = path.shape[1]
+        slot = torch.arange(a, device=path.device)  # [a]
+        last = (buf.accept_len.long() - 1)[:, None]  # [b, 1]
+        shifted = torch.cat([path[:, 1:], path[:, :1]], dim=1)  # [b, a] path tokens after the root
+        cand = torch.where(slot[None, :] == last, buf.bonus[:, None], shifted)  # [b, a]
+        _emit(buf, cand, buf.accept_len)
+
+
+def ar_step(target: TargetModel, cache: LatentCache, buf: RoundBuffers, one: torch.Tensor, greedy: bool,
+            clock=None) -> None:
+    """One AR step: the bonus token through the target, committed, then the next token emitted.
+    one [b, 1, 1] int64 is the one-token chain mask (a persistent buffer: causal_mask(b, 1))."""
+    clock = clock or no_clock
+    with clock("verify"):
+        hidden, _ = target.forward(buf.bonus[:, None], cache.lens[:, None].long(), cache, one)  # [b, 1, d]
+        nxt = pick(target, hidden[:, 0], greedy, buf)  # [b]
+    with clock("commit"):
+        kv_commit(cache.kv, cache.lens, cache.scratch, buf.accept_idx, buf.live)
+        buf.accept_len.copy_(buf.live)
+        buf.bonus.copy_(torch.where(buf.live.bool(), nxt, buf.bonus))
+        _emit(buf, nxt[:, None], buf.accept_len)
+
+
+def _emit(buf: RoundBuffers, cand: torch.Tensor, count: torch.Tensor) -> None:
+    """cand [b, a] candidate tokens in order, the first count[r] real (0 for frozen requests):
+    keep them up to and including the first stop token or the max_new-th token."""
+    b, a = cand.shape
+    slot = torch.arange(a, device=cand.device)[None, :]  # [1, a]
+    valid = slot < count[:, None]  # [b, a]
+    stop = (cand[:, :, None] == buf.stop_ids[:, None, :]).any(-1)  # [b, a]
+    full = (buf.produced[:, None] + slot + 1) >= buf.max_new[:, None]  # [b, a]
+    fin = (valid & (stop | full)).to(torch.int32)  # [b, a]
+    keep = valid & ((fin.cumsum(1) - fin) == 0)  # nothing finished before this slot
+    n = keep.sum(1).to(torch.int32)  # [b]
+    buf.produced.add_(n)
+    buf.live.mul_(1 - fin.amax(1))
+    buf.out[:, :a].copy_(cand)  # out is [b, a + 3]
+    buf.out[:, a].copy_(n)
+    buf.out[:, a + 1].copy_(buf.live)
+    buf.out[:, a + 2].copy_(count)
+
+
+def one_token_mask(b: int, device) -> torch.Tensor:
+    """[b, 1, 1] int64 chain mask of an AR step."""
+    return causal_mask(b, 1, device)

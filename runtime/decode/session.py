@@ -1,0 +1,257 @@
+"""A decode session: the persistent buffers of b requests at one (mode, budget) and the host loop.
+
+The session owns the target's latent cache, the drafter's context cache and the RoundBuffers of
+runtime/decode/round.py, allocated once for a capacity; CUDA graphs of its step (runtime/decode/graphs.py) bake
+their addresses in, so a session is reused across generations and only replaced when a request
+needs more capacity.  One generation:
+
+  prefill (eager, chunked) -> first token -> the drafter ingests the prompt's features except the
+  last <= a rows, which become the first round's context -> rounds until every request stopped.
+
+Host loop (CUDA): launch round k + 1 before reading round k back (the emitted tokens travel in one
+[b, a + 3] int64 copy to pinned memory), so the GPU never waits for Python as long as the host's
+work per round is shorter than the round.  Finished requests are frozen on the device, so the one
+extra round launched after the last token is harmless.
+
+This is the one decode loop: the Engine (runtime/engine/) keeps sessions per bucket, on one rank
+or on every rank of a TP group, and replays their graphs or runs the same step eagerly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Iterator
+
+import torch
+
+from plugins.tree_build import TreeBuildWorkspace
+from runtime.decode.clock import StageClock
+from runtime.decode.graphs import CapturedStep, GraphPool, GraphUnavailable, missing_cuda_kernels
+from runtime.decode.params import SamplingParams, SpecConfig
+from runtime.decode.prefill import prefill_requests
+from runtime.decode.round import RoundBuffers, ar_step, one_token_mask, pick, spec_round
+from runtime.decode.stats import DecodeStats
+from runtime.model.target import TargetModel
+
+INGEST_CHUNK = 256  # prompt rows per drafter call while ingesting the prompt
+PREFILL_CHUNK = 256  # prompt tokens per target forward in prefill
+
+
+class DecodeSession:
+    def __init__(self, target: TargetModel, drafter, spec: SpecConfig, batch: int, capacity: int,
+                 pool: GraphPool | None = None, prefill_chunk: int = PREFILL_CHUNK, max_stops: int = 16):
+        """spec: the mode (none = AR, chain, ddtree) and budget; capacity: committed tokens per request
+        (prompt + new tokens); pool: share graphs' memory (None: never capture)."""
+        mode = spec.mode
+        prefill_chunk = max(1, min(prefill_chunk, capacity))
+        self.target, self.drafter, self.mode, self.batch, self.capacity = target, drafter, mode, batch, capacity
+        dev = target.device
+        if mode == "none":
+            self.drafter = None
+            n = a = 1
+            self.budget, self.topk = 0, 0
+        else:
+            if drafter is None:
+                raise ValueError(f"spec {mode!r} needs a drafter")
+            depth = drafter.block_size - 1
+            self.budget, self.topk = spec.tree_shape(depth, target.cfg.vocab_size)
+            n, a = self.budget + 1, depth + 1
+        self.n, self.a = n, a
+        self.cache = target.new_cache(batch, capacity + n + a, max(n, prefill_chunk))
+        # headroom for one ingest call (up to INGEST_CHUNK prompt rows, never more than a prompt)
+        ingest = min(INGEST_CHUNK, capacity)
+        self.dcache = drafter.new_cache(batch, capacity + n + a + ingest) if mode != "none" else None
+        feat_dim = len(target.feature_layers) * target.cfg.hidden_size
+        self.buf = RoundBuffers.allocate(batch, n, a, feat_dim, target.dtype, dev, max_stops)
+        self.max_stops = max_stops
+        self.tree_ws = (TreeBuildWorkspace.allocate(batch, a - 1, target.cfg.vocab_size, self.budget, self.topk,
+                                                    dev).buffer if mode != "none" and dev.type == "cuda" else None)
+        self.one = one_token_mask(batch, dev)
+        self.pool = pool
+        self.graphs: dict[bool, CapturedStep] = {}
+        self.graph_note = ""
+        self.cuda = dev.type == "cuda"
+        inflight = 2 if self.cuda else 1
+        self.pinned = [torch.zeros(self.buf.out.shape, dtype=torch.int64, pin_memory=True) for _ in range(inflight)] \
+            if self.cuda else []
+
+    # ---- the step, eager or captured
+    def step(self, greedy: bool, clock=None) -> None:
+        if self.mode == "none":
+            ar_step(self.target, self.cache, self.buf, self.one, greedy, clock)
+        else:
+            spec_round(self.target, self.drafter, self.cache, self.dcache, self.buf, self.topk, greedy, self.tree_ws,
+                       clock)
+
+    def capture(self, greedy: bool) -> CapturedStep:
+        """Capture the step (once per greedy/sampled).  Warm-up calls run with every request frozen
+        (live = 0, nothing committed, the drafter ingests nothing) and all small state is restored
+        afterwards, so capturing between generations changes nothing."""
+        if greedy in self.graphs:
+            return self.graphs[greedy]
+        if self.pool is None or not self.cuda:
+            raise GraphUnavailable("graphs need a CUDA device")
+        missing = missing_cuda_kernels()
+        if missing:
+            raise GraphUnavailable(f"no CUDA kernel registered for {', '.join(missing)} (the references "
+                                   f"synchronise with the host)")
+        saved = {k: t.clone() for k, t in self.buf.tensors().items()}
+        lens = [c.lens.clone() for c in (self.cache, self.dcache) if c is not None]
+        try:
+            self.buf.live.zero_()
+            self.buf.accept_len.zero_()
+            name = f"{self.mode}-b{self.batch}-B{self.budget}-{'greedy' if greedy else 'sampled'}"
+            self.graphs[greedy] = CapturedStep(lambda: self.step(greedy), self.pool, name=name)
+        finally:
+            for k, t in self.buf.tensors().items():
+                t.copy_(saved[k])
+            for c, n in zip([c for c in (self.cache, self.dcache) if c is not None], lens):
+                c.lens.copy_(n)
+        return self.graphs[greedy]
+
+    # ---- one generation
+    def rounds(self, prompts: list[list[int]], req: SamplingParams, graphs: bool, stats: DecodeStats
+               ) -> Iterator[list[list[int]]]:
+        """Yield per round the tokens each request emits (the first token of each in the first yield)."""
+        b, buf, dev = self.batch, self.buf, self.target.device
+        if len(prompts) != b:
+            raise ValueError(f"session for {b} requests got {len(prompts)} prompts")
+        if len(req.stop_ids) > buf.stop_ids.shape[1]:
+            raise ValueError(f"at most {buf.stop_ids.shape[1]} stop ids, got {len(req.stop_ids)}")
+        greedy = req.temperature <= 0
+        graph = None
+        if graphs:
+            try:
+                graph = self.capture(greedy)
+            except GraphUnavailable as exc:
+                self.graph_note = f"graphs off: {exc}"
+        stats.prompt_tokens = sum(len(p) for p in prompts)
+        stats.extra.update(graphs=graph is not None, graph_via=graph.via if graph else None,
+                           graph_note=(graph.note if graph else self.graph_note) or None)
+
+        t0 = time.perf_counter()
+        first = self._start(prompts, req, greedy)
+        stats.prefill_s = time.perf_counter() - t0
+        live = [int(x) for x in buf.live.tolist()]
+        stats.new_tokens += b
+        yield [[t] for t in first]
+        if not any(live):
+            return
+
+        clock = None if graph is not None else StageClock(dev)
+        launch = graph.launch if graph is not None else (lambda: self.step(greedy, clock))
+        a = self.a
+        slots = max(len(self.pinned), 1)
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(slots)] if self.cuda else []
+        inflight: deque[int] = deque()
+        launched = processed = 0
+        gpu_ms = host_s = wait_s = 0.0
+        t_dec = time.perf_counter()
+        while True:
+            t_host = time.perf_counter()
+            while any(live) and len(inflight) < slots:
+                slot = launched % slots
+                if self.cuda:
+                    events[slot][0].record()
+                launch()
+                if self.cuda:
+                    self.pinned[slot].copy_(buf.out, non_blocking=True)
+                    events[slot][1].record()
+                inflight.append(slot)
+                launched += 1
+            slot = inflight.popleft()
+            processed += 1
+            if self.cuda:
+                t_wait = time.perf_counter()
+                events[slot][1].synchronize()
+                wait_s += time.perf_counter() - t_wait
+                gpu_ms += events[slot][0].elapsed_time(events[slot][1])
+                rows = self.pinned[slot].tolist()
+            else:
+                rows = buf.out.tolist()
+            emitted = []
+            for r, row in enumerate(rows):
+                count, alive, acc_len = row[a], row[a + 1], row[a + 2]
+                if acc_len > 0:
+                    stats.accept_lens.append(acc_len)
+                emitted.append(row[:count])
+                stats.new_tokens += count
+                live[r] = alive
+            host_s += time.perf_counter() - t_host
+            stats.decode_s = time.perf_counter() - t_dec
+            if any(emitted):
+                yield emitted
+            if not any(live):
+                if inflight and self.cuda:  # the rounds launched after the last token: all frozen
+                    torch.cuda.current_stream().synchronize()
+                break
+        stats.decode_s = time.perf_counter() - t_dec
+        if clock is not None:
+            stats.stage_s = clock.totals_s()
+        stats.extra.update(
+            decode_rounds=processed,
+            host_us_per_round=round(1e6 * (host_s - wait_s) / processed, 2),
+            gpu_us_per_round=round(1e3 * gpu_ms / processed, 2) if self.cuda else None,
+            gpu_idle_frac=round(max(0.0, 1 - gpu_ms / 1e3 / stats.decode_s), 4) if self.cuda else None)
+
+    def _start(self, prompts: list[list[int]], req: SamplingParams, greedy: bool) -> list[int]:
+        """Reset, prefill, first token, drafter context; returns each request's first token."""
+        target, buf = self.target, self.buf
+        longest = max(len(p) for p in prompts)
+        if min(len(p) for p in prompts) == 0:
+            raise ValueError("prompt is empty: give at least one token")
+        if longest + req.max_new_tokens > self.capacity:
+            raise ValueError(f"prompt ({longest}) + max_new_tokens ({req.max_new_tokens}) exceed the session "
+                             f"capacity {self.capacity}")
+        dev = target.device
+        self.cache.lens.zero_()
+        buf.rng.copy_(torch.tensor([req.seed, 0], dtype=torch.int64))
+        buf.inv_temp.fill_(1.0 / req.temperature if req.temperature > 0 else 1.0)
+        buf.stop_ids.fill_(-1)
+        if req.stop_ids:
+            buf.stop_ids[:, :len(req.stop_ids)] = torch.tensor(req.stop_ids, dtype=torch.int64, device=dev)
+        buf.max_new.fill_(req.max_new_tokens)
+        last_hidden, feats = prefill_requests(target, self.cache, prompts)  # [b, d], [p_r, F] | None each
+        first = pick(target, last_hidden, greedy, buf)  # [b]
+        buf.bonus.copy_(first)
+        first_host = first.tolist()
+        buf.produced.fill_(1)
+        buf.live.copy_(torch.tensor([0 if (t in req.stop_ids or req.max_new_tokens <= 1) else 1
+                                     for t in first_host], dtype=torch.int32))
+        buf.accept_len.zero_()
+        if self.dcache is not None:
+            self._ingest(prompts, feats)
+        return first_host
+
+    def _ingest(self, prompts: list[list[int]], feats: list[torch.Tensor | None]) -> None:
+        """The drafter's context cache takes each prompt's features but the last tail_r = min(p_r, a)
+        rows, in chunks (their draft logits are discarded: context K/V do not depend on the block);
+        the tail becomes the first round's context, as the rows a round commits do."""
+        buf, b, a, dev = self.buf, self.batch, self.a, self.target.device
+        self.dcache.lens.zero_()
+        f_dim = buf.ctx_feats.shape[2]
+        tails = [min(len(p), a) for p in prompts]
+        heads = [len(p) - t for p, t in zip(prompts, tails)]
+        for start in range(0, max(heads), INGEST_CHUNK):
+            width = min(INGEST_CHUNK, max(heads) - start)
+            ctx = torch.zeros(b, width, f_dim, dtype=buf.ctx_feats.dtype, device=dev)
+            toks = torch.zeros(b, width, dtype=torch.int64, device=dev)
+            lens = []
+            for r, prompt in enumerate(prompts):
+                m = max(0, min(width, heads[r] - start))
+                lens.append(m)
+                if m and feats[r] is not None:
+                    ctx[r, :m] = feats[r][start:start + m]
+                toks[r, :m] = torch.tensor(prompt[start:start + m], dtype=torch.int64)
+            self.drafter.draft(self.dcache, ctx, torch.tensor(lens, dtype=torch.int32, device=dev), buf.bonus, toks)
+        buf.ctx_feats.zero_()
+        buf.ctx_tokens.zero_()
+        for r, prompt in enumerate(prompts):
+            t = tails[r]
+            if feats[r] is not None:
+                buf.ctx_feats[r, :t] = feats[r][heads[r]:]
+            buf.ctx_tokens[r, :t] = torch.tensor(prompt[heads[r]:], dtype=torch.int64)
+        buf.accept_len.copy_(torch.tensor(tails, dtype=torch.int32))
+

@@ -1,0 +1,35 @@
+"""The MoE block of a DeepSeek-V3 layer: sigmoid router with correction bias, routed experts, shared expert.
+
+The routed part is one op, `kdtree::moe_w4a16` (plugins/moe_w4a16): the torch reference on CPU
+(INT4 experts dequantised per call), the Triton kernels on CUDA; both read the experts in the one
+form the rank holds them (runtime/model/weights.Experts).  The shared expert is a plain MLP.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from core.config import ModelConfig
+from plugins.common.precision import acc
+from plugins.moe_w4a16 import moe_w4a16
+from runtime.model.layers import swiglu_mlp
+from runtime.model.weights import MoEWeights
+
+
+def moe_forward(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor, e_start: int = 0,
+                workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """x [b, n, d] -> [b, n, d]: routed experts (weighted, scaled) plus the shared expert.
+
+    Expert parallel: w holds the routed experts [e_start, e_start + e_local) only, and the result is
+    this rank's partial sum (the caller all-reduces).  workspace: the op's buffer for >= b*n tokens
+    (runtime/model/workspace.py; None only outside a decode session, e.g. a test of this block)."""
+    shape = x.shape
+    xt = x.reshape(-1, shape[-1])  # [t, d]
+    logits = F.linear(acc(xt), w.gate.to(acc(xt).dtype))  # [t, e] fp32 (fp64 in fp64 runs)
+    ex = w.experts
+    y = moe_w4a16(xt, logits, None, w.gate_bias, ex.w13, ex.w13_scale, ex.w2, ex.w2_scale, cfg.num_experts_per_tok,
+                  cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor, e_start, workspace)
+    if w.shared is not None:
+        y = y + swiglu_mlp(xt, w.shared.gate_up, w.shared.down)
+    return y.view(shape)

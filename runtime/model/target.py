@@ -1,0 +1,160 @@
+"""The target model's forward pass (DeepSeek-V3 / Kimi K2.x) in plain torch, CPU and CUDA alike.
+
+One entry point serves every mode: a prefill chunk (n prompt tokens, chain mask), an AR step
+(n = 1) and a tree verification (n = 1 root + B nodes, ancestor mask).  It returns the final hidden
+states and, for the drafter, the hidden states after the requested layers.
+
+Tensor parallel (`comm` and `plan` given, core/plan.py): the weights are this rank's slice.
+Attention runs the rank's h/tp heads and o_proj its columns, the MLP / shared expert / TP-sliced
+experts their intermediate slice, so each block's output is a partial sum: one all-reduce after
+o_proj and one after the MLP or MoE (routed + shared summed first).  The embedding and lm_head are
+vocab-parallel.  Everything outside those collectives (norms, latent projections, router, residual
+stream, the speculative control ops of runtime/decode/round.py) is computed redundantly on every rank from
+bit-identical inputs: an all-reduce / all-gather delivers the same bytes to every rank.
+
+Speculative control (tree_build, tree_accept, kv_commit, sampling) is therefore computed by every
+rank rather than by rank 0 and broadcast: its inputs (gathered draft logits, the distributed argmax
+or the gathered target logits, the same counter-based generator state of plugins/common/rng.py) are
+identical on all ranks, so the results are too, and recomputing costs less than the broadcast it
+replaces: gloo, 2 ranks (benchmarks/results/tp_logits_gloo.json): broadcasting a round's 5 control
+tensors ~0.5-0.9 ms vs ~50 us to redo tree_accept with the CPU reference; on GPUs the kernels take
+a few us while each NCCL broadcast adds a launch-bound collective and a dependency on rank 0 inside
+the captured round.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from core.config import ModelConfig
+from core.plan import ParallelPlan
+from plugins.common.precision import acc
+from plugins.moe_w4a16 import MoEWorkspace
+from runtime.model.attention import mla_forward
+from runtime.model.cache import LatentCache
+from runtime.model.layers import rms_norm, swiglu_mlp
+from runtime.model.moe import moe_forward
+from runtime.model.rope import Rope
+from runtime.model.weights import MoEWeights, TargetWeights
+from runtime.model.workspace import ForwardWorkspace
+from runtime.parallel.comm import Comm
+
+
+class TargetModel:
+    def __init__(self, cfg: ModelConfig, weights: TargetWeights, feature_layers: tuple[int, ...] = (),
+                 comm: Comm | None = None, plan: ParallelPlan | None = None):
+        """feature_layers: decoder-layer indices whose output hidden states forward() also returns.
+        comm / plan: this rank's group and the plan its `weights` were cut with (None: one rank, whole)."""
+        self.cfg, self.w = cfg, weights
+        self.device, self.dtype = weights.embed.device, weights.embed.dtype
+        self.rope = Rope(cfg.rope, cfg.qk_rope_head_dim, cfg.rope_interleave, self.device)
+        self.feature_layers = tuple(feature_layers)
+        self.comm, self.plan = comm, plan or ParallelPlan()
+        world = comm.world if comm is not None else 1
+        if self.plan.tp != world:
+            raise ValueError(f"--tp {self.plan.tp}: the weights were cut for {self.plan.tp} ranks, "
+                             f"the group has {world}")
+        rank = comm.rank if comm is not None else 0
+        self.vocab_start, self.vocab_end = self.plan.vocab_range(cfg, rank)
+        self.experts = self.plan.local_experts(cfg, rank)  # (first, count) held whole (ep) or sliced
+        _check_shapes(cfg, self.plan, weights, self.vocab_end - self.vocab_start, self.experts[1])
+
+    def new_cache(self, batch: int, capacity: int, tokens_per_forward: int) -> LatentCache:
+        """The latent cache of `batch` requests of up to `capacity` tokens, with the workspace of forwards
+        of up to tokens_per_forward tokens each."""
+        cfg, tokens = self.cfg, batch * tokens_per_forward
+        work = ForwardWorkspace.allocate(tokens, self.plan.local_heads(cfg), cfg.kv_lora_rank, self.dtype,
+                                         self.device, self._moe_workspace(tokens))
+        return LatentCache.allocate(cfg.num_layers, batch, capacity, tokens_per_forward, cfg.d_qk, self.dtype,
+                                    self.device, work)
+
+    def _moe_workspace(self, tokens: int) -> torch.Tensor | None:
+        """The kdtree::moe_w4a16 buffer for `tokens` tokens (every MoE layer has the same shapes); None
+        without MoE layers or on CPU, where the op is the reference, which has no scratch to keep."""
+        moe = next((lw.mlp for lw in self.w.layers if isinstance(lw.mlp, MoEWeights)), None)
+        if moe is None or self.device.type != "cuda":
+            return None
+        ex = moe.experts
+        return MoEWorkspace.allocate(tokens, self.cfg.num_experts_per_tok, ex.count, self.cfg.hidden_size,
+                                     ex.w13.shape[1] // 2, self.dtype, self.device).buffer
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: LatentCache,
+                tree_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """tokens, positions [b, n]; tree_mask [b, n, w].
+
+        Returns (hidden [b, n, d] after the final norm, features [b, n, f*d] or None), where features
+        concatenates the outputs of feature_layers in order.  Writes the tokens' latent rows into
+        cache.scratch[:, :, :n] and uses cache.work for the ops' scratch; the committed cache is only read.
+        """
+        cfg = self.cfg
+        x = self.embed(tokens)  # [b, n, d]
+        cos, sin = self.rope.cos_sin(positions, x.dtype)
+        feats: dict[int, torch.Tensor] = {}
+        for li, lw in enumerate(self.w.layers):
+            a = mla_forward(cfg, lw.attn, self.rope, rms_norm(x, lw.attn_norm, cfg.rms_norm_eps), cos, sin,
+                            cache.kv[li], cache.lens, cache.scratch[li], tree_mask, cache.work)  # [b, n, d] partial
+            x = x + self._reduce(a)
+            hn = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
+            if isinstance(lw.mlp, MoEWeights):
+                m = moe_forward(cfg, lw.mlp, hn, self.experts[0], cache.work.moe)  # ep: experts from experts[0]
+            else:
+                m = swiglu_mlp(hn, lw.mlp.gate_up, lw.mlp.down)
+            x = x + self._reduce(m)  # [b, n, d]: routed + shared (or dense) partial sums, one all-reduce
+            if li in self.feature_layers:
+                feats[li] = x
+        hidden = rms_norm(x, self.w.norm, cfg.rms_norm_eps)
+        features = torch.cat([feats[i] for i in self.feature_layers], dim=-1) if feats else None
+        return hidden, features
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [b, n] int64 -> [b, n, d].  Vocab-parallel under TP: each rank looks up the ids in its
+        range [vocab_start, vocab_end), zeros the others, and the all-reduce sums the one non-zero row."""
+        if self.comm is None:
+            return F.embedding(tokens, self.w.embed)
+        local = tokens - self.vocab_start  # [b, n]
+        outside = (local < 0) | (local >= self.vocab_end - self.vocab_start)
+        x = F.embedding(local.masked_fill(outside, 0), self.w.embed)  # [b, n, d]
+        return self.comm.all_reduce(x.masked_fill_(outside[..., None], 0.0))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., d] -> logits [..., v] (fp32, or fp64 for an fp64 model), the full vocabulary on
+        every rank (all-gather of the vocab-parallel pieces under TP)."""
+        local = acc(F.linear(hidden, self.w.lm_head))  # [..., v/tp]
+        return local if self.comm is None else self.comm.all_gather(local, dim=-1)
+
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., d] -> argmax token ids [...] int64, equal to logits(hidden).argmax(-1).
+
+        Distributed argmax under TP: each rank reduces its vocab slice to (max, first index of it),
+        the ranks gather those pairs (2 numbers per token instead of v/tp logits) and take the best,
+        ties to the lowest id as torch.argmax does.  Chosen for T = 0 over gathering the logits
+        (benchmarks/tp_logits.py; gloo, 2 ranks, v = 163840: n = 17 tokens 3.1 ms vs 22.6 ms for the
+        gather, n = 65 23 ms vs 283 ms; the gather moves n*v*4 bytes to every rank, this 16 n per rank)."""
+        if self.comm is None:
+            return self.logits(hidden).argmax(dim=-1)
+        local = acc(F.linear(hidden, self.w.lm_head))  # [..., v/tp]
+        best, idx = local.max(dim=-1)  # [...] first occurrence of the maximum
+        pair = torch.stack([best.double(), (idx + self.vocab_start).double()], dim=-1)  # [..., 2] exact in fp64
+        every = self.comm.all_gather(pair[None], dim=0)  # [world, ..., 2]
+        rank = every[..., 0].argmax(dim=0, keepdim=True)  # [1, ...] lowest rank among equal maxima
+        return every[..., 1].gather(0, rank)[0].long()
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial if self.comm is None else self.comm.all_reduce(partial)
+
+
+def _check_shapes(cfg: ModelConfig, plan: ParallelPlan, w: TargetWeights, vocab_local: int, experts: int) -> None:
+    """The weights are this rank's cut of `plan` (catches a plan / weights mismatch at load time)."""
+    if w.embed.shape[0] != vocab_local or w.lm_head.shape[0] != vocab_local:
+        raise ValueError(f"{plan.flag()}: embed / lm_head have {w.embed.shape[0]} / {w.lm_head.shape[0]} rows, "
+                         f"this rank holds {vocab_local} of the vocabulary")
+    heads = plan.local_heads(cfg)
+    for li, lw in enumerate(w.layers):
+        if lw.attn.w_uk.shape[0] != heads:
+            raise ValueError(f"{plan.flag()}: layer {li} attention has {lw.attn.w_uk.shape[0]} heads, "
+                             f"expected {heads} per rank")
+        if isinstance(lw.mlp, MoEWeights) and lw.mlp.experts.count != experts:
+            raise ValueError(f"{plan.flag()}: layer {li} holds {lw.mlp.experts.count} routed experts, "
+                             f"expected {experts} per rank")
+

@@ -1,0 +1,73 @@
+"""The target model's weights, grouped the way the forward pass uses them (filled by runtime/load/).
+
+Shape vocabulary: d hidden, h heads, p qk_nope dims, r rope dims, c kv_lora_rank (latent),
+u v_head_dim, q q_lora_rank, i intermediate, e routed experts, v vocab.
+MLA is kept in its weight-absorbed form: kv_b [h*(p+u), c] is split (by build_pipeline/shard.py) into
+w_uk [h, p, c] (q_nope -> latent) and w_uv [h, u, c] (latent -> value heads).  Under TP every
+tensor is this rank's cut (h, i, e, v local).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionWeights:
+    q_a: torch.Tensor | None  # [q, d]   (None when q_lora_rank is null)
+    q_a_norm: torch.Tensor | None  # [q]
+    q_b: torch.Tensor  # [h*(p+r), q] or, without q_lora, q_proj [h*(p+r), d]
+    kv_a: torch.Tensor  # [c+r, d]
+    kv_a_norm: torch.Tensor  # [c]
+    w_uk: torch.Tensor  # [h, p, c]
+    w_uv: torch.Tensor  # [h, u, c]
+    o: torch.Tensor  # [d, h*u]
+
+
+@dataclass
+class MLPWeights:
+    gate_up: torch.Tensor  # [2i, d]  gate rows then up rows
+    down: torch.Tensor  # [d, i]
+
+
+@dataclass
+class Experts:
+    """The routed experts a rank holds, once, in the form the kdtree::moe_w4a16 op reads: INT4 in the
+    op's kernel layout (plugins/moe_w4a16/layout.py; kp_x = x rounded up to 256) with scales, or dense
+    (scales None: bf16 / FP8-dequantised checkpoints).  The CPU reference dequantises INT4 per call;
+    no dequantised copy is ever held (at K2.6 TP8 it would be ~250 GB per rank)."""
+
+    w13: torch.Tensor  # INT4 [e_l, 2i, kp_d/8] int32 | dense [e_l, 2i, d]  gate rows then up rows
+    w13_scale: torch.Tensor | None  # [e_l, kp_d/32, 2i]
+    w2: torch.Tensor  # INT4 [e_l, d, kp_i/8] int32 | dense [e_l, d, i]
+    w2_scale: torch.Tensor | None  # [e_l, kp_i/32, d]
+
+    @property
+    def count(self) -> int:
+        return self.w13.shape[0]
+
+
+@dataclass
+class MoEWeights:
+    gate: torch.Tensor  # [e, d] fp32 router
+    gate_bias: torch.Tensor  # [e] fp32 e_score_correction_bias
+    experts: Experts  # this rank's routed experts (whole under ep, intermediate-sliced under tp)
+    shared: MLPWeights | None
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor  # [d]
+    attn: AttentionWeights
+    mlp_norm: torch.Tensor  # [d]
+    mlp: MLPWeights | MoEWeights
+
+
+@dataclass
+class TargetWeights:
+    embed: torch.Tensor  # [v, d]
+    layers: list[LayerWeights]
+    norm: torch.Tensor  # [d]
+    lm_head: torch.Tensor  # [v, d]

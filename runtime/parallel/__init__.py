@@ -1,0 +1,1 @@
+"""Tensor / expert parallelism: the `Comm` of one rank (comm.py) and the rank processes (ranks.py)."""
