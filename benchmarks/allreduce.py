@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from runtime.dist import Comm, launch  # noqa: E402
+from runtime.parallel.comm import Comm  # noqa: E402
+from runtime.parallel.ranks import launch  # noqa: E402
 
 HIDDEN = 7168
 SIZES = (1, 9, 17, 33, 65, 129, 257)
@@ -88,7 +89,7 @@ def main() -> None:
     from benchmarks.common import print_table, write_result
     path = write_result("allreduce", rows, {"world": world, "peers": "torch.distributed NCCL all_reduce (eager, "
                                             "and per call inside a CUDA graph of 20)",
-                                            "note": "custom one-shot all-reduce: a later option (runtime/dist.py)"},
+                                            "note": "custom one-shot all-reduce: a later option (runtime/parallel/comm.py)"},
                         a.out)
     print(f"wrote {path}")
     print_table(rows, ["world", "n", "bytes", "eager_us", "graph_us_per_call", "roofline_us",

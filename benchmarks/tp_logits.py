@@ -5,7 +5,7 @@
 Each rank holds logits [n, v/tp] of its vocabulary slice (Kimi's v = 163840; n = tree nodes).
   gather : all_gather the [n, v/tp] pieces -> [n, v] on every rank, argmax        (runtime TargetModel.logits)
   argmax : local (max, index) -> all_gather [n, 2] per rank -> pick the best rank (TargetModel.greedy)
-Also the speculative-control question (runtime/model.py): broadcasting rank 0's round results
+Also the speculative-control question (runtime/model/target.py): broadcasting rank 0's round results
 (tokens, parents, accept_idx, accept_len, bonus: 5 small tensors) vs each rank computing them.
 CPU: gloo over loopback, one thread per rank; CUDA: NCCL, world = the visible GPUs.  Writes
 benchmarks/results/tp_logits_{gloo,nccl}.json (or --out DIR) and prints a table.
@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from runtime.dist import Comm, launch  # noqa: E402
+from runtime.parallel.comm import Comm  # noqa: E402
+from runtime.parallel.ranks import launch  # noqa: E402
 
 VOCAB = 163840
 

@@ -1,7 +1,7 @@
 """The one declarative table from checkpoint tensor names to ours, with the shape each must have.
 
-Our names (left) are what runtime/weights.py consumes; checkpoint names (right) are the
-DeepSeek-V3 / Kimi K2.x layout that transformers' save_pretrained and Moonshot both write
+Our names (left) are what build_pipeline/shard.py reads and cuts into each rank's files; checkpoint
+names (right) are the DeepSeek-V3 / Kimi K2.x layout that transformers' save_pretrained and Moonshot both write
 (one tensor per routed expert).  A kimi_k25 checkpoint prefixes every name with `language_model.`
 (config.tensor_prefix); MTP layers (index >= num_layers) and the vision tower are never listed, so
 they are never read.

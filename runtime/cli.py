@@ -68,8 +68,8 @@ def run(
     ep: bool = typer.Option(False, "--ep", help="with --tp: routed experts whole per rank (expert parallel)"),
     dtype: str = typer.Option("auto", "--dtype", help="auto (fp32 on CPU, bf16 on CUDA) | float32 | float64 | bfloat16"),
     build: bool = typer.Option(False, "--build", help="take a checkpoint dir through `kdtree build`'s cache "
-                               "(built once, then a cache hit) and run the artifact: what every load of a "
-                               "checkpoint dir does"),
+                               "(built once, then a cache hit) and run the artifact; every load of a checkpoint "
+                               "dir does, so the flag only says it"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Generate from a prompt: plain AR, or speculative (--spec chain|ddtree with --drafter)."""
@@ -93,7 +93,7 @@ def run(
         if spec != "none" and drafter is None and not is_artifact(model_dir):
             raise ValueError(f"--spec {spec} needs --drafter DIR")
         eng = Engine.load(model_dir, device=device, drafter=drafter, spec=spec, budget=budget, graphs=graphs,
-                          progress=not as_json, tp=tp, ep=ep, build=build,
+                          progress=not as_json, tp=tp, ep=ep,
                           dtype=None if dtype == "auto" else getattr(torch, dtype))
         if eng.rank != 0:  # under torchrun: every rank decodes, rank 0 alone prints
             sys.stdout = open(os.devnull, "w")
@@ -203,7 +203,8 @@ def inspect(model_dir: Path = typer.Argument(...), as_json: bool = typer.Option(
 
 @app.command("build")
 def build_cmd(
-    model_dir: Path = typer.Argument(..., help="checkpoint directory (config.json, *.safetensors, tokenizer)"),
+    model_dir: Optional[Path] = typer.Argument(None, help="checkpoint directory (config.json, *.safetensors, "
+                                               "tokenizer); omitted with --synthetic"),
     drafter: Optional[Path] = typer.Option(None, "--drafter", help="DFlash drafter directory (copied into ART)"),
     out: Optional[Path] = typer.Option(None, "--out", help="artifact folder (default: the cache entry)"),
     tp: int = typer.Option(1, "--tp", help="tensor-parallel ranks"),
@@ -213,12 +214,23 @@ def build_cmd(
     budgets: str = typer.Option("16,32,64", "--budgets", help="tree budgets to specialise kernels for"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON summary"),
     force: bool = typer.Option(False, "--force", help="rebuild even on a cache hit; replace a non-artifact --out"),
+    synthetic: Optional[str] = typer.Option(None, "--synthetic", help="no checkpoint: one rank with random weights "
+                                            "of a preset (kimi-k2.6 | tiny-kimi) written to --out"),
+    rank: int = typer.Option(0, "--rank", help="with --synthetic: the rank to make"),
+    layers: Optional[int] = typer.Option(None, "--layers", help="with --synthetic: depth (default the preset's)"),
+    seed: int = typer.Option(0, "--seed", help="with --synthetic: weights seed"),
 ) -> None:
-    """Build per-rank artifacts (sharded weights, ONNX graphs, AOT kernels) through the KDTREE_CACHE cache."""
+    """Build per-rank artifacts (sharded weights, ONNX graphs, AOT kernels) through the KDTREE_CACHE cache;
+    with --synthetic PRESET, one rank of random weights in the same layout (build_pipeline/synthetic.py)."""
 
     def go():
         from build_pipeline.build import build
 
+        if synthetic is not None:
+            _build_synthetic()
+            return
+        if model_dir is None:
+            raise ValueError("give MODEL_DIR (or --synthetic PRESET)")
         res = build(model_dir, out=out, drafter_dir=drafter, tp=tp, ep=ep, backend=backend, archs=arch,
                     budgets=budgets, progress=not as_json, force=force)
         s = res.summary()
@@ -227,6 +239,21 @@ def build_cmd(
         else:
             typer.echo(f"{'cache hit' if res.cache_hit else 'built'} {s['artifact']} in {s['seconds']:.2f}s: "
                        f"tp {tp}{' ep' if ep else ''}, {s['graphs']} graphs, {s['kernels']} kernels, "
+                       f"{s['bytes'] / 1e6:.1f} MB")
+
+    def _build_synthetic():  # --synthetic: build_pipeline/synthetic.py
+        from build_pipeline.synthetic import build_synthetic
+
+        if model_dir is not None or drafter is not None or ep or backend != "native":
+            raise ValueError("--synthetic takes no MODEL_DIR, --drafter, --ep or --backend")
+        res = build_synthetic(synthetic, out, tp=tp, rank=rank, layers=layers, seed=seed, progress=not as_json,
+                              force=force)
+        s = res.summary()
+        if as_json:
+            typer.echo(json.dumps(s))
+        else:
+            typer.echo(f"{'unchanged' if res.cache_hit else 'built'} {s['artifact']} in {s['seconds']:.2f}s: "
+                       f"synthetic {synthetic} tp {tp} rank {rank}, {res.manifest['model']['num_layers']} layers, "
                        f"{s['bytes'] / 1e6:.1f} MB")
 
     _guard(go)

@@ -1,9 +1,9 @@
 """A decode session: the persistent buffers of b requests at one (mode, budget) and the host loop.
 
-The session owns the target's latent cache, the drafter's context cache and the RoundBuffers of
-runtime/decode/round.py, allocated once for a capacity; CUDA graphs of its step (runtime/decode/graphs.py) bake
-their addresses in, so a session is reused across generations and only replaced when a request
-needs more capacity.  One generation:
+The session owns the target's latent cache (with the forward's workspace), the drafter's context
+cache, tree_build's workspace and the RoundBuffers of runtime/decode/round.py, allocated once for a
+capacity; CUDA graphs of its step (runtime/decode/graphs.py) bake their addresses in, so a session
+is reused across generations and only replaced when a request needs more capacity.  One generation:
 
   prefill (eager, chunked) -> first token -> the drafter ingests the prompt's features except the
   last <= a rows, which become the first round's context -> rounds until every request stopped.

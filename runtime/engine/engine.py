@@ -45,14 +45,14 @@ class Engine:
     @classmethod
     def load(cls, path: str | Path, device: str = "cpu", drafter: str | Path | None = None, spec: str | None = None,
              budget: int = 16, graphs: bool = True, tp: int = 1, ep: bool = False, dtype: torch.dtype | None = None,
-             build: bool = True, progress: bool = False) -> "Engine":
-        """path: a `kdtree build` artifact or a checkpoint dir (always taken through the build cache;
-        `build` is accepted for the CLI's --build and changes nothing).  spec: "ddtree" | "chain" |
-        "none"; None picks ddtree when a drafter is given (or stored in the artifact), else none.
-        graphs: capture and replay CUDA graphs on CUDA (ignored on CPU).  tp > 1: one process per rank
-        (or, under torchrun, this process is one rank: `rank` says which).  ep: with tp > 1, routed
-        experts whole per rank instead of TP-sliced (an artifact keeps the plan it was built with).
-        dtype: fp32 on CPU, bf16 on CUDA by default."""
+             progress: bool = False) -> "Engine":
+        """path: a `kdtree build` artifact or a checkpoint dir (always taken through the build cache:
+        runtime/load/models.py).  spec: "ddtree" | "chain" | "none"; None picks ddtree when a drafter
+        is given (or stored in the artifact), else none.  graphs: capture and replay CUDA graphs on
+        CUDA (ignored on CPU).  tp > 1: one process per rank (or, under torchrun, this process is one
+        rank: `rank` says which).  ep: with tp > 1, routed experts whole per rank instead of
+        TP-sliced (an artifact keeps the plan it was built with).  dtype: fp32 on CPU, bf16 on CUDA
+        by default."""
         if device not in ("cpu", "cuda") and not str(device).startswith("cuda:"):
             raise ValueError(f"device must be cpu or cuda, got {device!r}")
         if str(device).startswith("cuda") and not torch.cuda.is_available():
@@ -60,7 +60,7 @@ class Engine:
         if tp < 1:
             raise ValueError(f"tp must be >= 1, got {tp}")
         want = _spec(spec, budget)
-        plan = ParallelPlan(tp=tp, ep=ep) if tp > 1 or ep else None
+        plan = ParallelPlan(tp=tp, ep=ep) if tp > 1 else None  # None: an artifact's own plan, or one rank
         if tp > 1 and under_torchrun():
             comm = comm_from_env(device)
             if comm.world != tp:

@@ -1,1 +1,2 @@
-"""Loading: the one load_models (checkpoint -> build cache -> artifact -> weights), the artifact reader, the drafter loader."""
+"""Loading: the one load_models (checkpoint -> build cache -> artifact -> weights), the artifact
+reader, the drafter loader."""

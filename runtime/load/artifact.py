@@ -21,8 +21,14 @@ from core.config import ModelConfig
 from core.errors import CheckpointError
 from core.plan import ParallelPlan
 from core.safetensors_file import SafetensorsFile
-from runtime.model.weights import AttentionWeights, Experts, LayerWeights, MLPWeights, MoEWeights, TargetWeights
-
+from runtime.model.weights import (
+    AttentionWeights,
+    Experts,
+    LayerWeights,
+    MLPWeights,
+    MoEWeights,
+    TargetWeights,
+)
 
 
 @dataclass
