@@ -73,6 +73,9 @@ def read_rank(art_dir: str | Path, rank: int, device: str | torch.device, dtype:
         raise ValueError(f"rank {rank} outside [0, {plan.tp}) for this artifact (built with --tp {plan.tp})")
     router = dtype if dtype == torch.float64 else torch.float32  # the router in at least fp32
     flat: dict[str, torch.Tensor] = {}
+    if str(rank) not in manifest["ranks"]:  # a synthetic artifact holds one rank of its plan
+        raise CheckpointError(f"{art_dir}: rank {rank} is not in this artifact (it holds ranks "
+                              f"{sorted(manifest['ranks'], key=int)})")
     for entry in manifest["ranks"][str(rank)]["files"]:
         shard = SafetensorsFile(Path(art_dir) / entry["path"])
         for name in shard.keys():

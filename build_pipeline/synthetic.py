@@ -1,0 +1,289 @@
+"""`kdtree build --synthetic PRESET --tp T --rank R [--layers N] --out ART`: one rank of a model with random
+weights, made without a checkpoint, in exactly the layout `kdtree build` writes (build_pipeline/shard.py's
+file names, tensor names, shapes and stored dtypes; the same manifest keys), so runtime/load/artifact.read_rank
+and load_models read it unchanged.
+
+Only rank R's cut is drawn (h/tp heads, intermediate/tp expert and MLP slices, v/tp vocab rows) and each
+layer file is written as soon as it is made: peak host memory is about one layer of one rank.  Every
+(tensor, piece) has its own torch.Generator seeded by sha256(seed, stored name, piece), where piece is
+the rank for cut tensors (and the expert for routed experts) and "all" for replicated ones; so any rank
+and any layer is reproducible on its own, replicated tensors are equal on every rank, and the ranks of
+one seed together form one consistent model.  Layer i is the same for every --layers N > i.
+
+Init (why activations stay finite over 61 layers): every linear weight ~ N(0, 1/fan_in) with fan_in
+the full (uncut) input width, so each projection keeps unit scale; the residual writers (attn.o, the
+dense and shared MLP down, the routed experts' down) are scaled further by 1/sqrt(2 * L_preset), so
+the residual stream (embed ~ N(0, 1)) grows by O(1) over the whole depth; norms are 1.  INT4 experts:
+values uniform in [-8, 7] (uniform random words in the kernel layout, padding q = 0), per-group
+scales s = +-u * base with u ~ U(0.5, 1.5) and a random sign (q's mean -0.5 would otherwise add one
+coherent direction to every expert of every layer: measured, the residual grew to rms 8.6 over 61
+layers with positive scales and stays <= 1.3 with signed ones), base chosen so the dequantised weight
+has the std of its bf16 counterpart.  Router: gate ~ N(0, 1/d) (the sigmoid's logits ~ N(0, 1) on a
+normed input: token-dependent routing, no saturation); e_score_correction_bias ~ N(0, 0.01) in fp32
+(Kimi ships it fp32; the gate is bf16 as in the checkpoint).  lm_head ~ N(0, 1/d).
+
+Output: --out only, never the cache: a K2.6 TP8 rank is ~76 GB and the device disk holds one copy, not a
+cache entry plus a copy.  The manifest's `key` (sha256 over the config, plan, rank, layers, seed, code
+version and toolchain) makes a repeated command with an intact --out a no-op.  The manifest lists only
+rank R; no graphs, kernels, tokenizer (ids only) or drafter.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from build_pipeline import artifact_cache as cache
+from build_pipeline.shard import GLOBALS_FILE, layer_file
+from core.config import ModelConfig, parse_config
+from core.errors import KdtreeError
+from core.plan import ParallelPlan
+from core.presets import KIMI_K26_CONFIG
+from core.progress import Progress
+from plugins.moe_w4a16.layout import BLOCK_K, GROUP, PLANES, padded_k
+
+_TINY_TEXT = dict(  # build_pipeline/tiny.py's "kimi" preset widths in K2.6's structure (CPU tests)
+    vocab_size=1024, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16, num_experts_per_tok=4, kv_lora_rank=64,
+    q_lora_rank=96, qk_rope_head_dim=32, v_head_dim=32, qk_nope_head_dim=32, max_position_embeddings=4096,
+    bos_token_id=768, eos_token_id=769, pad_token_id=776,  # tiny_tokenizer's specials
+    rope_theta=50000.0, rope_scaling={"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 512,
+                                      "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})
+
+
+def _with_text(base: dict, **text) -> dict:
+    c = copy.deepcopy(base)
+    c["text_config"].update(text)
+    return c
+
+
+PRESETS: dict[str, dict] = {
+    "kimi-k2.6": KIMI_K26_CONFIG,  # the real config.json (kimi_k25, INT4 group-32 experts)
+    "tiny-kimi": _with_text(KIMI_K26_CONFIG, **_TINY_TEXT),  # same structure, make-tiny widths
+}
+
+_Q_SQ = 21.5  # E[q^2], q uniform on the 16 integers [-8, 7] (variance 21.25, mean -0.5)
+_U_SQ = 1.0 + 1.0 / 12.0  # E[u^2], u ~ U(0.5, 1.5)
+
+
+def preset_config(preset: str, layers: int | None = None) -> tuple[ModelConfig, int]:
+    """(config with `layers` layers, the preset's own depth)."""
+    if preset not in PRESETS:
+        raise KdtreeError(f"--synthetic {preset!r} is unknown (known: {', '.join(PRESETS)})")
+    raw = PRESETS[preset]
+    depth = raw["text_config"]["num_hidden_layers"]
+    if layers is not None:
+        if not isinstance(layers, int) or not 1 <= layers <= depth:
+            raise KdtreeError(f"--layers must lie in [1, {depth}] for --synthetic {preset}, got {layers!r}")
+        raw = _with_text(raw, num_hidden_layers=layers)
+    return parse_config(raw, source=f"--synthetic {preset}"), depth
+
+
+def build_synthetic(preset: str, out: str | Path, tp: int = 8, rank: int = 0, layers: int | None = None,
+                    seed: int = 0, progress: bool = True, force: bool = False):
+    """Write rank `rank` of a `tp`-way plan of `preset` with random weights to `out` (see the module doc);
+    returns build_pipeline.build.BuildResult (cache_hit: `out` already held this key, intact)."""
+    from build_pipeline.build import BuildResult
+
+    t0 = time.perf_counter()
+    if out is None:
+        raise KdtreeError("--synthetic needs --out ART (a synthetic rank is written to --out, not the cache)")
+    out = Path(out)
+    cfg, depth = preset_config(preset, layers)
+    plan = ParallelPlan(tp=tp)
+    plan.validate(cfg)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < tp:
+        raise KdtreeError(f"--rank {rank} is outside [0, {tp}) for --tp {tp}")
+    if cfg.quant is not None and cfg.quant.kind == "int4" and cfg.quant.group_size != GROUP:
+        raise KdtreeError(f"--synthetic {preset}: INT4 group_size {cfg.quant.group_size} is not the kernel's {GROUP}")
+    options = {"tp": tp, "ep": False, "backend": "native", "archs": [], "budgets": [], "synthetic": preset,
+               "seed": seed, "rank": rank, "layers": cfg.num_layers}
+    tools = cache.toolchain()
+    key = cache.build_key({"synthetic/" + preset: cache.sha256_json(cfg.to_dict())}, options,
+                          cache.code_version(), tools)
+    old = out / cache.MANIFEST
+    if old.is_file() and not force:
+        try:
+            same = json.loads(old.read_text()).get("key") == key
+        except (OSError, ValueError):
+            same = False
+        if same and cache.verify(out) is None:
+            return BuildResult(out, True, json.loads(old.read_text()), time.perf_counter() - t0)
+    if out.exists() and not old.is_file() and not force and (not out.is_dir() or any(out.iterdir())):
+        raise KdtreeError(f"--out {out}: exists and is not a kdtree artifact (pass --force to replace it)")
+    shutil.rmtree(out, ignore_errors=True)  # replaced anyway: free its disk before writing the new one
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = out.parent / f".{out.name}.stage-{key[:8]}-{os.getpid()}"
+    shutil.rmtree(stage, ignore_errors=True)
+    try:
+        manifest = _write(stage, cfg, depth, plan, rank, seed, progress)
+        manifest.update(format=cache.FORMAT, format_version=cache.FORMAT_VERSION, key=key, options=options,
+                        toolchain=tools, inputs={}, budgets=[])
+        with open(stage / cache.MANIFEST, "w") as f:
+            json.dump(manifest, f, indent=1, sort_keys=True)
+        stage.rename(out)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return BuildResult(out, False, manifest, time.perf_counter() - t0)
+
+
+def _write(stage: Path, cfg: ModelConfig, depth: int, plan: ParallelPlan, rank: int, seed: int,
+           progress: bool) -> dict:
+    t = time.perf_counter()
+    (stage / f"rank{rank}").mkdir(parents=True)
+    draw = _Draw(seed, rank, out_scale=(2 * depth) ** -0.5)
+    files: dict[str, dict] = {}
+    paths = []
+    bar = Progress(cfg.num_layers + 1, "synthetic weights", enabled=progress)
+    for name, make in [(GLOBALS_FILE, lambda: globals_tensors(cfg, plan, rank, draw))] + [
+            (layer_file(i), lambda i=i: layer_tensors(cfg, plan, rank, i, draw)) for i in range(cfg.num_layers)]:
+        rel = f"rank{rank}/{name}"
+        _save(make(), stage / rel, {"format": "kdtree-rank", "rank": str(rank), "tp": str(plan.tp)})
+        # hashed right after writing, while the file is still in the page cache
+        files[rel] = {"sha256": cache.sha256_file(stage / rel), "bytes": (stage / rel).stat().st_size}
+        paths.append(rel)
+        bar.advance()
+    bar.close()
+    return {
+        "model": cfg.to_dict(), "plan": plan.to_dict(), "files": files,
+        "steps_s": {"synthetic": time.perf_counter() - t},
+        "ranks": {str(rank): {"files": [{"path": p, **files[p]} for p in paths], "graphs": [], "engines": [],
+                              "vocab_range": list(plan.vocab_range(cfg, rank)),
+                              "experts": list(plan.local_experts(cfg, rank)), "heads": plan.local_heads(cfg)}},
+        "kernels": [], "drafter": None, "tokenizer": None,
+        "synthetic": {"seed": seed, "rank": rank, "preset_layers": depth,
+                      "init": "build_pipeline/synthetic.py (N(0, 1/fan_in), residual writers / sqrt(2 L))"},
+        "layout": {"weights": "build_pipeline/shard.py", "moe_int4": "moe_w4a16 planar blocks of 256 "
+                   "(plugins/moe_w4a16/layout.py)", "graph_activations": "float32"},
+        "collectives": {"all_reduce": ["attn_part", "mlp_part", "moe_part", "x_part"], "gather": ["logits_part"]},
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """safetensors save_file (shard.py's call), then the header's __metadata__ put in sorted order in place:
+    safetensors writes it from a hash map, in a different order each run, and the same seed must give
+    the same bytes.  The header keeps its length (same JSON, keys reordered), so the data does not move."""
+    save_file(tensors, str(path), metadata=metadata)
+    with open(path, "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        raw = f.read(n)
+        header = json.loads(raw)
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+        canon = json.dumps(header, separators=(",", ":")).encode()
+        if len(canon) > n:  # cannot happen for the compact JSON safetensors writes; keep its bytes if it does
+            return
+        f.seek(8)
+        f.write(canon + b" " * (n - len(canon)))
+
+
+class _Draw:
+    """Seeded draws: one generator per (stored name, piece); piece = the rank for cut tensors."""
+
+    def __init__(self, seed: int, rank: int, out_scale: float):
+        self.seed, self.rank, self.out_scale = seed, rank, out_scale
+
+    def gen(self, name: str, piece) -> torch.Generator:
+        h = hashlib.sha256(f"{self.seed}/{name}/{piece}".encode()).digest()
+        return torch.Generator().manual_seed(int.from_bytes(h[:8], "little") & (2**63 - 1))
+
+    def normal(self, name: str, shape, std: float, cut: bool = True, dtype=torch.bfloat16) -> torch.Tensor:
+        g = self.gen(name, self.rank if cut else "all")
+        return (torch.randn(shape, generator=g) * std).to(dtype)
+
+
+def globals_tensors(cfg: ModelConfig, plan: ParallelPlan, rank: int, draw: _Draw) -> dict[str, torch.Tensor]:
+    v_l, d = cfg.vocab_size // plan.tp, cfg.hidden_size
+    out = {"embed": draw.normal("embed", (v_l, d), 1.0), "norm": torch.ones(d, dtype=torch.bfloat16)}
+    if not cfg.tie_word_embeddings:
+        out["lm_head"] = draw.normal("lm_head", (v_l, d), d ** -0.5)
+    return out
+
+
+def layer_tensors(cfg: ModelConfig, plan: ParallelPlan, rank: int, i: int, draw: _Draw) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s stored tensors of layer i (build_pipeline/shard.py's names, shapes and dtypes)."""
+    d, h, tp = cfg.hidden_size, cfg.num_heads, plan.tp
+    h_l, p, r, c, u = h // tp, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
+    pre, w = f"layers.{i}.", draw.out_scale
+    one = lambda n: torch.ones(n, dtype=torch.bfloat16)  # noqa: E731
+    out = {pre + "attn_norm": one(d), pre + "mlp_norm": one(d),
+           pre + "attn.kv_a": draw.normal(pre + "attn.kv_a", (c + r, d), d ** -0.5, cut=False),  # [c+r, d]
+           pre + "attn.kv_a_norm": one(c),
+           pre + "attn.w_uk": draw.normal(pre + "attn.w_uk", (h_l, p, c), c ** -0.5),  # [h_l, p, c]
+           pre + "attn.w_uv": draw.normal(pre + "attn.w_uv", (h_l, u, c), c ** -0.5),  # [h_l, u, c]
+           pre + "attn.o": draw.normal(pre + "attn.o", (d, h_l * u), w * (h * u) ** -0.5)}  # [d, h_l*u]
+    if cfg.q_lora_rank is None:
+        out[pre + "attn.q"] = draw.normal(pre + "attn.q", (h_l * (p + r), d), d ** -0.5)  # [h_l*(p+r), d]
+    else:
+        q = cfg.q_lora_rank
+        out[pre + "attn.q_a"] = draw.normal(pre + "attn.q_a", (q, d), d ** -0.5, cut=False)  # [q, d]
+        out[pre + "attn.q_a_norm"] = one(q)
+        out[pre + "attn.q_b"] = draw.normal(pre + "attn.q_b", (h_l * (p + r), q), q ** -0.5)  # [h_l*(p+r), q]
+    if not cfg.is_moe_layer(i):
+        out.update(_mlp(pre + "mlp", d, cfg.intermediate_size, tp, draw))
+        return out
+    e, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
+    out[pre + "moe.gate"] = draw.normal(pre + "moe.gate", (e, d), d ** -0.5, cut=False)  # [e, d]
+    out[pre + "moe.gate_bias"] = draw.normal(pre + "moe.gate_bias", (e,), 0.01, cut=False, dtype=torch.float32)
+    if cfg.n_shared_experts:
+        out.update(_mlp(pre + "moe.shared", d, inter * cfg.n_shared_experts, tp, draw))
+    out.update(_experts(cfg, pre + "moe", d, inter, tp, draw))
+    return out
+
+
+def _mlp(stem: str, d: int, inter: int, tp: int, draw: _Draw) -> dict[str, torch.Tensor]:
+    i_l = inter // tp
+    return {stem + ".gate_up": draw.normal(stem + ".gate_up", (2 * i_l, d), d ** -0.5),  # [2*i_l, d]
+            stem + ".down": draw.normal(stem + ".down", (d, i_l), draw.out_scale * inter ** -0.5)}  # [d, i_l]
+
+
+def _experts(cfg: ModelConfig, stem: str, d: int, inter: int, tp: int, draw: _Draw) -> dict[str, torch.Tensor]:
+    """Routed experts, TP-sliced: w13 [e, 2*i_l, d] (gate rows | up rows), w2 [e, d, i_l]; INT4 in the
+    moe_w4a16 kernel layout when the config is INT4, else bf16."""
+    e, i_l = cfg.n_routed_experts, inter // tp
+    shapes = {"w13": ((2 * i_l, d), d, 1.0), "w2": ((d, i_l), inter, draw.out_scale)}  # shape, fan_in, extra
+    if cfg.quant is None or cfg.quant.kind != "int4":
+        return {f"{stem}.{k}": torch.stack([_expert_normal(draw, f"{stem}.{k}", j, s, extra * fan ** -0.5)
+                                            for j in range(e)]) for k, (s, fan, extra) in shapes.items()}
+    out = {}
+    for k, ((n, kk), fan, extra) in shapes.items():
+        base = extra * (fan * _Q_SQ * _U_SQ) ** -0.5
+        kp = padded_k(kk)
+        packed = torch.empty((e, n, kp // 8), dtype=torch.int32)  # [e, n, kp/8]
+        scale = torch.zeros((e, kp // GROUP, n), dtype=torch.bfloat16)  # [e, kp/32, n]; padding groups 0
+        for j in range(e):
+            g = draw.gen(f"{stem}.{k}", (draw.rank, j))
+            packed[j] = _random_planar_words(g, n, kk)
+            u = 0.5 + torch.rand((kk // GROUP, n), generator=g)  # [k/32, n]
+            sign = torch.randint(0, 2, (kk // GROUP, n), generator=g) * 2 - 1  # cancels q's mean -0.5 across groups
+            scale[j, : kk // GROUP] = (u * sign * base).to(torch.bfloat16)
+        out[f"{stem}.{k}_packed"], out[f"{stem}.{k}_scale"] = packed, scale
+    return out
+
+
+def _random_planar_words(g: torch.Generator, n: int, k: int) -> torch.Tensor:
+    """[n, kp/8] int32 words of the moe_w4a16 layout whose values are iid uniform on [-8, 7]: every nibble of a
+    uniform random word is a uniform code, so no packing pass is needed (the planar order of iid values is
+    iid).  Padding (k < kp, always whole planes of the last block: k % 32 == 0) is code 8, i.e. q = 0."""
+    kp = padded_k(k)
+    words = torch.randint(-2**31, 2**31, (n, kp // 8), generator=g, dtype=torch.int32)
+    p0 = (k - (kp - BLOCK_K)) // GROUP  # planes of the last block that hold real values
+    if p0 < PLANES:
+        fill = sum(8 << (4 * p) for p in range(p0, PLANES))
+        fill = fill - 2**32 if fill >= 2**31 else fill
+        last = words[:, -GROUP:]  # the last block's 32 words
+        words[:, -GROUP:] = (last & ((1 << (4 * p0)) - 1)) | fill
+    return words
+
+
+def _expert_normal(draw: _Draw, name: str, j: int, shape, std: float) -> torch.Tensor:
+    return (torch.randn(shape, generator=draw.gen(name, (draw.rank, j))) * std).to(torch.bfloat16)
