@@ -28,8 +28,10 @@ from core.safetensors_file import SafetensorsFile
 
 DEFAULT_BUDGETS = (16, 32, 64)
 DEFAULT_ARCHS = ("sm_90",)
-_WEIGHT_SUFFIXES = (".safetensors",)
-_INDEX = "model.safetensors.index.json"
+# what core/tokenizer.Tokenizer reads (and the chat template a server will): nothing else of a model
+# dir is carried into an artifact (no remote code, no stray files)
+TOKENIZER_FILES = ("tiktoken.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "generation_config.json")
 
 
 @dataclass
@@ -58,6 +60,7 @@ def build(model_dir: str | Path, out: str | Path | None = None, drafter_dir: str
     if not model_dir.is_dir():
         raise ConfigError(f"MODEL_DIR {model_dir}: not a directory")
     cfg = load_config(model_dir)
+    tokenizer_files(model_dir)  # a bad tokenizer symlink fails before any work
     plan = ParallelPlan(tp=tp, ep=ep)
     plan.validate(cfg)
     archs = parse_archs(archs)
@@ -117,9 +120,8 @@ def _build_into(stage: Path, model_dir: Path, drafter_dir: Path | None, cfg: Mod
     t = time.perf_counter()
     tok = stage / "tokenizer"
     tok.mkdir()
-    for f in sorted(model_dir.iterdir()):
-        if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and f.name != _INDEX and not f.name.startswith("."):
-            shutil.copy2(f, tok / f.name)
+    for f in tokenizer_files(model_dir):
+        shutil.copyfile(f, tok / f.name)
     if drafter_dir is not None:
         shutil.copytree(drafter_dir, stage / "drafter", ignore=shutil.ignore_patterns(".*"))
     engines = {}
@@ -150,6 +152,27 @@ def _build_into(stage: Path, model_dir: Path, drafter_dir: Path | None, cfg: Mod
         "collectives": {"all_reduce": ["attn_part", "mlp_part", "moe_part", "x_part"], "gather": ["logits_part"]},
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+def tokenizer_files(model_dir: Path) -> list[Path]:
+    """The TOKENIZER_FILES present in model_dir.  A symlink among them must stay inside model_dir, or
+    point into the blobs/ of a Hugging Face cache repo when model_dir is one of its snapshots/."""
+    root = model_dir.resolve()
+    allowed = [root]
+    if root.parent.name == "snapshots":  # <repo>/snapshots/<rev>/file -> ../../blobs/<sha>
+        allowed.append(root.parent.parent / "blobs")
+    out = []
+    for name in TOKENIZER_FILES:
+        f = model_dir / name
+        if not f.exists() and not f.is_symlink():
+            continue
+        target = f.resolve()
+        if not any(target.is_relative_to(a) for a in allowed):
+            raise KdtreeError(f"{f}: a symlink to {target}, outside the model directory; refusing to copy it")
+        if not target.is_file():
+            raise KdtreeError(f"{f}: not a regular file")
+        out.append(f)
+    return out
 
 
 def _graph_tensors(stage: Path, cfg: ModelConfig, rank: int) -> dict[str, torch.Tensor]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -78,17 +77,15 @@ def _rank_tensors(art: Path, rank: int) -> dict[str, torch.Tensor]:
 
 
 # ---- cache behaviour ----
-def test_build_then_cache_hit_is_fast(k25, kcache):
+def test_build_then_cache_hit_rebuilds_nothing(k25, kcache):
     first = build(k25, tp=1, archs="none", progress=False)
     assert not first.cache_hit and is_artifact(first.art_dir)
     assert first.art_dir.parent == kcache
-    cached = float("inf")
-    for _ in range(3):  # best of 3: the CI machine's 2 cores are shared
-        t0 = time.perf_counter()
-        second = build(k25, tp=1, archs="none", progress=False)
-        cached = min(cached, time.perf_counter() - t0)
-    assert second.cache_hit and second.art_dir == first.art_dir
-    assert cached < 0.05 * first.seconds, (cached, first.seconds)
+    stamp = (first.art_dir / "manifest.json").stat().st_mtime_ns
+    second = build(k25, tp=1, archs="none", progress=False)
+    # a hit rebuilds nothing (not a timing: the shared CI cores make wall-clock ratios flaky)
+    assert second.cache_hit and second.art_dir == first.art_dir and second.manifest == first.manifest
+    assert (first.art_dir / "manifest.json").stat().st_mtime_ns == stamp
     m = second.manifest
     assert m["plan"] == {"tp": 1, "ep": False} and m["model"]["num_layers"] == 4
     assert all(len(f["sha256"]) == 64 for f in m["ranks"]["0"]["files"])

@@ -25,7 +25,7 @@ import torch
 from core.config import ModelConfig
 from core.plan import ParallelPlan
 from core.tokenizer import StreamDecoder, Tokenizer
-from runtime.decode.params import SamplingParams, SpecConfig
+from runtime.decode.params import InvalidParam, SamplingParams, SpecConfig
 from runtime.engine.local import LocalRunner
 from runtime.engine.ranks import RanksRunner
 from runtime.load.artifact import read_manifest
@@ -210,7 +210,19 @@ class Engine:
         encoded = [self.encode(p) for p in prompts]
         ids, _ = self.stop_ids(stop)
         params = SamplingParams(max_new_tokens, temperature, 0 if seed is None else int(seed), ids)
+        self._check_context(max(len(p) for p in encoded), max_new_tokens)
         yield from self.runner.rounds(encoded, params)
+
+    def _check_context(self, prompt: int, max_new_tokens: int) -> None:
+        """Refuse up front what would run past the model's context length (vLLM's max_model_len rule:
+        prompt + max_new_tokens <= max_position_embeddings)."""
+        limit = self.cfg.max_position_embeddings
+        if prompt > limit:
+            raise ValueError(f"prompt of {prompt} tokens does not fit the model's context length {limit} "
+                             f"(max_position_embeddings)")
+        if prompt + max_new_tokens > limit:
+            raise InvalidParam("max_new_tokens", f"max_new_tokens {max_new_tokens} + prompt {prompt} tokens exceed "
+                               f"the model's context length {limit} (max_position_embeddings)")
 
     def close(self) -> None:
         """Stop the rank processes of a multi-rank engine (a no-op for one rank)."""
