@@ -27,6 +27,10 @@ from core.plan import ParallelPlan
 from core.safetensors_file import SafetensorsFile
 
 DEFAULT_BUDGETS = (16, 32, 64)
+# what a manifest says of its rank files (every artifact, built or synthetic)
+LAYOUT = {"weights": "build_pipeline/shard.py", "moe_int4": "moe_w4a16 planar blocks of 256 "
+          "(plugins/moe_w4a16/layout.py)", "graph_activations": "float32"}
+COLLECTIVES = {"all_reduce": ["attn_part", "mlp_part", "moe_part", "x_part"], "gather": ["logits_part"]}
 DEFAULT_ARCHS = ("sm_90",)
 # what core/tokenizer.Tokenizer reads (and the chat template a server will): nothing else of a model
 # dir is carried into an artifact (no remote code, no stray files)
@@ -147,9 +151,7 @@ def _build_into(stage: Path, model_dir: Path, drafter_dir: Path | None, cfg: Mod
         "kernels": [dict(k, sha256=files[k["cubin"]]["sha256"]) for k in kernels],
         "drafter": {"dir": "drafter", "source": str(drafter_dir)} if drafter_dir is not None else None,
         "tokenizer": "tokenizer",
-        "layout": {"weights": "build_pipeline/shard.py", "moe_int4": "moe_w4a16 planar blocks of 256 "
-                   "(plugins/moe_w4a16/layout.py)", "graph_activations": "float32"},
-        "collectives": {"all_reduce": ["attn_part", "mlp_part", "moe_part", "x_part"], "gather": ["logits_part"]},
+        "layout": LAYOUT, "collectives": COLLECTIVES,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 
@@ -212,19 +214,28 @@ def _parse_budgets(budgets) -> tuple[int, ...]:
     return vals
 
 
+def holds_key(out: Path, key: str) -> bool:
+    """Whether --out already holds the artifact of `key`, intact."""
+    try:
+        return json.loads((out / cache.MANIFEST).read_text()).get("key") == key and cache.verify(out) is None
+    except (OSError, ValueError):
+        return False
+
+
+def refuse_foreign_out(out: Path, force: bool) -> None:
+    """Never delete something that is not a build output unasked: an --out that exists, is not an
+    artifact and is not an empty folder needs --force."""
+    foreign = out.exists() and not (out / cache.MANIFEST).is_file() and (not out.is_dir() or any(out.iterdir()))
+    if foreign and not force:
+        raise KdtreeError(f"--out {out}: exists and is not a kdtree artifact (pass --force to replace it)")
+
+
 def _place(entry: Path, out: Path, key: str, force: bool) -> Path:
     """Copy the cache entry to --out atomically.  An --out already holding this key is left as is, an
     older artifact there is replaced, anything else only with --force."""
-    manifest = out / cache.MANIFEST
-    if manifest.is_file():
-        try:
-            if json.loads(manifest.read_text()).get("key") == key and cache.verify(out) is None:
-                return out
-        except (OSError, ValueError):
-            pass
-    foreign = out.exists() and not manifest.is_file() and (not out.is_dir() or any(out.iterdir()))
-    if foreign and not force:  # never delete something that is not a build output unasked
-        raise KdtreeError(f"--out {out}: exists and is not a kdtree artifact (pass --force to replace it)")
+    if holds_key(out, key):
+        return out
+    refuse_foreign_out(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{key[:8]}"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -24,6 +24,7 @@ one layer at a time, so peak memory is one layer of the checkpoint plus its tp s
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,12 +72,27 @@ def write_rank_shards(model_dir: str | Path, cfg: ModelConfig, plan: ParallelPla
         for r in range(plan.tp):
             tensors = shard_group(cfg, plan, flat, r)
             name = GLOBALS_FILE if group == "globals" else layer_file(int(group))
-            save_file({k: _lossless(k, t) for k, t in sorted(tensors.items())}, str(out / f"rank{r}" / name),
-                      metadata={"format": "kdtree-rank", "rank": str(r), "tp": str(plan.tp)})
+            save_rank_file({k: _lossless(k, t) for k, t in tensors.items()}, out / f"rank{r}" / name, r, plan.tp)
             files[r].append(f"rank{r}/{name}")
         bar.advance()
     bar.close()
     return files
+
+
+def save_rank_file(tensors: dict[str, torch.Tensor], path: Path, rank: int, tp: int) -> None:
+    """One rank file, its bytes a function of the tensors alone: safetensors writes `__metadata__` from a
+    hash map (a different order each run), so the header is rewritten in place with it sorted; the
+    header keeps its length (the same compact JSON, keys reordered), so the data does not move."""
+    save_file(dict(sorted(tensors.items())), str(path), metadata={"format": "kdtree-rank", "rank": str(rank),
+                                                                    "tp": str(tp)})
+    with open(path, "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+        canon = json.dumps(header, separators=(",", ":")).encode()
+        if len(canon) <= n:  # always, for the compact JSON safetensors writes
+            f.seek(8)
+            f.write(canon + b" " * (n - len(canon)))
 
 
 def shard_group(cfg: ModelConfig, plan: ParallelPlan, flat: dict[str, torch.Tensor | Int4],

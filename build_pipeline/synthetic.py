@@ -39,10 +39,10 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from build_pipeline import artifact_cache as cache
-from build_pipeline.shard import GLOBALS_FILE, layer_file
+from build_pipeline.build import COLLECTIVES, LAYOUT, BuildResult, holds_key, refuse_foreign_out
+from build_pipeline.shard import GLOBALS_FILE, layer_file, save_rank_file
 from core.config import ModelConfig, parse_config
 from core.errors import KdtreeError
 from core.plan import ParallelPlan
@@ -91,8 +91,6 @@ def build_synthetic(preset: str, out: str | Path, tp: int = 8, rank: int = 0, la
                     seed: int = 0, progress: bool = True, force: bool = False):
     """Write rank `rank` of a `tp`-way plan of `preset` with random weights to `out` (see the module doc);
     returns build_pipeline.build.BuildResult (cache_hit: `out` already held this key, intact)."""
-    from build_pipeline.build import BuildResult
-
     t0 = time.perf_counter()
     if out is None:
         raise KdtreeError("--synthetic needs --out ART (a synthetic rank is written to --out, not the cache)")
@@ -109,16 +107,9 @@ def build_synthetic(preset: str, out: str | Path, tp: int = 8, rank: int = 0, la
     tools = cache.toolchain()
     key = cache.build_key({"synthetic/" + preset: cache.sha256_json(cfg.to_dict())}, options,
                           cache.code_version(), tools)
-    old = out / cache.MANIFEST
-    if old.is_file() and not force:
-        try:
-            same = json.loads(old.read_text()).get("key") == key
-        except (OSError, ValueError):
-            same = False
-        if same and cache.verify(out) is None:
-            return BuildResult(out, True, json.loads(old.read_text()), time.perf_counter() - t0)
-    if out.exists() and not old.is_file() and not force and (not out.is_dir() or any(out.iterdir())):
-        raise KdtreeError(f"--out {out}: exists and is not a kdtree artifact (pass --force to replace it)")
+    if not force and holds_key(out, key):
+        return BuildResult(out, True, json.loads((out / cache.MANIFEST).read_text()), time.perf_counter() - t0)
+    refuse_foreign_out(out, force)
     shutil.rmtree(out, ignore_errors=True)  # replaced anyway: free its disk before writing the new one
     out.parent.mkdir(parents=True, exist_ok=True)
     stage = out.parent / f".{out.name}.stage-{key[:8]}-{os.getpid()}"
@@ -147,7 +138,7 @@ def _write(stage: Path, cfg: ModelConfig, depth: int, plan: ParallelPlan, rank: 
     for name, make in [(GLOBALS_FILE, lambda: globals_tensors(cfg, plan, rank, draw))] + [
             (layer_file(i), lambda i=i: layer_tensors(cfg, plan, rank, i, draw)) for i in range(cfg.num_layers)]:
         rel = f"rank{rank}/{name}"
-        _save(make(), stage / rel, {"format": "kdtree-rank", "rank": str(rank), "tp": str(plan.tp)})
+        save_rank_file(make(), stage / rel, rank, plan.tp)
         # hashed right after writing, while the file is still in the page cache
         files[rel] = {"sha256": cache.sha256_file(stage / rel), "bytes": (stage / rel).stat().st_size}
         paths.append(rel)
@@ -162,28 +153,9 @@ def _write(stage: Path, cfg: ModelConfig, depth: int, plan: ParallelPlan, rank: 
         "kernels": [], "drafter": None, "tokenizer": None,
         "synthetic": {"seed": seed, "rank": rank, "preset_layers": depth,
                       "init": "build_pipeline/synthetic.py (N(0, 1/fan_in), residual writers / sqrt(2 L))"},
-        "layout": {"weights": "build_pipeline/shard.py", "moe_int4": "moe_w4a16 planar blocks of 256 "
-                   "(plugins/moe_w4a16/layout.py)", "graph_activations": "float32"},
-        "collectives": {"all_reduce": ["attn_part", "mlp_part", "moe_part", "x_part"], "gather": ["logits_part"]},
+        "layout": LAYOUT, "collectives": COLLECTIVES,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-
-
-def _save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-    """safetensors save_file (shard.py's call), then the header's __metadata__ put in sorted order in place:
-    safetensors writes it from a hash map, in a different order each run, and the same seed must give
-    the same bytes.  The header keeps its length (same JSON, keys reordered), so the data does not move."""
-    save_file(tensors, str(path), metadata=metadata)
-    with open(path, "r+b") as f:
-        n = int.from_bytes(f.read(8), "little")
-        raw = f.read(n)
-        header = json.loads(raw)
-        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
-        canon = json.dumps(header, separators=(",", ":")).encode()
-        if len(canon) > n:  # cannot happen for the compact JSON safetensors writes; keep its bytes if it does
-            return
-        f.seek(8)
-        f.write(canon + b" " * (n - len(canon)))
 
 
 class _Draw:
@@ -196,8 +168,10 @@ class _Draw:
         h = hashlib.sha256(f"{self.seed}/{name}/{piece}".encode()).digest()
         return torch.Generator().manual_seed(int.from_bytes(h[:8], "little") & (2**63 - 1))
 
-    def normal(self, name: str, shape, std: float, cut: bool = True, dtype=torch.bfloat16) -> torch.Tensor:
-        g = self.gen(name, self.rank if cut else "all")
+    def normal(self, name: str, shape, std: float, piece=None, dtype=torch.bfloat16) -> torch.Tensor:
+        """N(0, std) of `shape`; piece: None for this rank's cut, "all" for a replicated tensor, (rank,
+        expert) for one routed expert."""
+        g = self.gen(name, self.rank if piece is None else piece)
         return (torch.randn(shape, generator=g) * std).to(dtype)
 
 
@@ -216,7 +190,7 @@ def layer_tensors(cfg: ModelConfig, plan: ParallelPlan, rank: int, i: int, draw:
     pre, w = f"layers.{i}.", draw.out_scale
     one = lambda n: torch.ones(n, dtype=torch.bfloat16)  # noqa: E731
     out = {pre + "attn_norm": one(d), pre + "mlp_norm": one(d),
-           pre + "attn.kv_a": draw.normal(pre + "attn.kv_a", (c + r, d), d ** -0.5, cut=False),  # [c+r, d]
+           pre + "attn.kv_a": draw.normal(pre + "attn.kv_a", (c + r, d), d ** -0.5, piece="all"),  # [c+r, d]
            pre + "attn.kv_a_norm": one(c),
            pre + "attn.w_uk": draw.normal(pre + "attn.w_uk", (h_l, p, c), c ** -0.5),  # [h_l, p, c]
            pre + "attn.w_uv": draw.normal(pre + "attn.w_uv", (h_l, u, c), c ** -0.5),  # [h_l, u, c]
@@ -225,15 +199,15 @@ def layer_tensors(cfg: ModelConfig, plan: ParallelPlan, rank: int, i: int, draw:
         out[pre + "attn.q"] = draw.normal(pre + "attn.q", (h_l * (p + r), d), d ** -0.5)  # [h_l*(p+r), d]
     else:
         q = cfg.q_lora_rank
-        out[pre + "attn.q_a"] = draw.normal(pre + "attn.q_a", (q, d), d ** -0.5, cut=False)  # [q, d]
+        out[pre + "attn.q_a"] = draw.normal(pre + "attn.q_a", (q, d), d ** -0.5, piece="all")  # [q, d]
         out[pre + "attn.q_a_norm"] = one(q)
         out[pre + "attn.q_b"] = draw.normal(pre + "attn.q_b", (h_l * (p + r), q), q ** -0.5)  # [h_l*(p+r), q]
     if not cfg.is_moe_layer(i):
         out.update(_mlp(pre + "mlp", d, cfg.intermediate_size, tp, draw))
         return out
     e, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
-    out[pre + "moe.gate"] = draw.normal(pre + "moe.gate", (e, d), d ** -0.5, cut=False)  # [e, d]
-    out[pre + "moe.gate_bias"] = draw.normal(pre + "moe.gate_bias", (e,), 0.01, cut=False, dtype=torch.float32)
+    out[pre + "moe.gate"] = draw.normal(pre + "moe.gate", (e, d), d ** -0.5, piece="all")  # [e, d]
+    out[pre + "moe.gate_bias"] = draw.normal(pre + "moe.gate_bias", (e,), 0.01, piece="all", dtype=torch.float32)
     if cfg.n_shared_experts:
         out.update(_mlp(pre + "moe.shared", d, inter * cfg.n_shared_experts, tp, draw))
     out.update(_experts(cfg, pre + "moe", d, inter, tp, draw))
@@ -252,7 +226,7 @@ def _experts(cfg: ModelConfig, stem: str, d: int, inter: int, tp: int, draw: _Dr
     e, i_l = cfg.n_routed_experts, inter // tp
     shapes = {"w13": ((2 * i_l, d), d, 1.0), "w2": ((d, i_l), inter, draw.out_scale)}  # shape, fan_in, extra
     if cfg.quant is None or cfg.quant.kind != "int4":
-        return {f"{stem}.{k}": torch.stack([_expert_normal(draw, f"{stem}.{k}", j, s, extra * fan ** -0.5)
+        return {f"{stem}.{k}": torch.stack([draw.normal(f"{stem}.{k}", s, extra * fan ** -0.5, piece=(draw.rank, j))
                                             for j in range(e)]) for k, (s, fan, extra) in shapes.items()}
     out = {}
     for k, ((n, kk), fan, extra) in shapes.items():
@@ -284,6 +258,3 @@ def _random_planar_words(g: torch.Generator, n: int, k: int) -> torch.Tensor:
         words[:, -GROUP:] = (last & ((1 << (4 * p0)) - 1)) | fill
     return words
 
-
-def _expert_normal(draw: _Draw, name: str, j: int, shape, std: float) -> torch.Tensor:
-    return (torch.randn(shape, generator=draw.gen(name, (draw.rank, j))) * std).to(torch.bfloat16)

@@ -227,33 +227,26 @@ def build_cmd(
         from build_pipeline.build import build
 
         if synthetic is not None:
-            _build_synthetic()
-            return
-        if model_dir is None:
-            raise ValueError("give MODEL_DIR (or --synthetic PRESET)")
-        res = build(model_dir, out=out, drafter_dir=drafter, tp=tp, ep=ep, backend=backend, archs=arch,
-                    budgets=budgets, progress=not as_json, force=force)
-        s = res.summary()
+            from build_pipeline.synthetic import build_synthetic
+
+            if model_dir is not None or drafter is not None or ep or backend != "native":
+                raise ValueError("--synthetic takes no MODEL_DIR, --drafter, --ep or --backend")
+            res = build_synthetic(synthetic, out, tp=tp, rank=rank, layers=layers, seed=seed, progress=not as_json,
+                                  force=force)
+            s = res.summary()
+            layers_made = res.manifest["model"]["num_layers"]
+            hit, detail = "unchanged", f"synthetic {synthetic} tp {tp} rank {rank}, {layers_made} layers"
+        else:
+            if model_dir is None:
+                raise ValueError("give MODEL_DIR (or --synthetic PRESET)")
+            res = build(model_dir, out=out, drafter_dir=drafter, tp=tp, ep=ep, backend=backend, archs=arch,
+                        budgets=budgets, progress=not as_json, force=force)
+            s = res.summary()
+            hit, detail = "cache hit", f"tp {tp}{' ep' if ep else ''}, {s['graphs']} graphs, {s['kernels']} kernels"
         if as_json:
             typer.echo(json.dumps(s))
         else:
-            typer.echo(f"{'cache hit' if res.cache_hit else 'built'} {s['artifact']} in {s['seconds']:.2f}s: "
-                       f"tp {tp}{' ep' if ep else ''}, {s['graphs']} graphs, {s['kernels']} kernels, "
-                       f"{s['bytes'] / 1e6:.1f} MB")
-
-    def _build_synthetic():  # --synthetic: build_pipeline/synthetic.py
-        from build_pipeline.synthetic import build_synthetic
-
-        if model_dir is not None or drafter is not None or ep or backend != "native":
-            raise ValueError("--synthetic takes no MODEL_DIR, --drafter, --ep or --backend")
-        res = build_synthetic(synthetic, out, tp=tp, rank=rank, layers=layers, seed=seed, progress=not as_json,
-                              force=force)
-        s = res.summary()
-        if as_json:
-            typer.echo(json.dumps(s))
-        else:
-            typer.echo(f"{'unchanged' if res.cache_hit else 'built'} {s['artifact']} in {s['seconds']:.2f}s: "
-                       f"synthetic {synthetic} tp {tp} rank {rank}, {res.manifest['model']['num_layers']} layers, "
+            typer.echo(f"{hit if res.cache_hit else 'built'} {s['artifact']} in {s['seconds']:.2f}s: {detail}, "
                        f"{s['bytes'] / 1e6:.1f} MB")
 
     _guard(go)

@@ -64,7 +64,6 @@ class DecodeSession:
         self.dcache = drafter.new_cache(batch, capacity + n + a + ingest) if mode != "none" else None
         feat_dim = len(target.feature_layers) * target.cfg.hidden_size
         self.buf = RoundBuffers.allocate(batch, n, a, feat_dim, target.dtype, dev, max_stops)
-        self.max_stops = max_stops
         self.tree_ws = (TreeBuildWorkspace.allocate(batch, a - 1, target.cfg.vocab_size, self.budget, self.topk,
                                                     dev).buffer if mode != "none" and dev.type == "cuda" else None)
         self.one = one_token_mask(batch, dev)
@@ -75,6 +74,11 @@ class DecodeSession:
         inflight = 2 if self.cuda else 1
         self.pinned = [torch.zeros(self.buf.out.shape, dtype=torch.int64, pin_memory=True) for _ in range(inflight)] \
             if self.cuda else []
+
+    @property
+    def max_stops(self) -> int:
+        """Stop ids a request may have (the width of buf.stop_ids)."""
+        return self.buf.stop_ids.shape[1]
 
     # ---- the step, eager or captured
     def step(self, greedy: bool, clock=None) -> None:
@@ -117,8 +121,8 @@ class DecodeSession:
         b, buf, dev = self.batch, self.buf, self.target.device
         if len(prompts) != b:
             raise ValueError(f"session for {b} requests got {len(prompts)} prompts")
-        if len(req.stop_ids) > buf.stop_ids.shape[1]:
-            raise ValueError(f"at most {buf.stop_ids.shape[1]} stop ids, got {len(req.stop_ids)}")
+        if len(req.stop_ids) > self.max_stops:
+            raise ValueError(f"at most {self.max_stops} stop ids, got {len(req.stop_ids)}")
         greedy = req.temperature <= 0
         graph = None
         if graphs:

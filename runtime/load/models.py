@@ -75,11 +75,12 @@ def load_models(path: str | Path, comm: Comm | None = None, plan: ParallelPlan |
     dtype = dtype or default_dtype(device)
     if plan is None and not is_artifact(path):
         plan = ParallelPlan(tp=world)
-    if comm is not None and world > 1 and not is_artifact(path):  # rank 0 builds, the others then hit the cache
-        if rank == 0:
-            resolve_artifact(path, plan, drafter_dir, progress)
+    staged = comm is not None and world > 1 and not is_artifact(path)  # rank 0 builds, the others then hit the cache
+    if staged and rank != 0:
         comm.barrier()
     art, plan = resolve_artifact(path, plan, drafter_dir, progress and rank == 0)
+    if staged and rank == 0:
+        comm.barrier()
     if plan.tp != world:
         raise ValueError(f"--tp {world}: the artifact {art} was built with {plan.flag()}")
     bundle = read_rank(art, rank, device, dtype)
