@@ -9,7 +9,8 @@ Key = sha256 of canonical JSON over the input files' sha256 (config, safetensors
 drafter), the build options, the code version (sha256 of core/, build_pipeline/ and plugins/ sources) and
 the toolchain versions.  Input hashes are memoised by (path, size, mtime_ns, inode) in
 `.hashes.json`, so a second build of a 600 GB checkpoint does not re-read it.  On a hit every file
-of the entry is re-hashed against the manifest's sha256 list; a mismatch means a rebuild.
+of the entry is checked against the manifest's sha256 list (build_pipeline/integrity.py: re-hashed
+unless marked intact and unchanged since); a mismatch means a rebuild.
 """
 
 from __future__ import annotations
@@ -26,12 +27,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from build_pipeline.integrity import check_files, sha256_file
+from core.errors import CheckpointError
+
 log = logging.getLogger("kdtree.cache")
 
 MANIFEST = "manifest.json"
 FORMAT = "kdtree-artifact"  # manifest["format"] of a built artifact
 FORMAT_VERSION = 1
-_CHUNK = 1 << 22  # 4 MiB reads when hashing
 _REPO = Path(__file__).resolve().parent.parent
 _CODE_DIRS = ("core", "build_pipeline", "plugins")
 _CODE_SUFFIXES = (".py", ".cu", ".cuh", ".h")
@@ -44,15 +47,6 @@ def cache_root() -> Path:
         return Path(env).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "kdtree"
-
-
-def sha256_file(path: Path) -> str:
-    """sha256 of a file's bytes, streamed."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def sha256_json(obj) -> str:
@@ -150,18 +144,16 @@ def hash_tree(folder: Path) -> dict[str, dict]:
 
 
 def verify(entry: Path) -> str | None:
-    """None if entry is complete and every listed file matches its sha256, else why not."""
+    """None if entry is complete and every listed file matches its sha256 (build_pipeline/integrity.py:
+    files hashed before and unchanged since are not re-read), else why not."""
     try:
         manifest = json.loads((entry / MANIFEST).read_text())
         files = manifest["files"]
+        check_files(entry, files, workers=os.cpu_count() or 1)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"{entry / MANIFEST}: unreadable ({exc.__class__.__name__})"
-    for rel, info in files.items():
-        p = entry / rel
-        if not p.is_file():
-            return f"{p}: missing"
-        if p.stat().st_size != info["bytes"] or sha256_file(p) != info["sha256"]:
-            return f"{p}: sha256 mismatch (corrupted or truncated)"
+    except CheckpointError as exc:
+        return str(exc)
     return None
 
 

@@ -21,10 +21,13 @@ from build_pipeline.artifact_cache import FORMAT
 from build_pipeline.compile_kernels import compile_all, parse_archs
 from build_pipeline.export_onnx import export_rank
 from build_pipeline.shard import GLOBALS_FILE, layer_file, write_rank_shards
+from core.checkpoint import INDEX_NAME, Checkpoint
 from core.config import ModelConfig, load_config
 from core.errors import ConfigError, KdtreeError
 from core.plan import ParallelPlan
 from core.safetensors_file import SafetensorsFile
+from core.staging import staged_dir
+from core.tokenizer import Tokenizer
 
 DEFAULT_BUDGETS = (16, 32, 64)
 # what a manifest says of its rank files (every artifact, built or synthetic)
@@ -64,7 +67,9 @@ def build(model_dir: str | Path, out: str | Path | None = None, drafter_dir: str
     if not model_dir.is_dir():
         raise ConfigError(f"MODEL_DIR {model_dir}: not a directory")
     cfg = load_config(model_dir)
-    tokenizer_files(model_dir)  # a bad tokenizer symlink fails before any work
+    # a bad tokenizer symlink or file fails before any work (a checkpoint without one builds: ids only)
+    if {f.name for f in tokenizer_files(model_dir)} & {"tiktoken.model", "tokenizer.json"}:
+        Tokenizer.load(model_dir)
     plan = ParallelPlan(tp=tp, ep=ep)
     plan.validate(cfg)
     archs = parse_archs(archs)
@@ -78,6 +83,8 @@ def build(model_dir: str | Path, out: str | Path | None = None, drafter_dir: str
         from core.drafter_config import load_drafter_config
         drafter_dir = Path(drafter_dir)
         load_drafter_config(drafter_dir)  # validates: a bad --drafter fails before any work
+    if out is not None:
+        refuse_foreign_out(Path(out), force)  # before the build, not after it
     options = {"tp": tp, "ep": ep, "backend": backend, "archs": list(archs), "budgets": list(budgets)}
 
     root = cache.cache_root()
@@ -192,14 +199,18 @@ def _graph_tensors(stage: Path, cfg: ModelConfig, rank: int) -> dict[str, torch.
 
 
 def _input_hashes(model_dir: Path, drafter_dir: Path | None, memo: cache.HashMemo) -> dict[str, str]:
-    """sha256 of every file under the model dir (and drafter dir), by relative name; hidden ones skipped."""
-    out = {}
-    for prefix, d in (("model/", model_dir), ("drafter/", drafter_dir)):
-        if d is None:
-            continue
-        for f in sorted(d.rglob("*")):
-            if f.is_file() and not any(part.startswith(".") for part in f.relative_to(d).parts):
-                out[prefix + f.relative_to(d).as_posix()] = memo.sha256(f)
+    """sha256 of every file the build reads, by relative name: of the model dir config.json, the
+    safetensors index and the shards it names, the tokenizer files (nothing else there changes the
+    artifact); the whole drafter dir (copied as is), hidden files skipped."""
+    ckpt = Checkpoint(model_dir)
+    read = [model_dir / "config.json", *ckpt.shard_files(), *tokenizer_files(model_dir)]
+    if (model_dir / INDEX_NAME).is_file():
+        read.append(model_dir / INDEX_NAME)
+    out = {"model/" + f.relative_to(model_dir).as_posix(): memo.sha256(f) for f in sorted(read)}
+    if drafter_dir is not None:
+        for f in sorted(drafter_dir.rglob("*")):
+            if f.is_file() and not any(part.startswith(".") for part in f.relative_to(drafter_dir).parts):
+                out["drafter/" + f.relative_to(drafter_dir).as_posix()] = memo.sha256(f)
     return out
 
 
@@ -236,15 +247,6 @@ def _place(entry: Path, out: Path, key: str, force: bool) -> Path:
     if holds_key(out, key):
         return out
     refuse_foreign_out(out, force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{key[:8]}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        shutil.copytree(entry, tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with staged_dir(out) as stage:
+        shutil.copytree(entry, stage, dirs_exist_ok=True)
     return out

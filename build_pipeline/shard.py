@@ -25,6 +25,7 @@ one layer at a time, so peak memory is one layer of the checkpoint plus its tp s
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,7 @@ import torch
 from safetensors.torch import save_file
 
 from core.config import ModelConfig
+from core.errors import CheckpointError
 from core.loader import WeightLoader
 from core.plan import ParallelPlan
 from core.progress import Progress
@@ -39,6 +41,7 @@ from core.weight_map import TensorSpec, target_specs
 from plugins.moe_w4a16.layout import pack_experts
 
 GLOBALS_FILE = "globals.safetensors"
+_LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")  # a checkpoint tensor of decoder layer N
 
 
 def layer_file(layer: int) -> str:
@@ -60,6 +63,7 @@ def write_rank_shards(model_dir: str | Path, cfg: ModelConfig, plan: ParallelPla
     loader = WeightLoader(model_dir, cfg.tensor_prefix, cfg.quant)
     specs = target_specs(cfg)
     loader.check(specs)
+    _check_no_extra_layers(loader, cfg)
     groups: dict[str, list[TensorSpec]] = {}
     for spec in specs:
         groups.setdefault(_group_of(spec.key), []).append(spec)
@@ -77,6 +81,18 @@ def write_rank_shards(model_dir: str | Path, cfg: ModelConfig, plan: ParallelPla
         bar.advance()
     bar.close()
     return files
+
+
+def _check_no_extra_layers(loader: WeightLoader, cfg: ModelConfig) -> None:
+    """Layers past num_hidden_layers (+ the MTP layers, present and never run) mean config.json and the
+    checkpoint disagree: refuse rather than silently drop their tensors."""
+    known = cfg.num_layers + cfg.num_mtp_layers
+    extra = sorted(i for i in (int(m.group(1)) for m in map(_LAYER_NAME.search, loader.ckpt.names()) if m)
+                   if i >= known)
+    if extra:
+        raise CheckpointError(f"{loader.where}: {len(extra)} tensors of layers {extra[0]}..{extra[-1]} lie past "
+                              f"num_hidden_layers {cfg.num_layers} (+ {cfg.num_mtp_layers} MTP) of config.json; "
+                              f"the config and the checkpoint disagree")
 
 
 def save_rank_file(tensors: dict[str, torch.Tensor], path: Path, rank: int, tp: int) -> None:
@@ -155,8 +171,19 @@ def _read(loader: WeightLoader, spec: TensorSpec) -> torch.Tensor | Int4:
     """INT4-packed experts stay quantised (values + scales); everything else is read as fp32."""
     if loader.storage(spec) == "int4":
         q, scale = loader.load_int4(spec)
+        _check_finite(loader, spec, scale)
         return Int4(q, scale)
-    return loader.load(spec, torch.float32)
+    return _check_finite(loader, spec, loader.load(spec, torch.float32))
+
+
+def _check_finite(loader: WeightLoader, spec: TensorSpec, t: torch.Tensor) -> torch.Tensor:
+    """One reduction per tensor as it streams by: a NaN or Inf weight turns every output into garbage
+    without any other error, so the build refuses it, naming the tensor."""
+    if not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise CheckpointError(f"{loader.where}: weight {spec.ckpt!r} ({spec.key}) holds {bad} non-finite value(s) "
+                              f"(NaN or Inf); refusing to build")
+    return t
 
 
 def _lossless(key: str, t: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,7 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -46,7 +47,8 @@ from build_pipeline.shard import GLOBALS_FILE, layer_file, save_rank_file
 from core.config import ModelConfig, parse_config
 from core.errors import KdtreeError
 from core.plan import ParallelPlan
-from core.presets import KIMI_K26_CONFIG
+from core.drafter_config import DrafterConfig, parse_drafter_config
+from core.presets import KIMI_K26_CONFIG, KIMI_K26_DRAFTER
 from core.progress import Progress
 from plugins.moe_w4a16.layout import BLOCK_K, GROUP, PLANES, padded_k
 
@@ -70,6 +72,13 @@ PRESETS: dict[str, dict] = {
     "tiny-kimi": _with_text(KIMI_K26_CONFIG, **_TINY_TEXT),  # same structure, make-tiny widths
 }
 
+DRAFTERS: dict[str, dict] = {  # each preset's DFlash drafter geometry (z-lab's config.json form)
+    "kimi-k2.6": KIMI_K26_DRAFTER,
+    "tiny-kimi": {**KIMI_K26_DRAFTER, "hidden_size": 128, "num_attention_heads": 8, "num_key_value_heads": 4,
+                  "head_dim": 32, "intermediate_size": 256, "num_hidden_layers": 2, "vocab_size": 1024,
+                  "dflash_config": {"block_size": 8, "mask_token_id": 1023, "target_layer_ids": [1, 2]}},
+}
+
 _Q_SQ = 21.5  # E[q^2], q uniform on the 16 integers [-8, 7] (variance 21.25, mean -0.5)
 _U_SQ = 1.0 + 1.0 / 12.0  # E[u^2], u ~ U(0.5, 1.5)
 
@@ -88,9 +97,10 @@ def preset_config(preset: str, layers: int | None = None) -> tuple[ModelConfig, 
 
 
 def build_synthetic(preset: str, out: str | Path, tp: int = 8, rank: int = 0, layers: int | None = None,
-                    seed: int = 0, progress: bool = True, force: bool = False):
+                    seed: int = 0, progress: bool = True, force: bool = False, device: str = "cpu"):
     """Write rank `rank` of a `tp`-way plan of `preset` with random weights to `out` (see the module doc);
-    returns build_pipeline.build.BuildResult (cache_hit: `out` already held this key, intact)."""
+    returns build_pipeline.build.BuildResult (cache_hit: `out` already held this key, intact).
+    device: where the weights are drawn ("cuda" is fast and gives other numbers than "cpu", see Draw)."""
     t0 = time.perf_counter()
     if out is None:
         raise KdtreeError("--synthetic needs --out ART (a synthetic rank is written to --out, not the cache)")
@@ -103,7 +113,7 @@ def build_synthetic(preset: str, out: str | Path, tp: int = 8, rank: int = 0, la
     if cfg.quant is not None and cfg.quant.kind == "int4" and cfg.quant.group_size != GROUP:
         raise KdtreeError(f"--synthetic {preset}: INT4 group_size {cfg.quant.group_size} is not the kernel's {GROUP}")
     options = {"tp": tp, "ep": False, "backend": "native", "archs": [], "budgets": [], "synthetic": preset,
-               "seed": seed, "rank": rank, "layers": cfg.num_layers}
+               "seed": seed, "rank": rank, "layers": cfg.num_layers, "draw_device": torch.device(device).type}
     tools = cache.toolchain()
     key = cache.build_key({"synthetic/" + preset: cache.sha256_json(cfg.to_dict())}, options,
                           cache.code_version(), tools)
@@ -115,7 +125,7 @@ def build_synthetic(preset: str, out: str | Path, tp: int = 8, rank: int = 0, la
     stage = out.parent / f".{out.name}.stage-{key[:8]}-{os.getpid()}"
     shutil.rmtree(stage, ignore_errors=True)
     try:
-        manifest = _write(stage, cfg, depth, plan, rank, seed, progress)
+        manifest = _write(stage, cfg, depth, plan, rank, seed, progress, device)
         manifest.update(format=cache.FORMAT, format_version=cache.FORMAT_VERSION, key=key, options=options,
                         toolchain=tools, inputs={}, budgets=[])
         with open(stage / cache.MANIFEST, "w") as f:
@@ -127,18 +137,28 @@ def build_synthetic(preset: str, out: str | Path, tp: int = 8, rank: int = 0, la
     return BuildResult(out, False, manifest, time.perf_counter() - t0)
 
 
+def rank_files(cfg: ModelConfig, depth: int, plan: ParallelPlan, rank: int, seed: int, device: str | torch.device
+               ) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+    """(file name, {stored name: tensor on `device`}) of rank `rank`, one file at a time: the globals,
+    then layer 0, 1, ...  The one source of a synthetic rank, whether written (build_synthetic) or
+    drawn straight into memory (runtime/load/synthetic.py)."""
+    draw = Draw(seed, rank, out_scale=(2 * depth) ** -0.5, device=device)
+    yield GLOBALS_FILE, globals_tensors(cfg, plan, rank, draw)
+    for i in range(cfg.num_layers):
+        yield layer_file(i), layer_tensors(cfg, plan, rank, i, draw)
+
+
 def _write(stage: Path, cfg: ModelConfig, depth: int, plan: ParallelPlan, rank: int, seed: int,
-           progress: bool) -> dict:
+           progress: bool, device: str) -> dict:
     t = time.perf_counter()
     (stage / f"rank{rank}").mkdir(parents=True)
-    draw = _Draw(seed, rank, out_scale=(2 * depth) ** -0.5)
     files: dict[str, dict] = {}
     paths = []
     bar = Progress(cfg.num_layers + 1, "synthetic weights", enabled=progress)
-    for name, make in [(GLOBALS_FILE, lambda: globals_tensors(cfg, plan, rank, draw))] + [
-            (layer_file(i), lambda i=i: layer_tensors(cfg, plan, rank, i, draw)) for i in range(cfg.num_layers)]:
+    for name, tensors in rank_files(cfg, depth, plan, rank, seed, device):
         rel = f"rank{rank}/{name}"
-        save_rank_file(make(), stage / rel, rank, plan.tp)
+        save_rank_file({k: t.cpu() for k, t in tensors.items()}, stage / rel, rank, plan.tp)
+        del tensors
         # hashed right after writing, while the file is still in the page cache
         files[rel] = {"sha256": cache.sha256_file(stage / rel), "bytes": (stage / rel).stat().st_size}
         paths.append(rel)
@@ -158,37 +178,53 @@ def _write(stage: Path, cfg: ModelConfig, depth: int, plan: ParallelPlan, rank: 
     }
 
 
-class _Draw:
-    """Seeded draws: one generator per (stored name, piece); piece = the rank for cut tensors."""
+class Draw:
+    """Seeded draws: one generator per (stored name, piece); piece = the rank for cut tensors.
 
-    def __init__(self, seed: int, rank: int, out_scale: float):
-        self.seed, self.rank, self.out_scale = seed, rank, out_scale
+    device: where the generators run and the tensors are made.  CPU and CUDA generators give different
+    numbers for one seed (both deterministic): a rank drawn on "cuda" equals itself, not the CPU draw."""
+
+    def __init__(self, seed: int, rank: int, out_scale: float, device: str | torch.device = "cpu"):
+        self.seed, self.rank, self.out_scale, self.device = seed, rank, out_scale, torch.device(device)
 
     def gen(self, name: str, piece) -> torch.Generator:
         h = hashlib.sha256(f"{self.seed}/{name}/{piece}".encode()).digest()
-        return torch.Generator().manual_seed(int.from_bytes(h[:8], "little") & (2**63 - 1))
+        return torch.Generator(device=self.device).manual_seed(int.from_bytes(h[:8], "little") & (2**63 - 1))
 
     def normal(self, name: str, shape, std: float, piece=None, dtype=torch.bfloat16) -> torch.Tensor:
         """N(0, std) of `shape`; piece: None for this rank's cut, "all" for a replicated tensor, (rank,
         expert) for one routed expert."""
         g = self.gen(name, self.rank if piece is None else piece)
-        return (torch.randn(shape, generator=g) * std).to(dtype)
+        return (torch.randn(shape, generator=g, device=self.device) * std).to(dtype)
+
+    def ones(self, n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=torch.bfloat16, device=self.device)
 
 
-def globals_tensors(cfg: ModelConfig, plan: ParallelPlan, rank: int, draw: _Draw) -> dict[str, torch.Tensor]:
-    v_l, d = cfg.vocab_size // plan.tp, cfg.hidden_size
-    out = {"embed": draw.normal("embed", (v_l, d), 1.0), "norm": torch.ones(d, dtype=torch.bfloat16)}
+def globals_tensors(cfg: ModelConfig, plan: ParallelPlan, rank: int, draw: Draw) -> dict[str, torch.Tensor]:
+    """embed and lm_head: this rank's plan.vocab_rows rows, those past the vocabulary (when tp does not
+    divide it) zero, as build_pipeline/shard.py pads them; the final norm."""
+    v_l, d = plan.vocab_rows(cfg), cfg.hidden_size
+    start, end = plan.vocab_range(cfg, rank)
+    real = end - start
+
+    def rows(name: str, std: float) -> torch.Tensor:  # [v_l, d]
+        t = draw.normal(name, (v_l, d), std)
+        t[real:] = 0
+        return t
+
+    out = {"embed": rows("embed", 1.0), "norm": draw.ones(d)}
     if not cfg.tie_word_embeddings:
-        out["lm_head"] = draw.normal("lm_head", (v_l, d), d ** -0.5)
+        out["lm_head"] = rows("lm_head", d ** -0.5)
     return out
 
 
-def layer_tensors(cfg: ModelConfig, plan: ParallelPlan, rank: int, i: int, draw: _Draw) -> dict[str, torch.Tensor]:
+def layer_tensors(cfg: ModelConfig, plan: ParallelPlan, rank: int, i: int, draw: Draw) -> dict[str, torch.Tensor]:
     """Rank `rank`'s stored tensors of layer i (build_pipeline/shard.py's names, shapes and dtypes)."""
     d, h, tp = cfg.hidden_size, cfg.num_heads, plan.tp
     h_l, p, r, c, u = h // tp, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
     pre, w = f"layers.{i}.", draw.out_scale
-    one = lambda n: torch.ones(n, dtype=torch.bfloat16)  # noqa: E731
+    one = draw.ones
     out = {pre + "attn_norm": one(d), pre + "mlp_norm": one(d),
            pre + "attn.kv_a": draw.normal(pre + "attn.kv_a", (c + r, d), d ** -0.5, piece="all"),  # [c+r, d]
            pre + "attn.kv_a_norm": one(c),
@@ -214,13 +250,13 @@ def layer_tensors(cfg: ModelConfig, plan: ParallelPlan, rank: int, i: int, draw:
     return out
 
 
-def _mlp(stem: str, d: int, inter: int, tp: int, draw: _Draw) -> dict[str, torch.Tensor]:
+def _mlp(stem: str, d: int, inter: int, tp: int, draw: Draw) -> dict[str, torch.Tensor]:
     i_l = inter // tp
     return {stem + ".gate_up": draw.normal(stem + ".gate_up", (2 * i_l, d), d ** -0.5),  # [2*i_l, d]
             stem + ".down": draw.normal(stem + ".down", (d, i_l), draw.out_scale * inter ** -0.5)}  # [d, i_l]
 
 
-def _experts(cfg: ModelConfig, stem: str, d: int, inter: int, tp: int, draw: _Draw) -> dict[str, torch.Tensor]:
+def _experts(cfg: ModelConfig, stem: str, d: int, inter: int, tp: int, draw: Draw) -> dict[str, torch.Tensor]:
     """Routed experts, TP-sliced: w13 [e, 2*i_l, d] (gate rows | up rows), w2 [e, d, i_l]; INT4 in the
     moe_w4a16 kernel layout when the config is INT4, else bf16."""
     e, i_l = cfg.n_routed_experts, inter // tp
@@ -232,13 +268,14 @@ def _experts(cfg: ModelConfig, stem: str, d: int, inter: int, tp: int, draw: _Dr
     for k, ((n, kk), fan, extra) in shapes.items():
         base = extra * (fan * _Q_SQ * _U_SQ) ** -0.5
         kp = padded_k(kk)
-        packed = torch.empty((e, n, kp // 8), dtype=torch.int32)  # [e, n, kp/8]
-        scale = torch.zeros((e, kp // GROUP, n), dtype=torch.bfloat16)  # [e, kp/32, n]; padding groups 0
+        dev = draw.device
+        packed = torch.empty((e, n, kp // 8), dtype=torch.int32, device=dev)  # [e, n, kp/8]
+        scale = torch.zeros((e, kp // GROUP, n), dtype=torch.bfloat16, device=dev)  # [e, kp/32, n]; padding groups 0
         for j in range(e):
             g = draw.gen(f"{stem}.{k}", (draw.rank, j))
             packed[j] = _random_planar_words(g, n, kk)
-            u = 0.5 + torch.rand((kk // GROUP, n), generator=g)  # [k/32, n]
-            sign = torch.randint(0, 2, (kk // GROUP, n), generator=g) * 2 - 1  # cancels q's mean -0.5 across groups
+            u = 0.5 + torch.rand((kk // GROUP, n), generator=g, device=dev)  # [k/32, n]
+            sign = torch.randint(0, 2, (kk // GROUP, n), generator=g, device=dev) * 2 - 1  # cancels q's mean -0.5
             scale[j, : kk // GROUP] = (u * sign * base).to(torch.bfloat16)
         out[f"{stem}.{k}_packed"], out[f"{stem}.{k}_scale"] = packed, scale
     return out
@@ -249,7 +286,7 @@ def _random_planar_words(g: torch.Generator, n: int, k: int) -> torch.Tensor:
     uniform random word is a uniform code, so no packing pass is needed (the planar order of iid values is
     iid).  Padding (k < kp, always whole planes of the last block: k % 32 == 0) is code 8, i.e. q = 0."""
     kp = padded_k(k)
-    words = torch.randint(-2**31, 2**31, (n, kp // 8), generator=g, dtype=torch.int32)
+    words = torch.randint(-2**31, 2**31, (n, kp // 8), generator=g, dtype=torch.int32, device=g.device)
     p0 = (k - (kp - BLOCK_K)) // GROUP  # planes of the last block that hold real values
     if p0 < PLANES:
         fill = sum(8 << (4 * p) for p in range(p0, PLANES))
@@ -258,3 +295,36 @@ def _random_planar_words(g: torch.Generator, n: int, k: int) -> torch.Tensor:
         words[:, -GROUP:] = (last & ((1 << (4 * p0)) - 1)) | fill
     return words
 
+
+def drafter_config(preset: str, target_layers: int) -> DrafterConfig:
+    """The preset's drafter for a target of `target_layers` layers: tapped layer ids beyond a reduced-depth
+    target are clamped to its last layer (the feature width, hence fc, stays the preset's)."""
+    raw = copy.deepcopy(DRAFTERS[preset])
+    ids = raw["dflash_config"]["target_layer_ids"]
+    raw["dflash_config"]["target_layer_ids"] = [min(i, target_layers - 1) for i in ids]
+    return parse_drafter_config(raw, source=f"--synthetic {preset} drafter")
+
+
+def drafter_tensors(dcfg: DrafterConfig, target_hidden: int, seed: int, device: str | torch.device
+                    ) -> dict[str, torch.Tensor]:
+    """A DFlash drafter's whole tensors {core/weight_map.drafter_specs key: tensor} with random weights,
+    replicated (the same on every rank; runtime/load/drafter.py cuts a sharded one): N(0, 1/fan_in),
+    the residual writers (o, down) further / sqrt(2 * layers), norms 1."""
+    draw = Draw(seed, rank=0, out_scale=(2 * dcfg.num_layers) ** -0.5, device=device)
+    d, e, i = dcfg.hidden_size, dcfg.head_dim, dcfg.intermediate_size
+    h, g, f = dcfg.num_heads * e, dcfg.num_kv_heads * e, len(dcfg.target_layer_ids) * target_hidden
+    w = draw.out_scale
+
+    def n(name, shape, std):
+        return draw.normal("drafter." + name, shape, std, piece="all")
+
+    out = {"fc": n("fc", (d, f), f ** -0.5), "hidden_norm": draw.ones(d), "norm": draw.ones(d)}  # fc [d, F]
+    for li in range(dcfg.num_layers):
+        p = f"layers.{li}."
+        out.update({p + "attn_norm": draw.ones(d), p + "mlp_norm": draw.ones(d), p + "q_norm": draw.ones(e),
+                    p + "k_norm": draw.ones(e), p + "q": n(p + "q", (h, d), d ** -0.5),  # [h*e, d]
+                    p + "k": n(p + "k", (g, d), d ** -0.5), p + "v": n(p + "v", (g, d), d ** -0.5),  # [g*e, d]
+                    p + "o": n(p + "o", (d, h), w * h ** -0.5),  # [d, h*e]
+                    p + "gate": n(p + "gate", (i, d), d ** -0.5), p + "up": n(p + "up", (i, d), d ** -0.5),
+                    p + "down": n(p + "down", (d, i), w * i ** -0.5)})  # [d, i]
+    return out

@@ -15,12 +15,12 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from core.quant_int4 import pack_int4, quantize_int4
+from core.staging import staged_dir
 
 INT4_GROUP = 32
 
@@ -71,6 +71,8 @@ def make_tiny(out: str | Path, preset: str = "kimi", int4: bool = False, kimi25:
     for target in [out] + ([Path(twin_dir)] if twin_dir else []):
         if target.exists() and not force:
             raise FileExistsError(f"{target}: already exists (pass --force to replace it)")
+        if target.exists() and not target.is_dir():  # --force replaces a model folder, never a file
+            raise FileExistsError(f"{target}: exists and is not a directory (--force replaces only a folder)")
     kwargs = hf_config_dict(preset)
     torch.manual_seed(seed)
     cfg = DeepseekV3Config(**kwargs)
@@ -88,8 +90,7 @@ def make_tiny(out: str | Path, preset: str = "kimi", int4: bool = False, kimi25:
 def _save(model, out: Path, int4: bool, kimi25: bool, dialect: str, force: bool) -> Path:
     from build_pipeline.tiny_tokenizer import write_tiny_tokenizer
 
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with staged_dir(out) as stage:
         hf_dir = stage / "hf"
         model.save_pretrained(hf_dir, max_shard_size="300KB")
         config = json.loads((hf_dir / "config.json").read_text())
@@ -106,19 +107,13 @@ def _save(model, out: Path, int4: bool, kimi25: bool, dialect: str, force: bool)
             gen.update(bos_token_id=config["bos_token_id"], eos_token_id=config["eos_token_id"])
             (stage / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         if dialect == "kimi_k2" or kimi25:
-            config = _moonshot_dialect(config)
+            config = moonshot_dialect(config)
         if int4:
-            config["quantization_config"] = _compressed_tensors_config()
+            config["quantization_config"] = compressed_tensors_config()
         if kimi25:
             config = _kimi25_config(config)
         (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         shutil.rmtree(hf_dir)
-        if out.exists():
-            shutil.rmtree(out)
-        stage.rename(out)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
     return out
 
 
@@ -158,7 +153,6 @@ def _round_experts_to_int4(model) -> None:
 def _rewrite_tensors(hf_dir: Path, stage: Path, int4: bool, kimi25: bool) -> None:
     """Re-shard the save_pretrained output with INT4 experts and/or the kimi_k25 prefix."""
     from safetensors import safe_open
-    from safetensors.torch import save_file
 
     index = json.loads((hf_dir / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
@@ -180,27 +174,36 @@ def _rewrite_tensors(hf_dir: Path, stage: Path, int4: bool, kimi25: bool) -> Non
         g = torch.Generator().manual_seed(1)
         out_tensors += [("vision_tower.patch_embed.proj.weight", torch.randn(32, 3, 4, 4, generator=g).bfloat16()),
                         ("mm_projector.proj.0.weight", torch.randn(64, 32, generator=g).bfloat16())]
-    weight_map, total, shard_id, current, size = {}, 0, 0, {}, 0
+    write_sharded(stage, out_tensors, 300_000)
+
+
+def write_sharded(folder: Path, tensors, shard_bytes: int) -> None:
+    """(name, tensor) pairs -> model-0000i-of-0000n.safetensors files of about shard_bytes each, in order,
+    plus model.safetensors.index.json (the HF sharded-checkpoint layout)."""
+    from safetensors.torch import save_file
+
     files: list[dict[str, torch.Tensor]] = []
-    for name, t in out_tensors:
+    current, size = {}, 0
+    for name, t in tensors:
         current[name] = t.contiguous()
         size += t.numel() * t.element_size()
-        if size > 300_000:
+        if size > shard_bytes:
             files.append(current)
             current, size = {}, 0
     if current:
         files.append(current)
-    for i, tensors in enumerate(files):
+    weight_map, total = {}, 0
+    for i, part in enumerate(files):
         fname = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-        save_file(tensors, str(stage / fname), metadata={"format": "pt"})
-        for name, t in tensors.items():
+        save_file(part, str(folder / fname), metadata={"format": "pt"})
+        for name, t in part.items():
             weight_map[name] = fname
             total += t.numel() * t.element_size()
-    (stage / "model.safetensors.index.json").write_text(
+    (folder / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
 
 
-def _moonshot_dialect(c: dict) -> dict:
+def moonshot_dialect(c: dict) -> dict:
     """transformers' config.json -> Moonshot's (top-level rope_theta + rope_scaling, remote-code auto_map)."""
     c = dict(c)
     rope = dict(c.pop("rope_parameters"))
@@ -216,7 +219,7 @@ def _moonshot_dialect(c: dict) -> dict:
     return c
 
 
-def _compressed_tensors_config() -> dict:
+def compressed_tensors_config() -> dict:
     return {
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",

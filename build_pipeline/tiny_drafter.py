@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from core.config import load_config
+from core.staging import staged_dir
 
 
 def default_target_layer_ids(num_target_layers: int, taps: int) -> list[int]:
@@ -34,6 +33,8 @@ def make_tiny_drafter(target_dir: str | Path, out: str | Path, layers: int = 2, 
     out = Path(out)
     if out.exists() and not force:
         raise FileExistsError(f"{out}: already exists (pass --force to replace it)")
+    if out.exists() and not out.is_dir():  # --force replaces a drafter folder, never a file
+        raise FileExistsError(f"{out}: exists and is not a directory (--force replaces only a folder)")
     t = load_config(target_dir)
     heads, kv_heads, head_dim = 4, 2, 32
     config = {
@@ -69,15 +70,7 @@ def make_tiny_drafter(target_dir: str | Path, out: str | Path, layers: int = 2, 
         else:
             w = torch.randn(spec.shape, generator=g) / math.sqrt(spec.shape[1])
         tensors[spec.ckpt] = w.to(torch.bfloat16)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with staged_dir(out) as stage:
         save_file(tensors, str(stage / "model.safetensors"), metadata={"format": "pt"})
         (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        stage.rename(out)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
     return out

@@ -126,6 +126,8 @@ class ModelConfig:
             raise ConfigError(f"config.json: `n_shared_experts` must be >= 0, got {self.n_shared_experts}")
         if self.rope.kind not in ("default", "yarn"):
             raise ConfigError(f"config.json: rope type {self.rope.kind!r} is not served (only default and yarn)")
+        if not self.rms_norm_eps > 0 or not math.isfinite(self.rms_norm_eps):  # NaN fails `> 0`
+            raise ConfigError(f"config.json: `rms_norm_eps` must be a positive number, got {self.rms_norm_eps!r}")
 
     # ---- derived sizes (shape vocabulary: d_c = kv_lora_rank, d_r = rope dims, d_qk = d_c + d_r) ----
     @property

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,8 @@ class DrafterConfig:
             raise ConfigError(f"drafter config.json: `block_size` must be >= 2, got {self.block_size}")
         if not self.target_layer_ids:
             raise ConfigError("drafter config.json: `dflash_config.target_layer_ids` is empty")
+        if not self.rms_norm_eps > 0 or not math.isfinite(self.rms_norm_eps):  # NaN fails `> 0`
+            raise ConfigError(f"drafter config.json: `rms_norm_eps` must be a positive number, got {self.rms_norm_eps!r}")
 
     @property
     def depth(self) -> int:

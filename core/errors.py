@@ -15,3 +15,8 @@ class ConfigError(KdtreeError):
 
 class CheckpointError(KdtreeError):
     """A checkpoint file is malformed or inconsistent (the message names the file or tensor)."""
+
+
+class NonFiniteLogits(KdtreeError):
+    """A decode step's logits held a NaN or Inf (the message names the round and request); nothing of
+    that step was emitted."""

@@ -9,7 +9,9 @@ Rules (keys are core.weight_map keys, e.g. "layers.3.attn.q_b"):
 - dense MLP, shared expert and, by default, routed experts: gate/up split on dim 0 (intermediate rows),
   down on dim 1 (intermediate columns): each rank's output is a partial sum, all-reduced;
 - with `ep`: routed experts whole, expert j on rank j // (e/tp) (rule kind "experts");
-- embed and lm_head: vocab-parallel, rows [rank*v/tp, (rank+1)*v/tp) on dim 0.
+- embed and lm_head: vocab-parallel, rows [rank*v_l, (rank+1)*v_l) on dim 0 with v_l = ceil(v/tp); when tp
+  does not divide v the last rank's rows past v are zero padding (vLLM's padded vocab-parallel
+  embedding): never looked up, cut from the gathered logits, masked from the distributed argmax.
 
 INT4 routed experts TP-sliced: the down projection's input dim is cut, so each rank's slice must hold
 whole scale groups: (moe_intermediate_size / tp) % group_size == 0 (and the packed words: % 8).
@@ -67,7 +69,6 @@ class ParallelPlan:
                 raise ConfigError(f"{flag}: {key} {value} is not divisible by {div}{why}")
 
         need("num_attention_heads", cfg.num_heads, tp)
-        need("vocab_size", cfg.vocab_size, tp, " (vocab-parallel embedding and lm_head)")
         if cfg.first_k_dense_replace > 0:
             need("intermediate_size", cfg.intermediate_size, tp, " (dense MLP layers)")
         if cfg.first_k_dense_replace < cfg.num_layers:  # some MoE layers
@@ -119,6 +120,9 @@ class ParallelPlan:
         rule = self.rule(key)
         if rule.kind in ("replicate", "experts") or (self.tp == 1 and rule.kind == "split"):
             return tensor
+        if key in ("embed", "lm_head") and tensor.shape[0] % self.tp:  # zero rows up to tp * v_l
+            pad = self.tp * -(-tensor.shape[0] // self.tp) - tensor.shape[0]
+            tensor = torch.cat([tensor, tensor.new_zeros(pad, *tensor.shape[1:])])
         return _split(key, tensor, rule.dim, self.tp, rank)
 
     # ---- per-rank ranges ----
@@ -146,11 +150,16 @@ class ParallelPlan:
         """Attention heads per rank."""
         return cfg.num_heads // self.tp
 
+    def vocab_rows(self, cfg: ModelConfig) -> int:
+        """v_l: the rows of embed and lm_head each rank stores, ceil(v / tp) (padding included)."""
+        return -(-cfg.vocab_size // self.tp)
+
     def vocab_range(self, cfg: ModelConfig, rank: int) -> tuple[int, int]:
-        """[start, end) of the vocabulary rows rank holds of embed and lm_head (half-open)."""
+        """[start, end) of the real vocabulary rows rank holds of embed and lm_head (half-open; fewer than
+        vocab_rows on the last rank when tp does not divide v)."""
         self._check_rank(rank)
-        per = cfg.vocab_size // self.tp
-        return rank * per, (rank + 1) * per
+        per = self.vocab_rows(cfg)
+        return min(rank * per, cfg.vocab_size), min((rank + 1) * per, cfg.vocab_size)
 
     # ---- (de)serialisation for manifests ----
     def to_dict(self) -> dict[str, Any]:

@@ -59,3 +59,24 @@ KIMI_K26_CONFIG = {
                    "re:.*vision_tower.*", "re:.*mm_projector.*"],
     },
 }
+
+# The Kimi K2.5/K2.6 DFlash drafter's geometry (public conversions of z-lab's configs, DESIGN.md):
+# 6 Qwen3-style layers, hidden 7168, 64 query / 8 kv heads of 128, MLP 18432, block 8, YaRN like the
+# target.  Assumed where the public configs are silent: head_dim 128 (Qwen3's), rms_norm_eps 1e-6.
+KIMI_K26_DRAFTER = {
+    "architectures": ["DFlashDraftModel"],
+    "model_type": "qwen3",
+    "hidden_size": 7168,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 18432,
+    "num_hidden_layers": 6,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 163840,
+    "hidden_act": "silu",
+    "rope_theta": 50000.0,
+    "rope_scaling": KIMI_K26_TEXT["rope_scaling"],
+    "max_position_embeddings": 262144,
+    "dflash_config": {"block_size": 8, "mask_token_id": 163838, "target_layer_ids": [1, 12, 24, 35, 47, 58]},
+}

@@ -33,7 +33,11 @@ CHAT_MARKERS = ("<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle
 def read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
     """Parse `tiktoken.model`: one `base64(token) rank` per line."""
     ranks: dict[bytes, int] = {}
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path}: not a tiktoken BPE file (not UTF-8 text)") from None
+    for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -59,7 +63,12 @@ class Tokenizer:
     def load(cls, model_dir: str | Path) -> "Tokenizer":
         d = Path(model_dir)
         cfg_path = d / "tokenizer_config.json"
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        try:
+            cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"{cfg_path}: not valid JSON ({exc})") from None
+        if not isinstance(cfg, dict):
+            raise CheckpointError(f"{cfg_path}: top level must be a JSON object")
         if (d / "tiktoken.model").is_file():
             return cls._from_tiktoken(d / "tiktoken.model", cfg)
         if (d / "tokenizer.json").is_file():
@@ -79,7 +88,8 @@ class Tokenizer:
                 specials[f"<|reserved_token_{i}|>"] = i
         enc = tiktoken.Encoding(name=path.parent.name or "kimi", pat_str=KIMI_PATTERN, mergeable_ranks=ranks,
                                 special_tokens=specials)
-        return cls(lambda text: enc.encode(text, allowed_special="all"),
+        return cls(lambda text, special: enc.encode(text, allowed_special="all" if special else set(),
+                                                    disallowed_special=()),
                    lambda ids: enc.decode(ids, errors="replace"), specials, enc.n_vocab,
                    _content(cfg.get("bos_token")), _content(cfg.get("eos_token")))
 
@@ -87,14 +97,23 @@ class Tokenizer:
     def _from_tokenizers(cls, path: Path, cfg: dict) -> "Tokenizer":
         from tokenizers import Tokenizer as HFTokenizer
 
-        tok = HFTokenizer.from_file(str(path))
+        try:
+            tok = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # noqa: BLE001 (the tokenizers library raises plain Exception)
+            raise CheckpointError(f"{path}: not a valid tokenizer.json ({exc})") from None
         specials = {t.content: i for i, t in tok.get_added_tokens_decoder().items()}
-        return cls(lambda text: tok.encode(text, add_special_tokens=False).ids,
+        def encode(text: str, special: bool) -> list[int]:
+            tok.encode_special_tokens = not special  # False: added tokens in the text are split as text
+            return tok.encode(text, add_special_tokens=False).ids
+
+        return cls(encode,
                    lambda ids: tok.decode(ids, skip_special_tokens=False), specials, tok.get_vocab_size(),
                    _content(cfg.get("bos_token")), _content(cfg.get("eos_token")))
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._encode(text))
+    def encode(self, text: str, allowed_special: bool = False) -> list[int]:
+        """text -> ids.  Special-token strings in the text ("<|im_end|>") are plain text unless
+        allowed_special (tiktoken's and vLLM's choice: user text never smuggles control tokens)."""
+        return list(self._encode(text, allowed_special))
 
     def decode(self, ids: list[int]) -> str:
         """Text of ids; ids the tokenizer lacks (vocabulary padding of the model) come out as U+FFFD."""
@@ -115,16 +134,19 @@ class Tokenizer:
         ids = [self.eos_id, self.specials.get("<|im_end|>"), *extra]
         return tuple(sorted({i for i in ids if i is not None}))
 
-    def chat(self, user: str, system: str | None = None) -> list[int]:
-        """Kimi chat layout: [system turn] user turn, then the assistant header."""
+    def chat(self, user: str, system: str | None = None, allowed_special: bool = False) -> list[int]:
+        """Kimi chat layout: [system turn] user turn, then the assistant header (the markers are control
+        tokens; special-token strings inside user / system text only with allowed_special)."""
         missing = [m for m in CHAT_MARKERS if m not in self.specials]
         if missing:
             raise CheckpointError(f"tokenizer lacks chat markers {missing}; drop --chat")
         s = self.specials
         ids = []
         if system is not None:
-            ids += [s["<|im_system|>"], *self.encode("system"), s["<|im_middle|>"], *self.encode(system), s["<|im_end|>"]]
-        ids += [s["<|im_user|>"], *self.encode("user"), s["<|im_middle|>"], *self.encode(user), s["<|im_end|>"]]
+            ids += [s["<|im_system|>"], *self.encode("system"), s["<|im_middle|>"], *self.encode(system, allowed_special),
+                    s["<|im_end|>"]]
+        ids += [s["<|im_user|>"], *self.encode("user"), s["<|im_middle|>"], *self.encode(user, allowed_special),
+                s["<|im_end|>"]]
         ids += [s["<|im_assistant|>"], *self.encode("assistant"), s["<|im_middle|>"]]
         return ids
 

@@ -12,31 +12,57 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from typer._click.exceptions import UsageError
+from typer.core import TyperGroup
 
 from core.errors import KdtreeError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Kimi K2.x inference with DDTree speculation.")
+
+class _OneErrorPath(TyperGroup):
+    """A command line typer cannot parse (a bad flag value, an unknown option, a missing argument) fails
+    like every other error: one `error:` line (and {"error": ...} on stdout under --json), exit 1.  (typer
+    vendors click: its parse errors are typer._click's UsageError.)"""
+
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+        ctx.meta["kdtree_json"] = "--json" in args
+        return super().parse_args(ctx, args)
+
+    def invoke(self, ctx: typer.Context):
+        try:
+            return super().invoke(ctx)
+        except UsageError as exc:
+            _fail(exc.format_message(), ctx.meta.get("kdtree_json", False))
 
 
-def _fail(msg: str) -> None:
+app = typer.Typer(cls=_OneErrorPath, add_completion=False, no_args_is_help=True,
+                  help="Kimi K2.x inference with DDTree speculation.")
+
+
+def _fail(msg: str, as_json: bool = False) -> None:
+    """The one error path: `error: MSG` on stderr, {"error": MSG} on stdout under --json, exit 1."""
     typer.echo(f"error: {msg}", err=True)
+    if as_json:
+        typer.echo(json.dumps({"error": msg}))
     raise typer.Exit(1)
 
 
 # API field -> this CLI's flag, for runtime/decode/params.InvalidParam (the one validation of decode arguments)
-FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "spec": "--spec", "budget": "--budget"}
+FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "spec": "--spec", "budget": "--budget",
+         "seed": "--seed"}
 
 
-def _guard(fn):
-    """Turn expected user errors into one line and exit code 1."""
+def _guard(fn, as_json: bool = False):
+    """Turn expected user errors into one line and exit code 1 (JSON too under --json)."""
     from runtime.decode.params import InvalidParam
 
     try:
         return fn()
     except InvalidParam as exc:
-        _fail(str(exc).replace(exc.name, FLAGS.get(exc.name, exc.name), 1))
-    except (KdtreeError, ValueError, FileExistsError, FileNotFoundError) as exc:
-        _fail(str(exc))
+        _fail(str(exc).replace(exc.name, FLAGS.get(exc.name, exc.name), 1), as_json)
+    except (KdtreeError, ValueError) as exc:
+        _fail(str(exc), as_json)
+    except OSError as exc:  # a path that is a file, not a folder, unwritable, ...: the path and the reason
+        _fail(f"{exc.filename}: {exc.strerror}" if exc.filename else str(exc), as_json)
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -60,8 +86,12 @@ def run(
     seed: int = typer.Option(0, "--seed"),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
     drafter: Optional[Path] = typer.Option(None, "--drafter", help="DFlash drafter directory"),
-    spec: str = typer.Option("none", "--spec", help="none (plain AR) | chain (DFlash) | ddtree"),
-    budget: int = typer.Option(16, "--budget", help="ddtree: tree nodes per round besides the root"),
+    spec: Optional[str] = typer.Option(None, "--spec", help="none (plain AR) | chain (DFlash) | ddtree; default "
+                                       "ddtree with a drafter (--drafter or the artifact's), else none"),
+    budget: Optional[int] = typer.Option(None, "--budget", help="ddtree: tree nodes per round besides the root "
+                                         "(default 16)"),
+    allow_special: bool = typer.Option(False, "--allow-special", help="read special-token strings in --prompt "
+                                       "(<|im_end|>, ...) as control tokens; default: plain text"),
     graphs: bool = typer.Option(True, "--graphs/--no-graphs", help="CUDA: replay captured graphs of a round"),
     tp: int = typer.Option(1, "--tp", help="tensor-parallel ranks: starts one process per rank (or runs as one "
                            "rank of torchrun's)"),
@@ -88,12 +118,21 @@ def run(
             raise ValueError(f"--device must be cpu or cuda, got {device!r}")
         if dtype not in ("auto", "float32", "float64", "bfloat16"):
             raise ValueError(f"--dtype must be auto, float32, float64 or bfloat16, got {dtype!r}")
+        if chat and prompt_ids is not None:
+            raise ValueError("--chat wraps --prompt text; it does not apply to --prompt-ids")
         SamplingParams(max_new_tokens, temperature, seed)  # bad decode arguments fail before the load
-        SpecConfig(spec, budget)
-        if spec != "none" and drafter is None and not is_artifact(model_dir):
+        SpecConfig(spec or "ddtree", 16 if budget is None else budget)
+        if spec not in (None, "none") and drafter is None and not is_artifact(model_dir):
             raise ValueError(f"--spec {spec} needs --drafter DIR")
-        eng = Engine.load(model_dir, device=device, drafter=drafter, spec=spec, budget=budget, graphs=graphs,
-                          progress=not as_json, tp=tp, ep=ep,
+        if spec == "none" and drafter is not None:
+            raise ValueError("--drafter is unused with --spec none (drop one of them)")
+        if budget is not None and spec not in (None, "ddtree"):
+            raise ValueError(f"--budget applies to --spec ddtree, not --spec {spec}")
+        if budget is not None and spec is None and drafter is None and not (Path(model_dir) / "drafter").is_dir():
+            raise ValueError("--budget applies to --spec ddtree, which needs a drafter (--drafter DIR)")
+        # spec None: Engine.load's rule (ddtree with a drafter, else none), as from Python
+        eng = Engine.load(model_dir, device=device, drafter=drafter, spec=spec, budget=16 if budget is None else budget,
+                          graphs=graphs, progress=not as_json, tp=tp, ep=ep,
                           dtype=None if dtype == "auto" else getattr(torch, dtype))
         if eng.rank != 0:  # under torchrun: every rank decodes, rank 0 alone prints
             sys.stdout = open(os.devnull, "w")
@@ -103,7 +142,7 @@ def run(
         if prompt_ids is not None:
             ids = _parse_ids(prompt_ids)
         else:
-            ids = tok.chat(prompt) if chat else tok.encode(prompt)
+            ids = tok.chat(prompt, allowed_special=allow_special) if chat else tok.encode(prompt, allow_special)
         bad = [i for i in ids if not 0 <= i < eng.cfg.vocab_size]
         if bad:
             raise ValueError(f"--prompt-ids: ids {bad[:5]} outside the vocabulary [0, {eng.cfg.vocab_size})")
@@ -125,40 +164,60 @@ def run(
             typer.echo("")
             typer.echo(json.dumps(eng.last_stats), err=True)
 
-    _guard(go)
+    _guard(go, as_json)
 
 
 @app.command()
 def bench(
     path: Path = typer.Argument(..., help="`kdtree build` artifact or checkpoint directory"),
     drafter: Optional[Path] = typer.Option(None, "--drafter", help="DFlash drafter directory"),
-    budgets: str = typer.Option("1,4,16,64", "--budgets", help="DDTree budgets to measure"),
+    budgets: Optional[str] = typer.Option(None, "--budgets", help="DDTree budgets to measure (default 1,4,16,64; "
+                                          "with --rank-only 1,2,4,...,256)"),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
     prompt: Optional[str] = typer.Option(None, "--prompt", help="prompt text (default: a fixed sentence)"),
     out: Optional[Path] = typer.Option(None, "--out", help="write OUT/bench-<name>.json"),
     name: Optional[str] = typer.Option(None, "--name", help="result name (default: the model folder's name)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of the table"),
+    rank_only: bool = typer.Option(False, "--rank-only", help="one TP rank at true size on one GPU: PATH is a "
+                                   "--synthetic preset (drawn in GPU memory) or a synthetic artifact"),
+    tp: int = typer.Option(8, "--tp", help="with --rank-only: the TP degree of the rank"),
+    rank: int = typer.Option(0, "--rank", help="with --rank-only: which rank"),
+    layers: Optional[int] = typer.Option(None, "--layers", help="with --rank-only and a preset: depth"),
+    contexts: str = typer.Option("4096,32768", "--contexts", help="with --rank-only: cache lengths"),
 ) -> None:
-    """AR vs chain vs DDTree tokens/s, tau, per-stage us, host overhead per round, graphs on vs off."""
+    """AR vs chain vs DDTree tokens/s, tau, per-stage us, host overhead per round, graphs on vs off.
+    With --rank-only: one rank's step, T(N), drafter and per-op profile at each cache length."""
 
     def go():
         import torch
 
         from runtime.bench import format_table, run_bench, write_result
 
+        if rank_only:
+            from runtime.bench_rank import bench_rank_cli
+
+            return bench_rank_cli(str(path), tp, rank, layers, contexts, budgets, out, as_json)
+
         if device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, got {device!r}")
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: no CUDA device is available")
         try:
-            bs = tuple(int(b) for b in budgets.split(",") if b.strip())
+            bs = tuple(int(b) for b in (budgets or "1,4,16,64").split(",") if b.strip())
         except ValueError:
             raise ValueError(f"--budgets must be comma-separated integers, got {budgets!r}") from None
         if not bs or min(bs) < 1:
             raise ValueError(f"--budgets must be integers >= 1, got {budgets!r}")
         if max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+        if name is not None and (Path(name).name != name or name in ("", ".", "..")):
+            raise ValueError(f"--name must be a plain file name (it lands in --out), got {name!r}")
+        if out is not None and out.exists() and not out.is_dir():
+            raise ValueError(f"--out {out}: exists and is not a folder")
+        if budgets is not None and drafter is None and not (Path(path) / "drafter").is_dir():
+            raise ValueError("--budgets needs a drafter (--drafter DIR, or an artifact built with one): without one "
+                             "bench measures AR only")
         result = run_bench(path, drafter, bs, max_new_tokens, device, prompt, progress=not as_json)
         if out is not None:
             written = write_result(result, out, name or Path(path).name)
@@ -170,7 +229,7 @@ def bench(
             if out is not None:
                 typer.echo(f"wrote {result['written']}")
 
-    _guard(go)
+    _guard(go, as_json)
 
 
 @app.command()
@@ -198,7 +257,7 @@ def inspect(model_dir: Path = typer.Argument(...), as_json: bool = typer.Option(
         typer.echo(f"{'total':<16}{report['total_params']:>18,}{report['total_bytes'] / 1e9:>10.3f}")
         typer.echo(f"latent KV cache: {report['kv_cache_bytes_per_token']:,} bytes per token (bf16)")
 
-    _guard(go)
+    _guard(go, as_json)
 
 
 @app.command("build")
@@ -219,6 +278,8 @@ def build_cmd(
     rank: int = typer.Option(0, "--rank", help="with --synthetic: the rank to make"),
     layers: Optional[int] = typer.Option(None, "--layers", help="with --synthetic: depth (default the preset's)"),
     seed: int = typer.Option(0, "--seed", help="with --synthetic: weights seed"),
+    draw_device: str = typer.Option("cpu", "--device", help="with --synthetic: draw on cpu or cuda (fast; other "
+                                    "numbers than cpu for the same seed)"),
 ) -> None:
     """Build per-rank artifacts (sharded weights, ONNX graphs, AOT kernels) through the KDTREE_CACHE cache;
     with --synthetic PRESET, one rank of random weights in the same layout (build_pipeline/synthetic.py)."""
@@ -231,8 +292,10 @@ def build_cmd(
 
             if model_dir is not None or drafter is not None or ep or backend != "native":
                 raise ValueError("--synthetic takes no MODEL_DIR, --drafter, --ep or --backend")
+            if draw_device not in ("cpu", "cuda"):
+                raise ValueError(f"--device must be cpu or cuda, got {draw_device!r}")
             res = build_synthetic(synthetic, out, tp=tp, rank=rank, layers=layers, seed=seed, progress=not as_json,
-                                  force=force)
+                                  force=force, device=draw_device)
             s = res.summary()
             layers_made = res.manifest["model"]["num_layers"]
             hit, detail = "unchanged", f"synthetic {synthetic} tp {tp} rank {rank}, {layers_made} layers"
@@ -249,7 +312,7 @@ def build_cmd(
             typer.echo(f"{hit if res.cache_hit else 'built'} {s['artifact']} in {s['seconds']:.2f}s: {detail}, "
                        f"{s['bytes'] / 1e6:.1f} MB")
 
-    _guard(go)
+    _guard(go, as_json)
 
 
 @app.command("make-tiny")
@@ -281,6 +344,47 @@ def make_tiny_cmd(
             typer.echo(json.dumps(info))
         else:
             typer.echo(f"wrote {path}")
+
+    _guard(go, as_json)
+
+
+@app.command()
+def serve(
+    path: Path = typer.Argument(..., help="`kdtree build` artifact or checkpoint directory"),
+    drafter: Optional[Path] = typer.Option(None, "--drafter", help="DFlash drafter directory"),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8000, "--port", help="0: any free port (the printed URL says which)"),
+    tp: int = typer.Option(1, "--tp", help="tensor-parallel ranks (one process per rank)"),
+    max_batch: int = typer.Option(8, "--max-batch", help="requests decoded together (continuous batching)"),
+    max_queue: int = typer.Option(64, "--max-queue", help="requests waiting for a slot before 429"),
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="prompt + max_tokens per request "
+                                                "(default min(max_position_embeddings, 4096))"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="require `Authorization: Bearer KEY` on /v1/*"),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
+    spec: Optional[str] = typer.Option(None, "--spec", help="default none | chain | ddtree (a request's `spec` "
+                                       "field overrides it; default ddtree with a drafter, else none)"),
+    budget: int = typer.Option(16, "--budget", help="default DDTree budget (a request's `budget` overrides it)"),
+    graphs: bool = typer.Option(True, "--graphs/--no-graphs", help="CUDA: replay captured graphs of a round"),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (fp32 on CPU, bf16 on CUDA) | float32 | float64 | bfloat16"),
+    name: Optional[str] = typer.Option(None, "--served-model-name", help="model id of /v1/models (default: "
+                                       "the folder's name)"),
+) -> None:
+    """OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, streaming) with continuous batching."""
+
+    def go():
+        import torch
+
+        from runtime.serve.server import serve as run_server
+
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda, got {device!r}")
+        if dtype not in ("auto", "float32", "float64", "bfloat16"):
+            raise ValueError(f"--dtype must be auto, float32, float64 or bfloat16, got {dtype!r}")
+        if not 0 <= port < 65536:
+            raise ValueError(f"--port must be in [0, 65535], got {port}")
+        code = run_server(path, drafter, host, port, tp, max_batch, max_queue, max_model_len, api_key, device, spec,
+                          budget, graphs, None if dtype == "auto" else getattr(torch, dtype), name, echo=typer.echo)
+        raise typer.Exit(code)
 
     _guard(go)
 

@@ -31,7 +31,7 @@ def _assert_one_line_error(result, *needles):
     assert err.startswith("error: ") and "\n" not in err, err
     for n in needles:
         assert n in err, (n, err)
-    assert result.stdout.strip() == ""
+    assert json.loads(result.stdout) == {"error": err[len("error: "):]}  # _run passes --json
 
 
 def _shard_of(ckpt: Path, tensor: str) -> Path:

@@ -11,7 +11,9 @@ Layers, lowest first (a module may import its own layer and the ones below):
   runtime.load             the one load_models: checkpoint -> build cache -> artifact -> weights
   runtime.decode           params, stats, prefill, the static round, the session loop, graphs
   runtime.engine           the Engine front door (one rank or many)
+  runtime.serve            `kdtree serve`: the OpenAI-compatible server over the Engine
   runtime (cli, bench)     the command line
+  training                 the demo pair's recipe (corpus, tokenizer, training, export); nothing imports it
   benchmarks, tests        may import anything
 """
 
@@ -21,9 +23,9 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("core", "plugins", "build_pipeline", "runtime")
+PACKAGES = ("core", "plugins", "build_pipeline", "runtime", "training")
 LAYERS = ("core", "plugins.common", "plugins.*", "build_pipeline", "runtime.parallel", "runtime.model",
-          "runtime.load", "runtime.decode", "runtime.engine", "runtime")
+          "runtime.load", "runtime.decode", "runtime.engine", "runtime.serve", "runtime", "training")
 
 
 def layer_of(module: str) -> tuple[int, str]:

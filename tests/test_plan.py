@@ -77,6 +77,17 @@ def test_ranges():
         plan.vocab_range(cfg, 4)
 
 
+def test_vocab_not_divisible_is_padded():
+    cfg = _cfg(vocab_size=777)
+    plan = ParallelPlan(tp=2)
+    plan.validate(cfg)  # vocab 777 over 2 ranks: padded, not refused
+    assert plan.vocab_rows(cfg) == 389 and [plan.vocab_range(cfg, r) for r in range(2)] == [(0, 389), (389, 777)]
+    head = torch.arange(777.0)[:, None].expand(777, 3)  # [v, d]
+    last = plan.shard("lm_head", head, 1)
+    assert last.shape == (389, 3) and torch.equal(last[:388, 0], torch.arange(389.0, 777.0))
+    assert not last[388].any()  # the padding row is zero
+
+
 def test_round_trip():
     for plan in (ParallelPlan(), ParallelPlan(tp=8, ep=True)):
         assert ParallelPlan.from_dict(plan.to_dict()) == plan
@@ -86,7 +97,6 @@ def test_round_trip():
     (dict(num_attention_heads=6, num_key_value_heads=6), ParallelPlan(4),
      "--tp 4: num_attention_heads 6 is not divisible by 4"),
     (dict(vocab_size=1000), ParallelPlan(16), "--tp 16: num_attention_heads"),
-    (dict(vocab_size=1022), ParallelPlan(4), "--tp 4: vocab_size 1022 is not divisible by 4"),
     (dict(moe_intermediate_size=66), ParallelPlan(4), "--tp 4: moe_intermediate_size 66"),
     (dict(n_routed_experts=12), ParallelPlan(8, ep=True), "--tp 8 --ep: num_attention_heads"),
     (dict(num_attention_heads=8, n_routed_experts=12), ParallelPlan(8, ep=True), "--tp 8 --ep: n_routed_experts 12"),

@@ -12,7 +12,8 @@ def test_tiktoken_roundtrip_specials_and_chat(tiny):
     text = "The quick brown fox, 2026 times! 中文English"
     assert tok.decode(tok.encode(text)) == text
     end = tok.specials["<|im_end|>"]
-    assert tok.encode("<|im_end|>") == [end]
+    assert tok.encode("<|im_end|>", allowed_special=True) == [end]
+    assert end not in tok.encode("<|im_end|>")  # plain text by default
     assert tok.eos_id == tok.specials["[EOS]"] and set(tok.stop_ids()) == {tok.eos_id, end}
     ids = tok.chat("Hi")
     assert ids[0] == tok.specials["<|im_user|>"] and ids[-1] == tok.specials["<|im_middle|>"]

@@ -33,6 +33,9 @@ class SamplingParams:
             raise InvalidParam("max_new_tokens", f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if not self.temperature >= 0:  # NaN fails too
             raise InvalidParam("temperature", f"temperature must be >= 0, got {self.temperature}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**63:
+            raise InvalidParam("seed", f"seed must be an integer in [-2**63, 2**63) (the generator's int64 state), "
+                                       f"got {self.seed!r}")
 
 
 @dataclass(frozen=True)

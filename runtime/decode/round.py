@@ -12,8 +12,9 @@ state that changes between calls, every result copied into a buffer.
 
 Emission (both): this step's candidate tokens (the accepted path's tokens after the root, then
 the new bonus; for AR the one new token) are cut at the first stop token or at max_new, and
-written to out [b, a + 3] = tokens | count | live | accept_len, the one buffer the host reads
-back per round.  A request that has finished (live 0) is frozen: it commits and emits nothing.
+written to out [b, a + 4] = tokens | count | live | accept_len | nonfinite (the logits held a NaN
+or Inf), the one buffer the host reads back per round.  A request that has finished (live 0) is
+frozen: it commits and emits nothing.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class RoundBuffers:
     stop_ids: torch.Tensor  # [b, S] int64, padded with -1
     rng: torch.Tensor  # [2] int64 (seed, counter)
     inv_temp: torch.Tensor  # [1] fp32 1 / temperature (unused when greedy)
+    nonfinite: torch.Tensor  # [b] int64 1 when the request's last logits held a NaN or Inf (set by `pick`)
 
     @classmethod
     def allocate(cls, b: int, n: int, a: int, feat_dim: int, dtype: torch.dtype, device, max_stops: int = 8
@@ -65,10 +67,10 @@ class RoundBuffers:
         return cls(bonus=z(b), accept_len=z(b, dt=torch.int32), accept_idx=z(b, a, dt=torch.int32),
                    ctx_feats=z(b, a, max(feat_dim, 1), dt=dtype), ctx_tokens=z(b, a),
                    tokens=z(b, n), parents=z(b, n, dt=torch.int32), depth=z(b, n, dt=torch.int32),
-                   positions=z(b, n), mask=z(b, n, mask_words(n)), out=z(b, a + 3), live=z(b, dt=torch.int32),
+                   positions=z(b, n), mask=z(b, n, mask_words(n)), out=z(b, a + 4), live=z(b, dt=torch.int32),
                    produced=z(b, dt=torch.int32), max_new=z(b, dt=torch.int32),
                    stop_ids=torch.full((b, max_stops), -1, dtype=torch.int64, device=device),
-                   rng=z(2), inv_temp=torch.ones(1, dtype=torch.float32, device=device))
+                   rng=z(2), inv_temp=torch.ones(1, dtype=torch.float32, device=device), nonfinite=z(b))
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -80,11 +82,20 @@ def pick(target: TargetModel, hidden: torch.Tensor, greedy: bool, buf: RoundBuff
     counter-based sample of softmax(logits / T) drawn from buf.rng at T > 0 (the same draws on every
     rank: the logits are gathered to every rank)."""
     if greedy and target.comm is not None:
-        return target.greedy(hidden)
+        ids, best = target.greedy(hidden)  # best [...]: the max logit, NaN / Inf when any logit was
+        _flag_nonfinite(buf, best)
+        return ids
     logits = target.logits(hidden)  # [..., v]
+    _flag_nonfinite(buf, logits)
     out = torch.empty(logits.shape[:-1], dtype=torch.int64, device=logits.device)
     posterior(logits, greedy, buf.rng, buf.inv_temp, out)
     return out
+
+
+def _flag_nonfinite(buf: RoundBuffers, x: torch.Tensor) -> None:
+    """x [b, ...] logits (or their maxima): buf.nonfinite[r] = 1 when request r's hold a NaN or Inf.  One
+    reduction on the device; the host reads the flag with the round's tokens (out[:, a + 3]), no sync."""
+    buf.nonfinite.copy_((~torch.isfinite(x)).reshape(x.shape[0], -1).any(1))
 
 
 def spec_round(target: TargetModel, drafter, cache: LatentCache, dcache, buf: RoundBuffers, topk: int, greedy: bool,
@@ -146,10 +157,11 @@ def _emit(buf: RoundBuffers, cand: torch.Tensor, count: torch.Tensor) -> None:
     n = keep.sum(1).to(torch.int32)  # [b]
     buf.produced.add_(n)
     buf.live.mul_(1 - fin.amax(1))
-    buf.out[:, :a].copy_(cand)  # out is [b, a + 3]
+    buf.out[:, :a].copy_(cand)  # out is [b, a + 4]
     buf.out[:, a].copy_(n)
     buf.out[:, a + 1].copy_(buf.live)
     buf.out[:, a + 2].copy_(count)
+    buf.out[:, a + 3].copy_(buf.nonfinite)
 
 
 def one_token_mask(b: int, device) -> torch.Tensor:

@@ -9,7 +9,7 @@ is reused across generations and only replaced when a request needs more capacit
   last <= a rows, which become the first round's context -> rounds until every request stopped.
 
 Host loop (CUDA): launch round k + 1 before reading round k back (the emitted tokens travel in one
-[b, a + 3] int64 copy to pinned memory), so the GPU never waits for Python as long as the host's
+[b, a + 4] int64 copy to pinned memory), so the GPU never waits for Python as long as the host's
 work per round is shorter than the round.  Finished requests are frozen on the device, so the one
 extra round launched after the last token is harmless.
 
@@ -25,6 +25,7 @@ from typing import Iterator
 
 import torch
 
+from core.errors import NonFiniteLogits
 from plugins.tree_build import TreeBuildWorkspace
 from runtime.decode.clock import StageClock
 from runtime.decode.graphs import CapturedStep, GraphPool, GraphUnavailable, missing_cuda_kernels
@@ -178,6 +179,9 @@ class DecodeSession:
             emitted = []
             for r, row in enumerate(rows):
                 count, alive, acc_len = row[a], row[a + 1], row[a + 2]
+                if row[a + 3] and live[r]:  # the device's non-finite flag of a live request (round.py)
+                    raise NonFiniteLogits(f"non-finite logits (NaN or Inf) in decode round {processed} of "
+                                          f"request {r}: the weights or activations overflowed; stopped")
                 if acc_len > 0:
                     stats.accept_lens.append(acc_len)
                 emitted.append(row[:count])
@@ -221,6 +225,10 @@ class DecodeSession:
         first = pick(target, last_hidden, greedy, buf)  # [b]
         buf.bonus.copy_(first)
         first_host = first.tolist()
+        bad = [r for r, f in enumerate(buf.nonfinite.tolist()) if f]
+        if bad:
+            raise NonFiniteLogits(f"non-finite logits (NaN or Inf) in the prefill of request {bad[0]}: the weights "
+                                  f"or activations overflowed; stopped")
         buf.produced.fill_(1)
         buf.live.copy_(torch.tensor([0 if (t in req.stop_ids or req.max_new_tokens <= 1) else 1
                                      for t in first_host], dtype=torch.int32))

@@ -126,11 +126,12 @@ class Engine:
         return self.runner.last_stats
 
     # ---- generation
-    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+    def encode(self, prompt: str | Sequence[int], allowed_special: bool = False) -> list[int]:
+        """Text (special-token strings in it are plain text unless allowed_special) or ids -> checked ids."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: give token ids")
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt, allowed_special)
         else:
             ids = [int(t) for t in prompt]
         if not ids:

@@ -46,7 +46,7 @@ class LocalRunner:
 
     def rounds(self, prompts: list[list[int]], params: SamplingParams) -> Iterator[list[list[int]]]:
         """Per round, the tokens each request emits (the first token of each in the first yield)."""
-        stats = DecodeStats()
+        stats = DecodeStats(prompt_tokens=sum(len(p) for p in prompts))
         stats.extra.update(spec=self.spec.mode, budget=self.spec.budget if self.spec.mode == "ddtree" else None,
                            device=str(self.device), batch=len(prompts), plan=self.plan_flag)
         self.last_stats = stats.as_dict()

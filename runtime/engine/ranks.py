@@ -52,8 +52,12 @@ class RanksRunner:
 
     @classmethod
     def start(cls, art_dir: str | Path, cfg, plan: ParallelPlan, device: str, drafter, spec: SpecConfig | None,
-              graphs: bool, dtype) -> "RanksRunner":
-        group = RankGroup(_serve, plan.tp, (str(art_dir), plan, drafter, spec, graphs, dtype), device)
+              graphs: bool, dtype, entry=None, extra: tuple = ()) -> "RanksRunner":
+        """entry(comm, conn, art_dir, plan, drafter, spec, graphs, dtype, *extra): the rank body (default
+        _serve: Engine.rounds; runtime/serve/ranks.py has the server's slot batches); it sends ("ready",
+        (spec, has_drafter)) once loaded."""
+        args = (str(art_dir), plan, drafter, spec, graphs, dtype, *extra)
+        group = RankGroup(entry or _serve, plan.tp, args, device)
         ready: dict[int, tuple] = {}
         try:
             for rank, kind, payload in group.messages_until(lambda: len(ready) == plan.tp):

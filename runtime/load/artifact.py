@@ -5,18 +5,21 @@ kernels, graphs, toolchain, options), rank{r}/*.safetensors (build_pipeline/shar
 tensors and is the only code that cuts weights), kernels/, graphs/, tokenizer/ and, when built with
 --drafter, drafter/ (copied as is).  The tensors are grouped into runtime/model/weights.py's
 classes as stored: routed experts stay in the one form the build wrote (INT4 kernel layout or
-dense), nothing is dequantised or cut here.
+dense), nothing is dequantised or cut here.  Every file a rank reads (its rank files, tokenizer/,
+drafter/) is checked against the manifest's sha256 while it is read (build_pipeline/integrity.py).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from build_pipeline.artifact_cache import FORMAT, MANIFEST
+from build_pipeline.integrity import FileCheck
 from core.config import ModelConfig
 from core.errors import CheckpointError
 from core.plan import ParallelPlan
@@ -53,10 +56,19 @@ def is_artifact(path: str | Path) -> bool:
 
 
 def read_manifest(art_dir: str | Path) -> dict:
+    """The artifact's manifest; CheckpointError naming the manifest when it is missing, unreadable or
+    not a kdtree manifest."""
     path = Path(art_dir) / MANIFEST
-    if not is_artifact(art_dir):
-        raise CheckpointError(f"{art_dir}: not a kdtree artifact (no valid {MANIFEST}; run `kdtree build`)")
-    return json.loads(path.read_text())
+    if not path.is_file():
+        raise CheckpointError(f"{art_dir}: not a kdtree artifact (no {MANIFEST}; run `kdtree build`)")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: unreadable ({exc.__class__.__name__}: the manifest is truncated or "
+                              f"corrupted; rebuild with `kdtree build --force`)") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a kdtree artifact manifest (no \"format\": \"{FORMAT}\")")
+    return manifest
 
 
 def read_rank(art_dir: str | Path, rank: int, device: str | torch.device, dtype: torch.dtype) -> RankBundle:
@@ -71,27 +83,45 @@ def read_rank(art_dir: str | Path, rank: int, device: str | torch.device, dtype:
     plan = ParallelPlan.from_dict(manifest["plan"])
     if not 0 <= rank < plan.tp:
         raise ValueError(f"rank {rank} outside [0, {plan.tp}) for this artifact (built with --tp {plan.tp})")
-    router = dtype if dtype == torch.float64 else torch.float32  # the router in at least fp32
     flat: dict[str, torch.Tensor] = {}
     if str(rank) not in manifest["ranks"]:  # a synthetic artifact holds one rank of its plan
         raise CheckpointError(f"{art_dir}: rank {rank} is not in this artifact (it holds ranks "
                               f"{sorted(manifest['ranks'], key=int)})")
-    for entry in manifest["ranks"][str(rank)]["files"]:
-        shard = SafetensorsFile(Path(art_dir) / entry["path"])
-        for name in shard.keys():
-            t = shard.tensor(name)
-            if name.endswith(("moe.gate", "moe.gate_bias")):
-                t = t.to(device=device, dtype=router)
-            elif t.is_floating_point() and not name.endswith("_scale"):  # INT4 scales: as the kernel reads them
-                t = t.to(device=device, dtype=dtype)
-            flat[name] = t.to(device=device)
-        shard.close()
-    weights = _assemble(cfg, flat)
+    # every file this rank reads is checked against the manifest while it is read (integrity.py)
+    check = FileCheck(art_dir, workers=max(1, (os.cpu_count() or 1) // plan.tp))
+    try:
+        for rel, info in manifest.get("files", {}).items():
+            if rel.startswith(("drafter/", "tokenizer/")):
+                check.submit(rel, info)
+        for entry in manifest["ranks"][str(rank)]["files"]:
+            shard = SafetensorsFile(check.submit(entry["path"], entry))
+            for name in shard.keys():
+                flat[name] = place(name, shard.tensor(name), device, dtype)
+            shard.close()
+    except BaseException:
+        check.close()
+        raise
+    check.wait()
+    weights = assemble_weights(cfg, flat)
     drafter = Path(art_dir) / "drafter"
     return RankBundle(cfg, plan, rank, weights, drafter if drafter.is_dir() else None, manifest)
 
 
-def _assemble(cfg: ModelConfig, flat: dict[str, torch.Tensor]) -> TargetWeights:
+def place(name: str, t: torch.Tensor, device: str | torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A stored tensor as the runtime holds it: on `device`, float weights in `dtype`, the router's bias in
+    at least fp32 and its gate as stored when that is `dtype` (else at least fp32), INT4 words and scales
+    as the kernel reads them."""
+    router = dtype if dtype == torch.float64 else torch.float32
+    if name.endswith("moe.gate"):  # a gate stored in the model dtype stays so (exact; runtime/model/moe.router_logits)
+        return t.to(device=device, dtype=t.dtype if t.dtype == dtype else router)
+    if name.endswith("moe.gate_bias"):
+        return t.to(device=device, dtype=router)
+    if t.is_floating_point() and not name.endswith("_scale"):
+        return t.to(device=device, dtype=dtype)
+    return t.to(device=device)
+
+
+def assemble_weights(cfg: ModelConfig, flat: dict[str, torch.Tensor]) -> TargetWeights:
     """Group a rank's {stored name: tensor} (build_pipeline/shard.py's names) into TargetWeights."""
     def get(key: str) -> torch.Tensor:
         if key not in flat:

@@ -1,6 +1,11 @@
 """Load a DFlash drafter (z-lab's format) for a loaded target: config check, weights streamed to the
-target's device and dtype.  The drafter is replicated on every rank; it shares the target's
-embedding and lm_head (vocab-parallel under TP)."""
+target's device and dtype, cut for this rank when it is sharded.  It shares the target's embedding
+and lm_head (vocab-parallel under TP).
+
+Sharded or replicated (runtime/model/drafter.py): under TP the drafter is sharded like the target
+when its heads, kv heads, MLP width and feature width all divide by tp (the default), else
+replicated.  Either way the tokens are the target's (DDTree is lossless); only the drafter's
+rounding, hence at most the tree, differs."""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from core.drafter_config import load_drafter_config
+from core.drafter_config import DrafterConfig, load_drafter_config
 from core.loader import WeightLoader
 from core.progress import Progress
 from core.weight_map import drafter_specs
@@ -16,8 +21,10 @@ from runtime.model.drafter import DFlashDrafter, DrafterLayerWeights, DrafterWei
 from runtime.model.target import TargetModel
 
 
-def load_drafter(drafter_dir: str | Path, target: TargetModel, progress: bool = True) -> DFlashDrafter:
-    """The drafter of `drafter_dir` for `target` (which must return the drafter's target_layer_ids features)."""
+def load_drafter(drafter_dir: str | Path, target: TargetModel, progress: bool = True,
+                 shard: bool | None = None) -> DFlashDrafter:
+    """The drafter of `drafter_dir` for `target` (which must return the drafter's target_layer_ids features).
+    shard: cut it over the target's TP group (None: when it divides, see shardable)."""
     cfg = load_drafter_config(drafter_dir)
     cfg.check_target(target.cfg)
     if tuple(target.feature_layers) != cfg.target_layer_ids:
@@ -31,12 +38,46 @@ def load_drafter(drafter_dir: str | Path, target: TargetModel, progress: bool = 
         flat[spec.key] = t.to(device=target.device, dtype=target.dtype)
         bar.advance()
     bar.close()
+    return assemble_drafter(cfg, flat, target, shard)
+
+
+def shardable(cfg: DrafterConfig, tp: int, target_hidden: int) -> bool:
+    """The drafter divides evenly over tp ranks (query and kv heads, MLP width, feature columns)."""
+    feats = len(cfg.target_layer_ids) * target_hidden
+    return tp > 1 and all(n % tp == 0 for n in (cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, feats))
+
+
+def assemble_drafter(cfg: DrafterConfig, flat: dict[str, torch.Tensor], target: TargetModel,
+                     shard: bool | None = None) -> DFlashDrafter:
+    """DFlashDrafter from whole tensors {drafter_specs key: tensor}, cut to this rank's share when sharded
+    (the whole tensors are dropped as they are cut)."""
+    tp = target.plan.tp if target.comm is not None else 1
+    can = shardable(cfg, tp, target.cfg.hidden_size)
+    if shard and not can:
+        raise ValueError(f"the drafter does not divide over {tp} ranks (heads {cfg.num_heads}, kv heads "
+                         f"{cfg.num_kv_heads}, intermediate {cfg.intermediate_size})")
+    shards = tp if (can if shard is None else shard) else 1
+    rank = target.comm.rank if shards > 1 else 0
+    e = cfg.head_dim
+
+    def rows(key: str, n: int) -> torch.Tensor:  # this rank's n / shards rows of a [n, ...] tensor
+        t = flat.pop(key)
+        return t if shards == 1 else t.narrow(0, rank * (n // shards), n // shards).contiguous()
+
+    def cols(key: str, n: int) -> torch.Tensor:  # this rank's n / shards columns of a [..., n] tensor
+        t = flat.pop(key)
+        return t if shards == 1 else t.narrow(1, rank * (n // shards), n // shards).contiguous()
+
+    h, g, i = cfg.num_heads * e, cfg.num_kv_heads * e, cfg.intermediate_size
     layers = []
     for li in range(cfg.num_layers):
         p = f"layers.{li}."
         layers.append(DrafterLayerWeights(
-            attn_norm=flat[p + "attn_norm"], q=flat[p + "q"], kv=torch.cat([flat[p + "k"], flat[p + "v"]]),
-            o=flat[p + "o"], q_norm=flat[p + "q_norm"], k_norm=flat[p + "k_norm"], mlp_norm=flat[p + "mlp_norm"],
-            gate_up=torch.cat([flat[p + "gate"], flat[p + "up"]]), down=flat[p + "down"]))
-    weights = DrafterWeights(fc=flat["fc"], hidden_norm=flat["hidden_norm"], layers=layers, norm=flat["norm"])
+            attn_norm=flat.pop(p + "attn_norm"), q=rows(p + "q", h),
+            kv=torch.cat([rows(p + "k", g), rows(p + "v", g)]), o=cols(p + "o", h),
+            q_norm=flat.pop(p + "q_norm"), k_norm=flat.pop(p + "k_norm"), mlp_norm=flat.pop(p + "mlp_norm"),
+            gate_up=torch.cat([rows(p + "gate", i), rows(p + "up", i)]), down=cols(p + "down", i)))
+    fc = cols("fc", len(cfg.target_layer_ids) * target.cfg.hidden_size)
+    weights = DrafterWeights(fc=fc, hidden_norm=flat.pop("hidden_norm"), layers=layers, norm=flat.pop("norm"),
+                             shards=shards)
     return DFlashDrafter(cfg, weights, target)

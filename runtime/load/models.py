@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from build_pipeline.artifact_cache import MANIFEST
 from core.drafter_config import load_drafter_config
 from core.errors import CheckpointError
 from core.plan import ParallelPlan
@@ -47,6 +48,8 @@ def resolve_artifact(path: str | Path, plan: ParallelPlan | None, drafter_dir: s
     """(artifact folder, its plan) for `path`: an artifact as is (its plan must equal `plan` when one
     is asked for), a checkpoint dir built through the cache for `plan` (default: one rank)."""
     path = Path(path)
+    if (path / MANIFEST).is_file() and not (path / "config.json").is_file():
+        read_manifest(path)  # an artifact whose manifest is damaged: say so, not "no config.json"
     if is_artifact(path):
         built = ParallelPlan.from_dict(read_manifest(path)["plan"])
         if plan is not None and plan != built:
@@ -92,8 +95,9 @@ def load_models(path: str | Path, comm: Comm | None = None, plan: ParallelPlan |
 
 
 def load_tokenizer(art_dir: str | Path) -> Tokenizer | None:
-    """The tokenizer an artifact carries (tokenizer/), or None when the checkpoint had none."""
-    try:
-        return Tokenizer.load(Path(art_dir) / "tokenizer")
-    except CheckpointError:
+    """The tokenizer an artifact carries (tokenizer/), or None when the checkpoint had none; a damaged
+    one is a CheckpointError naming the file, never taken for "no tokenizer"."""
+    d = Path(art_dir) / "tokenizer"
+    if not any((d / name).is_file() for name in ("tiktoken.model", "tokenizer.json")):
         return None
+    return Tokenizer.load(d)

@@ -1,14 +1,22 @@
 """The DFlash block-diffusion drafter (z-lab's model), batched, over its own context KV cache.
 
 Letters: b requests, a context rows this round, s block slots (block_size), D = s - 1 draft depths,
-H drafter hidden, h / g query / kv heads, e head_dim, F = len(target_layer_ids) * target hidden.
+H drafter hidden, h / g query / kv heads, e head_dim, F = len(target_layer_ids) * target hidden,
+i MLP width; a suffix _l is this rank's share (h_l = h / shards, ...).
+
+Under TP the drafter is either replicated (shards = 1: every rank runs all of it) or sharded like the
+target (shards = tp, runtime/load/drafter.py cuts it): each rank holds h/tp query and g/tp kv heads,
+o's matching columns, i/tp of the MLP and F/tp of fc's input columns, so fc, o and the MLP give
+partial sums, one all-reduce each.  At K2.6 size the replicated drafter reads ~7 GB per round on
+every rank, more than the target's AR step (DESIGN.md); sharded, 1/tp of it.
 
 One call per round: the target features of the tokens committed last round (the context) are
 projected by fc + hidden_norm and appended, as K/V, to every layer's context cache; the block
 [bonus, mask x D] attends non-causally to the whole context cache and to itself; slot t of the
 block (t >= 1) gives the draft distribution of the token at position start + t, through the
-target's lm_head.  Block rows are never cached, so the cache always holds exactly the committed
-positions [0, start).
+target's lm_head.  The block's K/V are written past the committed length, at [start, start + s),
+as scratch the next call's context rows overwrite: the committed cache is still exactly positions
+[0, start) after the call, and attention reads K/V in place (no concatenated or repeated copy).
 """
 
 from __future__ import annotations
@@ -28,28 +36,29 @@ from runtime.model.target import TargetModel
 @dataclass
 class DrafterLayerWeights:
     attn_norm: torch.Tensor  # [H]
-    q: torch.Tensor  # [h*e, H]
-    kv: torch.Tensor  # [2*g*e, H]  k rows | v rows
-    o: torch.Tensor  # [H, h*e]
+    q: torch.Tensor  # [h_l*e, H]
+    kv: torch.Tensor  # [2*g_l*e, H]  k rows | v rows
+    o: torch.Tensor  # [H, h_l*e]
     q_norm: torch.Tensor  # [e]
     k_norm: torch.Tensor  # [e]
     mlp_norm: torch.Tensor  # [H]
-    gate_up: torch.Tensor  # [2i, H]
-    down: torch.Tensor  # [H, i]
+    gate_up: torch.Tensor  # [2*i_l, H]
+    down: torch.Tensor  # [H, i_l]
 
 
 @dataclass
 class DrafterWeights:
-    fc: torch.Tensor  # [H, F]
+    fc: torch.Tensor  # [H, F_l]
     hidden_norm: torch.Tensor  # [H]
     layers: list[DrafterLayerWeights]
     norm: torch.Tensor  # [H]
+    shards: int = 1  # 1: whole (replicated on every rank); tp: this rank's cut of heads, MLP and fc input
 
 
 @dataclass
 class DrafterCache:
-    k: torch.Tensor  # [layers, b, capacity, g, e] roped keys of committed context rows
-    v: torch.Tensor  # [layers, b, capacity, g, e]
+    k: torch.Tensor  # [layers, b, capacity, g_l, e] roped keys of committed context rows
+    v: torch.Tensor  # [layers, b, capacity, g_l, e]
     lens: torch.Tensor  # [b] int32 committed context rows (== the target's committed length)
 
 
@@ -60,10 +69,18 @@ class DFlashDrafter:
         self.cfg, self.w, self.target = cfg, weights, target
         self.block_size, self.mask_token_id = cfg.block_size, cfg.mask_token_id
         self.rope = Rope(cfg.rope, cfg.head_dim, interleave=False, device=target.device)
+        self.shards = weights.shards
+        if self.shards > 1 and (target.comm is None or target.comm.world != self.shards):
+            raise ValueError(f"drafter cut for {self.shards} ranks, the target's group has "
+                             f"{target.comm.world if target.comm else 1}")
+        self.heads, self.kv_heads = cfg.num_heads // self.shards, cfg.num_kv_heads // self.shards  # h_l, g_l
+        rank = target.comm.rank if target.comm is not None and self.shards > 1 else 0
+        f_l = weights.fc.shape[1]
+        self.feat_cols = slice(rank * f_l, (rank + 1) * f_l)  # this rank's columns of the features
 
     def new_cache(self, batch: int, capacity: int) -> DrafterCache:
         c = self.cfg
-        shape = (c.num_layers, batch, capacity, c.num_kv_heads, c.head_dim)
+        shape = (c.num_layers, batch, capacity, self.kv_heads, c.head_dim)
         dev, dt = self.target.device, self.target.dtype
         return DrafterCache(torch.zeros(shape, dtype=dt, device=dev), torch.zeros(shape, dtype=dt, device=dev),
                             torch.zeros(batch, dtype=torch.int32, device=dev))
@@ -78,7 +95,8 @@ class DFlashDrafter:
         b, a, _ = ctx_feats.shape
         s = c.block_size
         dev = ctx_feats.device
-        ctx = rms_norm(F.linear(ctx_feats.to(self.target.dtype), w.fc), w.hidden_norm, c.rms_norm_eps)  # [b, a, H]
+        feats = ctx_feats[..., self.feat_cols].to(self.target.dtype)  # [b, a, F_l]
+        ctx = rms_norm(self._reduce(F.linear(feats, w.fc)), w.hidden_norm, c.rms_norm_eps)  # [b, a, H]
         ctx_pos = cache.lens[:, None].long() + torch.arange(a, device=dev)  # [b, a]
         start = cache.lens.long() + ctx_len.long()  # [b]
         blk_pos = start[:, None] + torch.arange(s, device=dev)  # [b, s]
@@ -88,40 +106,49 @@ class DFlashDrafter:
         cos_c, sin_c = self.rope.cos_sin(ctx_pos, x.dtype)
         cos_b, sin_b = self.rope.cos_sin(blk_pos, x.dtype)
         cap = cache.k.shape[2]
-        rows = torch.arange(b, device=dev)[:, None].expand(b, a)
-        write = ctx_pos.clamp(max=cap - 1)  # rows past ctx_len land beyond the new length: ignored
-        visible = torch.arange(cap, device=dev)[None, :] < start[:, None]  # [b, cap]
+        rows = torch.arange(b, device=dev)[:, None]  # [b, 1]
+        write = ctx_pos.clamp(max=cap - 1)  # rows past ctx_len land at [start, ...): the block overwrites them
+        write_blk = blk_pos.clamp(max=cap - 1)  # the block's own rows, past the committed length
+        visible = torch.arange(cap, device=dev)[None, :] < (start + s)[:, None]  # [b, cap] context + block
         for li, lw in enumerate(w.layers):
-            k_ctx, v_ctx = self._kv(lw, ctx, cos_c, sin_c)  # [b, a, g, e]
+            k_ctx, v_ctx = self._kv(lw, ctx, cos_c, sin_c)  # [b, a, g_l, e]
             cache.k[li, rows, write] = k_ctx
             cache.v[li, rows, write] = v_ctx
             xn = rms_norm(x, lw.attn_norm, c.rms_norm_eps)
-            q = self.rope.apply(rms_norm(F.linear(xn, lw.q).view(b, s, c.num_heads, c.head_dim), lw.q_norm,
-                                         c.rms_norm_eps), cos_b, sin_b)  # [b, s, h, e]
-            k_blk, v_blk = self._kv(lw, xn, cos_b, sin_b)  # [b, s, g, e]
-            attn = self._attend(q, cache.k[li], cache.v[li], visible, k_blk, v_blk)  # [b, s, h*e]
-            x = x + F.linear(attn, lw.o)
-            x = x + swiglu_mlp(rms_norm(x, lw.mlp_norm, c.rms_norm_eps), lw.gate_up, lw.down)
+            q = self.rope.apply(rms_norm(F.linear(xn, lw.q).view(b, s, self.heads, c.head_dim), lw.q_norm,
+                                         c.rms_norm_eps), cos_b, sin_b)  # [b, s, h_l, e]
+            k_blk, v_blk = self._kv(lw, xn, cos_b, sin_b)  # [b, s, g_l, e]
+            cache.k[li, rows, write_blk] = k_blk  # scratch rows: the next call's context overwrites them
+            cache.v[li, rows, write_blk] = v_blk
+            attn = self._attend(q, cache.k[li], cache.v[li], visible)  # [b, s, h_l*e]
+            x = x + self._reduce(F.linear(attn, lw.o))
+            x = x + self._reduce(swiglu_mlp(rms_norm(x, lw.mlp_norm, c.rms_norm_eps), lw.gate_up, lw.down))
         cache.lens += ctx_len
         y = rms_norm(x[:, 1:], w.norm, c.rms_norm_eps)  # [b, D, H]
         return self.target.logits(y)
 
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sum a sharded drafter's partial results over the group (a replicated one has none)."""
+        return partial if self.shards == 1 else self.target.comm.all_reduce(partial)
+
     def _kv(self, lw: DrafterLayerWeights, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
         b, n, _ = x.shape
-        k, v = F.linear(x, lw.kv).view(b, n, 2, c.num_kv_heads, c.head_dim).unbind(2)
+        k, v = F.linear(x, lw.kv).view(b, n, 2, self.kv_heads, c.head_dim).unbind(2)
         return self.rope.apply(rms_norm(k, lw.k_norm, c.rms_norm_eps), cos, sin), v
 
-    def _attend(self, q, k_cache, v_cache, visible, k_blk, v_blk) -> torch.Tensor:
-        """GQA without a causal mask: q [b, s, h, e] over cached rows (where visible) and all block rows."""
-        c = self.cfg
+    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, visible: torch.Tensor
+                ) -> torch.Tensor:
+        """GQA without a causal mask: q [b, s, h_l, e] over the cache rows where visible [b, cap] (the
+        context and, written just before, the block).  Each kv head's rep = h_l / g_l query heads are
+        folded into its s queries, so K/V are never repeated or concatenated, and the two products are
+        plain GEMMs over the cache rows (parallel over them: a fused attention kernel gets one block
+        for these few queries and walks 32K rows alone).  Scores and softmax in fp32."""
         b, s, h, e = q.shape
-        rep = c.num_heads // c.num_kv_heads
-        k = torch.cat([k_cache, k_blk], dim=1).repeat_interleave(rep, dim=2)  # [b, cap+s, h, e]
-        v = torch.cat([v_cache, v_blk], dim=1).repeat_interleave(rep, dim=2)
-        scores = torch.einsum("bshe,bkhe->bhsk", acc(q), acc(k)) * e ** -0.5  # [b, h, s, cap+s]
-        ok = torch.cat([visible, torch.ones(b, s, dtype=torch.bool, device=q.device)], dim=1)  # [b, cap+s]
-        scores = scores.masked_fill(~ok[:, None, None, :], float("-inf"))
-        out = torch.einsum("bhsk,bkhe->bshe", scores.softmax(-1), acc(v)).to(q.dtype)
-        return out.reshape(b, s, h * e)
-
+        g, rep = self.kv_heads, h // self.kv_heads
+        qg = acc(q).view(b, s, g, rep, e).permute(0, 2, 3, 1, 4).reshape(b, g, rep * s, e)  # [b, g_l, rep*s, e]
+        k = acc(k_cache).transpose(1, 2)  # [b, g_l, cap, e]
+        scores = torch.matmul(qg, k.transpose(-1, -2)) * e ** -0.5  # [b, g_l, rep*s, cap]
+        p = scores.masked_fill(~visible[:, None, None, :], float("-inf")).softmax(-1)
+        out = torch.matmul(p, acc(v_cache).transpose(1, 2)).to(q.dtype)  # [b, g_l, rep*s, e]
+        return out.view(b, g, rep, s, e).permute(0, 3, 1, 2, 4).reshape(b, s, h * e)

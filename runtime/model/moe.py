@@ -17,6 +17,20 @@ from runtime.model.layers import swiglu_mlp
 from runtime.model.weights import MoEWeights
 
 
+_MM_FP32_OUT = torch._C._dispatch_has_kernel_for_dispatch_key("aten::mm.dtype", "CUDA") \
+    if hasattr(torch.ops.aten.mm, "dtype") else False
+
+
+def router_logits(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x [t, d] @ gate [e, d]^T -> [t, e] in fp32 (fp64 in fp64 runs), the products of the stored values
+    summed in fp32 as DeepSeek-V3's reference router does.  A bf16 gate (as checkpoints ship it) is read
+    as bf16 by cuBLAS with an fp32 result (aten::mm.dtype) on CUDA: half the bytes of an fp32 copy and a
+    tensor-core GEMM instead of an fp32 one; elsewhere both sides are upcast (exact for bf16 values)."""
+    if _MM_FP32_OUT and x.is_cuda and x.dtype == gate.dtype and x.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(x, gate.t(), out_dtype=torch.float32)
+    return F.linear(acc(x), gate.to(acc(x).dtype))
+
+
 def moe_forward(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor, e_start: int = 0,
                 workspace: torch.Tensor | None = None) -> torch.Tensor:
     """x [b, n, d] -> [b, n, d]: routed experts (weighted, scaled) plus the shared expert.
@@ -26,7 +40,7 @@ def moe_forward(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor, e_start: int =
     (runtime/model/workspace.py; None only outside a decode session, e.g. a test of this block)."""
     shape = x.shape
     xt = x.reshape(-1, shape[-1])  # [t, d]
-    logits = F.linear(acc(xt), w.gate.to(acc(xt).dtype))  # [t, e] fp32 (fp64 in fp64 runs)
+    logits = router_logits(xt, w.gate)  # [t, e] fp32 (fp64 in fp64 runs)
     ex = w.experts
     y = moe_w4a16(xt, logits, None, w.gate_bias, ex.w13, ex.w13_scale, ex.w2, ex.w2_scale, cfg.num_experts_per_tok,
                   cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor, e_start, workspace)

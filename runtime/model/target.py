@@ -58,7 +58,7 @@ class TargetModel:
         rank = comm.rank if comm is not None else 0
         self.vocab_start, self.vocab_end = self.plan.vocab_range(cfg, rank)
         self.experts = self.plan.local_experts(cfg, rank)  # (first, count) held whole (ep) or sliced
-        _check_shapes(cfg, self.plan, weights, self.vocab_end - self.vocab_start, self.experts[1])
+        _check_shapes(cfg, self.plan, weights, self.plan.vocab_rows(cfg), self.experts[1])
 
     def new_cache(self, batch: int, capacity: int, tokens_per_forward: int) -> LatentCache:
         """The latent cache of `batch` requests of up to `capacity` tokens, with the workspace of forwards
@@ -120,11 +120,14 @@ class TargetModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., d] -> logits [..., v] (fp32, or fp64 for an fp64 model), the full vocabulary on
         every rank (all-gather of the vocab-parallel pieces under TP)."""
-        local = acc(F.linear(hidden, self.w.lm_head))  # [..., v/tp]
-        return local if self.comm is None else self.comm.all_gather(local, dim=-1)
+        local = acc(F.linear(hidden, self.w.lm_head))  # [..., v_l]
+        if self.comm is None:
+            return local
+        return self.comm.all_gather(local, dim=-1)[..., :self.cfg.vocab_size].contiguous()  # [..., v]: padding cut
 
-    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., d] -> argmax token ids [...] int64, equal to logits(hidden).argmax(-1).
+    def greedy(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [..., d] -> (argmax token ids [...] int64, equal to logits(hidden).argmax(-1); the
+        maximum logit [...], NaN or Inf when a logit was: the round's non-finite guard reads it).
 
         Distributed argmax under TP: each rank reduces its vocab slice to (max, first index of it),
         the ranks gather those pairs (2 numbers per token instead of v/tp logits) and take the best,
@@ -132,13 +135,15 @@ class TargetModel:
         (benchmarks/tp_logits.py; gloo, 2 ranks, v = 163840: n = 17 tokens 3.1 ms vs 22.6 ms for the
         gather, n = 65 23 ms vs 283 ms; the gather moves n*v*4 bytes to every rank, this 16 n per rank)."""
         if self.comm is None:
-            return self.logits(hidden).argmax(dim=-1)
-        local = acc(F.linear(hidden, self.w.lm_head))  # [..., v/tp]
+            logits = self.logits(hidden)  # [..., v]
+            return logits.argmax(dim=-1), logits.amax(dim=-1)
+        local = acc(F.linear(hidden, self.w.lm_head))  # [..., v_l]
+        local[..., self.vocab_end - self.vocab_start:] = float("-inf")  # padding rows (core/plan.py) never win
         best, idx = local.max(dim=-1)  # [...] first occurrence of the maximum
         pair = torch.stack([best.double(), (idx + self.vocab_start).double()], dim=-1)  # [..., 2] exact in fp64
         every = self.comm.all_gather(pair[None], dim=0)  # [world, ..., 2]
         rank = every[..., 0].argmax(dim=0, keepdim=True)  # [1, ...] lowest rank among equal maxima
-        return every[..., 1].gather(0, rank)[0].long()
+        return every[..., 1].gather(0, rank)[0].long(), every[..., 0].gather(0, rank)[0]
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
         return partial if self.comm is None else self.comm.all_reduce(partial)

@@ -9,6 +9,8 @@ tensor is this rank's cut (h, i, e, v local).
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -51,7 +53,7 @@ class Experts:
 
 @dataclass
 class MoEWeights:
-    gate: torch.Tensor  # [e, d] fp32 router
+    gate: torch.Tensor  # [e, d] router: as stored when that is the model dtype (bf16), else >= fp32
     gate_bias: torch.Tensor  # [e] fp32 e_score_correction_bias
     experts: Experts  # this rank's routed experts (whole under ep, intermediate-sliced under tp)
     shared: MLPWeights | None
@@ -71,3 +73,16 @@ class TargetWeights:
     layers: list[LayerWeights]
     norm: torch.Tensor  # [d]
     lm_head: torch.Tensor  # [v, d]
+
+
+def tensors_of(obj) -> Iterator[torch.Tensor]:
+    """Every tensor held by a weights dataclass (or list of them), depth first in field order; a tensor
+    held twice (tied embeddings) is yielded twice."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from tensors_of(o)
+    elif dataclasses.is_dataclass(obj):
+        for f in dataclasses.fields(obj):
+            yield from tensors_of(getattr(obj, f.name))

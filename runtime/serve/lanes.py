@@ -1,0 +1,56 @@
+"""Lanes: the slot batches (runtime/decode/slots.py) the scheduler fills, one per kind of request.
+
+A lane is keyed by (spec mode, budget, greedy, index).  Greedy requests of one spec share one lane
+of `max_batch` rows (rows are independent at T = 0).  Sampled requests each get a batch-1 lane, so
+that a seed draws the same numbers as `kdtree run --seed` whatever else is running (the session's
+generator is shared by its rows); a sampled lane is reused once its request has left.
+
+LocalLanes builds them over the models of this process (Engine.load with tp 1).  RankLanes
+(runtime/serve/ranks.py) keeps the same lanes inside `tp` rank processes.
+"""
+
+from __future__ import annotations
+
+from runtime.decode.graphs import GraphPool
+from runtime.decode.params import SpecConfig
+from runtime.decode.session import DecodeSession
+from runtime.decode.slots import SlotBatch
+from runtime.engine.engine import Engine
+
+LaneKey = tuple[str, int, bool, int]  # (mode, budget, greedy, index)
+
+
+def lane_key(spec: SpecConfig, greedy: bool, index: int) -> LaneKey:
+    mode, budget = spec.bucket
+    return mode, budget, greedy, index
+
+
+def new_slot_batch(target, drafter, key: LaneKey, max_batch: int, capacity: int, pool: GraphPool | None,
+                   graphs: bool) -> SlotBatch:
+    """The slot batch of a lane (a decode session of its own: caches and buffers)."""
+    mode, budget, greedy, _ = key
+    batch = max_batch if greedy else 1
+    session = DecodeSession(target, drafter, SpecConfig(mode, max(budget, 1)), batch, capacity, pool)
+    return SlotBatch(session, greedy, graphs)
+
+
+class LocalLanes:
+    def __init__(self, engine: Engine, max_batch: int, capacity: int):
+        """engine: a one-rank Engine; capacity: prompt + max_tokens of a request (--max-model-len)."""
+        runner = engine.runner
+        self.target, self.drafter = runner.target, runner.drafter
+        self.max_batch, self.capacity, self.graphs = max_batch, capacity, runner.graphs
+        self.pool = GraphPool(runner.device) if runner.graphs and runner.device.type == "cuda" else None
+        self.lanes: dict[LaneKey, SlotBatch] = {}
+
+    def get(self, key: LaneKey) -> SlotBatch:
+        if key not in self.lanes:
+            self.lanes[key] = new_slot_batch(self.target, self.drafter, key, self.max_batch, self.capacity,
+                                             self.pool, self.graphs)
+        return self.lanes[key]
+
+    def check(self) -> None:
+        """Nothing to watch: the models live in this process."""
+
+    def close(self) -> None:
+        self.lanes.clear()

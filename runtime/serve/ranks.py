@@ -1,0 +1,133 @@
+"""The server's lanes under tensor parallelism: each rank process keeps the same slot batches on its shard.
+
+The rank processes are RanksRunner's (runtime/engine/ranks.py) with another body: instead of whole
+generations (Engine.rounds) they take the scheduler's three operations, sent to every rank:
+("admit", key, (prompt, params)), ("step", key, None), ("release", key, row).  Every rank runs the
+operation on its own SlotBatch for `key` (the collectives inside the model keep them in step); rank 0
+answers admit and step.  RankLane mirrors a slot batch's free and active rows on the front, so the
+scheduler drives LocalLanes and RankLanes alike.  A rank that dies surfaces as RankFailure from the
+group (runtime/parallel/ranks.py): the scheduler's fatal path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from core.config import ModelConfig
+from core.errors import NonFiniteLogits
+from core.plan import ParallelPlan
+from runtime.decode.graphs import GraphPool
+from runtime.decode.params import SpecConfig
+from runtime.decode.slots import RowEmission
+from runtime.engine.engine import Engine
+from runtime.engine.ranks import RanksRunner
+from runtime.load.artifact import read_manifest
+from runtime.load.models import load_models, load_tokenizer, resolve_artifact
+from runtime.parallel.comm import Comm
+from runtime.parallel.ranks import RankGroup
+from runtime.serve.lanes import LaneKey, new_slot_batch
+
+
+def _rank_body(comm: Comm, conn, art_dir: str, plan: ParallelPlan, drafter, spec: SpecConfig | None, graphs: bool,
+               dtype, max_batch: int, capacity: int) -> None:
+    models = load_models(art_dir, comm, plan, drafter, dtype=dtype)
+    spec = spec or SpecConfig("ddtree" if models.drafter is not None else "none")
+    dev = models.target.device
+    pool = GraphPool(dev) if graphs and dev.type == "cuda" else None
+    lanes = {}
+    conn.send(("ready", (spec, models.drafter is not None)))
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            return
+        op, key, arg = msg
+        if key not in lanes:
+            lanes[key] = new_slot_batch(models.target, models.drafter, key, max_batch, capacity, pool, graphs)
+        lane = lanes[key]
+        if op == "release":
+            lane.release(arg)
+            continue
+        if op == "admit":
+            try:
+                out = ("ok", lane.admit(*arg))
+            except (ValueError, NonFiniteLogits) as exc:  # the same on every rank (the logits are gathered)
+                out = ("bad" if isinstance(exc, ValueError) else "nonfinite", str(exc))
+        else:
+            out = lane.step()
+        if comm.rank == 0:
+            conn.send((op, out))
+
+
+class RankLane:
+    """The front's view of one lane held by the ranks: the SlotBatch interface the scheduler uses."""
+
+    def __init__(self, group: RankGroup, key: LaneKey, batch: int):
+        self.group, self.key = group, key
+        self.free = list(range(batch))
+        self.active: set[int] = set()
+
+    def _all(self, op: str, arg) -> None:
+        for r in range(self.group.world):
+            self.group.send(r, (op, self.key, arg))
+
+    def _answer(self, op: str):
+        for rank, kind, payload in self.group.messages():
+            if rank == 0 and kind == op:
+                return payload
+
+    def admit(self, prompt: list[int], params) -> tuple[int, int, bool]:
+        self._all("admit", (prompt, params))
+        status, out = self._answer("admit")
+        if status != "ok":
+            raise (ValueError if status == "bad" else NonFiniteLogits)(out)
+        row, first, live = out
+        self.free.remove(row)
+        (self.active.add if live else self.free.append)(row)
+        return row, first, live
+
+    def step(self) -> list[RowEmission]:
+        self._all("step", None)
+        emitted = self._answer("step")
+        for e in emitted:
+            if not e.live:  # finished, or its logits were non-finite: released on the ranks
+                self.active.discard(e.row)
+                self.free.append(e.row)
+        return emitted
+
+    def release(self, row: int) -> None:
+        if row in self.active:
+            self._all("release", row)
+            self.active.discard(row)
+            self.free.append(row)
+
+
+class RankLanes:
+    def __init__(self, group: RankGroup, max_batch: int):
+        self.group, self.max_batch = group, max_batch
+        self.lanes: dict[LaneKey, RankLane] = {}
+
+    def get(self, key: LaneKey) -> RankLane:
+        if key not in self.lanes:
+            self.lanes[key] = RankLane(self.group, key, self.max_batch if key[2] else 1)
+        return self.lanes[key]
+
+    def check(self) -> None:
+        """Raise RankFailure if a rank process has exited (RankGroup.messages names it)."""
+        if any(not p.is_alive() for p in self.group.procs):
+            for _ in self.group.messages():
+                pass
+
+    def close(self) -> None:
+        self.lanes.clear()
+
+
+def load_ranks(path: str | Path, tp: int, device: str, drafter, spec: str | None, budget: int, graphs: bool, dtype,
+               max_batch: int, max_model_len) -> tuple[Engine, RankLanes, int]:
+    """Start `tp` rank processes holding the server's lanes -> (the Engine over them, its lanes,
+    max_model_len resolved: a callable of the model's config)."""
+    art, plan = resolve_artifact(path, ParallelPlan(tp=tp), drafter)
+    cfg = ModelConfig.from_dict(read_manifest(art)["model"])
+    capacity = max_model_len(cfg)
+    want = SpecConfig(spec, budget) if spec is not None else None
+    runner = RanksRunner.start(art, cfg, plan, device, drafter, want, graphs, dtype, _rank_body, (max_batch, capacity))
+    return Engine(runner, load_tokenizer(art)), RankLanes(runner.group, max_batch), capacity

@@ -1,0 +1,292 @@
+"""`kdtree serve` on loopback (CPU, tiny model), driven by the official `openai` client.
+
+Three real servers (subprocesses started through the CLI, on free ports): a DDTree one with an API
+key and a batch of 4; an AR one with one slot and a queue of one (429, disconnect); a `--tp 2` one
+whose rank 1 is made to crash after a few requests (503, exit 1, one error line).  The reference is
+`kdtree run` itself for one request and the in-process Engine (what `kdtree run` calls) for the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from benchmarks.serve_load import ROOT, ServerProcess, drive
+from build_pipeline.tiny_drafter import make_tiny_drafter
+from runtime.engine.engine import Engine
+
+KEY = "sk-test-key"
+PROMPT = "The quick brown fox"
+# one torch thread per process: the servers and this process share the CI's 2 cores, and idle OpenMP
+# threads spinning beside another busy process slow tiny matmuls by orders of magnitude
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "KDTREE_RANK_THREADS": "1"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def paths(tiny, tmp_path_factory):
+    path = tiny.get("kimi")
+    dr = tmp_path_factory.mktemp("serve") / "dr"
+    make_tiny_drafter(path, dr)
+    return path, str(dr)
+
+
+@pytest.fixture(scope="module")
+def servers(paths):
+    path, dr = paths
+    main = ServerProcess(path, "--drafter", dr, "--budget", "8", "--max-batch", "4", "--max-model-len", "160",
+                         "--api-key", KEY, env=ONE_THREAD)
+    small = ServerProcess(path, "--max-batch", "1", "--max-queue", "1", "--max-model-len", "1024",
+                          env=ONE_THREAD)
+    try:
+        yield main.wait(), small.wait()
+    finally:
+        main.stop()
+        small.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(paths):
+    path, dr = paths
+    return Engine.load(path, drafter=dr, spec="ddtree", budget=8)
+
+
+def _client(server: ServerProcess, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.v1, api_key=key, max_retries=0, timeout=60)
+
+
+def _stream_text(stream) -> tuple[str, list[int], str, dict | None]:
+    """Concatenated text, token ids, finish reason and usage of a streamed answer."""
+    text, ids, finish, usage = [], [], None, None
+    for ch in stream:
+        if ch.usage is not None:
+            usage = ch.usage.model_dump()
+        for c in ch.choices:
+            piece = c.delta.content if hasattr(c, "delta") else c.text
+            text.append(piece or "")
+            ids += (c.model_extra or {}).get("token_ids") or []
+            finish = c.finish_reason or finish
+    return "".join(text), ids, finish, usage
+
+
+def test_completions_equal_kdtree_run(servers, paths):
+    main, _ = servers
+    path, dr = paths
+    run = subprocess.run([sys.executable, "-m", "runtime.cli", "run", path, "--drafter", dr, "--spec", "ddtree",
+                          "--budget", "8", "--prompt", PROMPT, "--max-new-tokens", "40", "--json"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120, check=False,
+                         env={**os.environ, **ONE_THREAD})
+    assert run.returncode == 0, run.stderr
+    ref = json.loads(run.stdout)
+    client = _client(main)
+    extra = {"return_token_ids": True}
+    got = client.completions.create(model="kimi-hf", prompt=PROMPT, max_tokens=40, temperature=0, extra_body=extra)
+    c = got.choices[0]
+    assert c.model_extra["token_ids"] == ref["token_ids"] and c.text == ref["text"]
+    assert got.usage.completion_tokens == len(ref["token_ids"]) and c.finish_reason in ("stop", "length")
+    streamed = client.completions.create(model="kimi-hf", prompt=PROMPT, max_tokens=40, temperature=0, stream=True,
+                                         stream_options={"include_usage": True}, extra_body=extra)
+    text, ids, finish, usage = _stream_text(streamed)
+    assert (text, ids, finish) == (ref["text"], ref["token_ids"], c.finish_reason)
+    assert usage["completion_tokens"] == len(ids) and usage["prompt_tokens"] == got.usage.prompt_tokens
+
+
+def test_chat_equals_engine(servers, engine):
+    main, _ = servers
+    tok = engine.tokenizer
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    ref = list(engine.generate_ids(tok.chat("hello there", system="be brief"), 30))
+    ref_text = tok.decode([t for t in ref if t not in engine.stop_ids()[0]])
+    client = _client(main)
+    got = client.chat.completions.create(model="kimi-hf", messages=msgs, max_tokens=30, temperature=0,
+                                         extra_body={"return_token_ids": True})
+    assert got.choices[0].model_extra["token_ids"] == ref and got.choices[0].message.content == ref_text
+    text, ids, _, _ = _stream_text(client.chat.completions.create(
+        model="kimi-hf", messages=msgs, max_tokens=30, temperature=0, stream=True,
+        extra_body={"return_token_ids": True}))
+    assert (text, ids) == (ref_text, ref)
+
+
+def test_concurrent_requests_batch_and_stay_lossless(servers, engine):
+    """Six requests at once (prompts as token ids, other lengths and speculation modes) through 4 slots:
+    each equals its own greedy decode; requests joined and left the batch between rounds."""
+    main, _ = servers
+    rng = random.Random(3)
+    jobs = [([rng.randrange(1000) for _ in range(n)], spec, budget)
+            for n, spec, budget in ((3, "ddtree", 8), (11, "ddtree", 8), (40, "none", 8), (7, "chain", 8),
+                                    (5, "ddtree", 4), (2, "ddtree", 8))]
+    out: dict[int, list[int]] = {}
+
+    def one(i: int) -> None:
+        ids, spec, budget = jobs[i]
+        r = _client(main).completions.create(model="kimi-hf", prompt=ids, max_tokens=20 + 3 * i, temperature=0,
+                                             stream=True, extra_body={"return_token_ids": True, "spec": spec,
+                                                                      "budget": budget})
+        out[i] = _stream_text(r)[1]
+
+    rounds_before = main.metric("kdtree_request_rounds_total")
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for i, (ids, _, _) in enumerate(jobs):
+        assert out.get(i) == list(engine.generate_ids(ids, 20 + 3 * i)), i
+    assert main.metric("kdtree_request_rounds_total") > rounds_before
+    assert main.metric("kdtree_running") == 0 and main.metric("kdtree_queue_depth") == 0
+
+
+def test_stop_strings_and_stop_ids(servers, engine):
+    main, _ = servers
+    client = _client(main)
+    free = "".join(engine.generate(PROMPT, 40))
+    stop = free[len(free) // 2:len(free) // 2 + 3]
+    want = "".join(engine.generate(PROMPT, 40, stop=[stop]))
+    got = client.completions.create(model="kimi-hf", prompt=PROMPT, max_tokens=40, temperature=0, stop=[stop])
+    assert got.choices[0].text == want and got.choices[0].finish_reason == "stop" and stop not in want
+    text, _, finish, _ = _stream_text(client.completions.create(model="kimi-hf", prompt=PROMPT, max_tokens=40,
+                                                                temperature=0, stop=stop, stream=True))
+    assert (text, finish) == (want, "stop")
+    ids = list(engine.generate_ids(PROMPT, 40))
+    cut = ids.index(ids[10]) + 1  # the first occurrence of the 11th token ends it
+    got = client.completions.create(model="kimi-hf", prompt=PROMPT, max_tokens=40, temperature=0,
+                                    extra_body={"stop_token_ids": [ids[10]], "return_token_ids": True})
+    assert got.choices[0].model_extra["token_ids"] == ids[:cut] and got.choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible(servers, engine):
+    main, _ = servers
+    client = _client(main)
+
+    def sample(seed: int) -> list[int]:
+        r = client.completions.create(model="kimi-hf", prompt=PROMPT, max_tokens=24, temperature=0.9, seed=seed,
+                                      extra_body={"return_token_ids": True})
+        return r.choices[0].model_extra["token_ids"]
+
+    a, b, c = sample(7), sample(7), sample(8)
+    assert a == b == list(engine.generate_ids(PROMPT, 24, temperature=0.9, seed=7))
+    assert a != c
+    greedy = list(engine.generate_ids(PROMPT, 24))
+    assert a != greedy
+
+
+def test_bad_requests_get_openai_errors(servers):
+    main, _ = servers
+    client = _client(main)
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 160") as e:
+        client.completions.create(model="kimi-hf", prompt=PROMPT, max_tokens=200, temperature=0)
+    assert e.value.body["param"] == "max_tokens" and e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError, match="maximum context length") as e:
+        client.completions.create(model="kimi-hf", prompt=list(range(161)), max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="top_p is not supported") as e:
+        client.completions.create(model="kimi-hf", prompt=PROMPT, max_tokens=4, top_p=0.5)
+    assert e.value.body["param"] == "top_p"
+    with pytest.raises(openai.BadRequestError, match="n must be 1"):
+        client.chat.completions.create(model="kimi-hf", messages=[{"role": "user", "content": "x"}], n=2)
+    with pytest.raises(openai.BadRequestError, match="temperature must be >= 0"):
+        client.completions.create(model="kimi-hf", prompt=PROMPT, max_tokens=4, temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="spec must be none, chain or ddtree"):
+        client.completions.create(model="kimi-hf", prompt=PROMPT, max_tokens=4, extra_body={"spec": "beam"})
+    with pytest.raises(openai.BadRequestError, match=r"outside the vocabulary"):
+        client.completions.create(model="kimi-hf", prompt=[5, 10 ** 7], max_tokens=4)
+    with pytest.raises(openai.NotFoundError, match="is not served here"):
+        client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=4)
+    with pytest.raises(openai.AuthenticationError):
+        _client(main, key="wrong").completions.create(model="kimi-hf", prompt=PROMPT, max_tokens=4)
+    r = httpx.post(main.v1 + "/completions", content=b"{not json", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert httpx.get(main.v1 + "/models").status_code == 401
+
+
+def test_health_models_metrics(servers):
+    main, _ = servers
+    assert main.get("/health").json() == {"status": "ok"}
+    models = _client(main).models.list()
+    assert [m.id for m in models.data] == ["kimi-hf"]
+    text = main.get("/metrics").text
+    for name in ("kdtree_requests_total", "kdtree_generation_tokens_total", "kdtree_tau", "kdtree_queue_depth",
+                 "kdtree_round_seconds_bucket", "kdtree_round_seconds_count"):
+        assert name in text
+    assert main.metric("kdtree_generation_tokens_total") > 0 and main.metric("kdtree_tau") >= 1.0
+
+
+def test_queue_full_429_and_disconnect_frees_the_slot(servers):
+    """One slot, a queue of one: a long stream holds the slot, a second request waits, a third gets
+    429; the first client disconnects mid-stream, and the waiting request takes the slot."""
+    _, small = servers
+    client = _client(small)
+    cancelled = small.metric("kdtree_requests_total")
+
+    first = client.completions.create(model="kimi-hf", prompt=PROMPT, max_tokens=1000, temperature=0, stream=True)
+    next(iter(first))
+    small.wait_metric("kdtree_running", 1)
+    second_started = threading.Event()
+    second_text: list[str] = []
+
+    def second() -> None:
+        s = client.completions.create(model="kimi-hf", prompt="hi", max_tokens=5, temperature=0, stream=True)
+        for ch in s:
+            second_started.set()
+            second_text.append(ch.choices[0].text if ch.choices else "")
+
+    t = threading.Thread(target=second)
+    t.start()
+    small.wait_metric("kdtree_queue_depth", 1)
+    with pytest.raises(openai.RateLimitError, match="busy"):
+        client.completions.create(model="kimi-hf", prompt=PROMPT, max_tokens=4, temperature=0)
+    assert not second_started.is_set()
+    first.close()  # the client goes away mid-stream
+    t.join(60)
+    assert second_started.is_set() and small.metric("kdtree_requests_total") == cancelled + 2
+    small.wait_metric("kdtree_running", 0)
+    lines = small.get("/metrics").text.splitlines()
+    assert any('outcome="cancelled"} 1' in line for line in lines), lines
+
+
+def test_short_load_completes_or_errors_cleanly(servers):
+    """benchmarks/serve_load.py's driver against the one-slot server: 3 clients for 3 s; every
+    request completes or gets a clean 429, none hangs."""
+    _, small = servers
+    res = asyncio.run(drive(small.base, clients=3, seconds=3, max_tokens=8, stall_s=30))
+    assert res["hung"] == 0 and res["completed"] >= 2 and set(res["errors"]) <= {"429"}, res
+    assert res["requests"] == res["completed"] + sum(res["errors"].values())
+    small.wait_metric("kdtree_running", 0)
+
+
+def test_tp2_serves_the_same_tokens_and_a_dead_rank_gives_503(paths, engine):
+    path, _ = paths
+    srv = ServerProcess(path, "--tp", "2", "--max-model-len", "256",
+                        env={**ONE_THREAD, "KDTREE_FAULT_RANK": "1", "KDTREE_FAULT_AT": "300"})
+    try:
+        srv.wait()
+        client = openai.OpenAI(base_url=srv.v1, api_key="none", max_retries=0, timeout=60)
+        got = client.completions.create(model="kimi-hf", prompt=PROMPT, max_tokens=8, temperature=0,
+                                        extra_body={"return_token_ids": True})
+        assert got.choices[0].model_extra["token_ids"] == list(engine.generate_ids(PROMPT, 8))
+        t0 = time.monotonic()
+        with pytest.raises(openai.InternalServerError, match="rank 1 died") as e:  # 503
+            client.completions.create(model="kimi-hf", prompt=PROMPT, max_tokens=200, temperature=0)
+        assert e.value.status_code == 503 and time.monotonic() - t0 < 60
+        assert srv.exit_code() == 1
+        errors = [line for line in srv.err if line.startswith("error:")]
+        assert len(errors) == 1 and "rank 1 died" in errors[0], srv.err
+    finally:
+        srv.stop()
