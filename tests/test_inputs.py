@@ -66,3 +66,28 @@ def test_nan_temperature_is_refused(tiny):
     assert r.exit_code == 1 and r.stderr.strip() == "error: --temperature must be >= 0, got nan"
     with pytest.raises(ValueError, match="temperature must be >= 0, got nan"):
         list(Engine.load(path).generate_ids([5, 6], 2, temperature=float("nan")))
+
+
+def test_a_session_that_cannot_fit_is_refused_before_allocating(tiny, tmp_path):
+    """Item 4: a budget whose tree (mask, logits, the reference's N x N table) or a capacity whose cache
+    exceeds the memory the device has is one line naming the flag, at once (it used to allocate for
+    ~80 s and end in a MemoryError traceback)."""
+    from build_pipeline.tiny_drafter import make_tiny_drafter
+    from runtime.decode.memory import check_fits, session_bytes
+    from runtime.decode.params import InvalidParam
+
+    path = tiny.get("kimi")
+    drafter = make_tiny_drafter(path, tmp_path / "dr")
+    r = CliRunner().invoke(app, ["run", path, "--drafter", str(drafter), "--spec", "ddtree", "--budget", "100000",
+                                 "--prompt-ids", "5,6,7", "--max-new-tokens", "4"])
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]  # (progress bars aside)
+    assert r.exit_code == 1 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert errors[0].startswith("error: --budget 100000 needs ~") and "GB of memory are available" in errors[0]
+    eng = Engine.load(path, drafter=drafter, spec="ddtree", budget=16)
+    parts = session_bytes(eng.runner.target, eng.runner.drafter, 1, 4000, 17, 8, 256)
+    assert parts["cache"] > 0 and parts["tree"] > 0
+    with pytest.raises(InvalidParam, match=r"prompt \+ max_new_tokens \(4000 tokens per request\) need ~") as exc:
+        check_fits(parts, eng.device, 16, 4000, available=parts["cache"] // 2)
+    assert exc.value.name == "max_new_tokens"
+    check_fits(parts, eng.device, 16, 4000, available=10 * sum(parts.values()))  # fits: no error
+    assert len(list(eng.generate_ids([5, 6, 7], 4))) == 4

@@ -29,6 +29,7 @@ from core.errors import NonFiniteLogits
 from plugins.tree_build import TreeBuildWorkspace
 from runtime.decode.clock import StageClock
 from runtime.decode.graphs import CapturedStep, GraphPool, GraphUnavailable, missing_cuda_kernels
+from runtime.decode.memory import check_fits, session_bytes
 from runtime.decode.params import SamplingParams, SpecConfig
 from runtime.decode.prefill import prefill_requests
 from runtime.decode.round import RoundBuffers, ar_step, one_token_mask, pick, spec_round
@@ -59,6 +60,8 @@ class DecodeSession:
             self.budget, self.topk = spec.tree_shape(depth, target.cfg.vocab_size)
             n, a = self.budget + 1, depth + 1
         self.n, self.a = n, a
+        check_fits(session_bytes(target, self.drafter, batch, capacity, n, a, prefill_chunk), dev, self.budget,
+                   capacity)  # refuse what cannot fit before allocating anything
         self.cache = target.new_cache(batch, capacity + n + a, max(n, prefill_chunk))
         # headroom for one ingest call (up to INGEST_CHUNK prompt rows, never more than a prompt)
         ingest = min(INGEST_CHUNK, capacity)

@@ -78,6 +78,11 @@ class DFlashDrafter:
         f_l = weights.fc.shape[1]
         self.feat_cols = slice(rank * f_l, (rank + 1) * f_l)  # this rank's columns of the features
 
+    def cache_bytes(self, batch: int, capacity: int) -> int:
+        """Bytes new_cache(batch, capacity) allocates (runtime/decode/memory.py sizes sessions with it)."""
+        c = self.cfg
+        return 2 * c.num_layers * batch * capacity * self.kv_heads * c.head_dim * self.w.fc.element_size()
+
     def new_cache(self, batch: int, capacity: int) -> DrafterCache:
         c = self.cfg
         shape = (c.num_layers, batch, capacity, self.kv_heads, c.head_dim)
