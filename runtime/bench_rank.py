@@ -58,9 +58,10 @@ CONTEXTS = (4096, 32768)
 # <= 1 MB; ~25 us: NCCL's ring/tree for the same sizes.  Both curves are reported.
 ALLREDUCE_US = (10.0, 25.0)
 KERNEL_CLASSES = (  # (class, kernel-name pattern), first match wins
-    ("moe_experts", r"gate_up_kernel|down_kernel|silu_mul_kernel|combine_kernel"),
-    ("moe_route", r"route_kernel"),
     ("attention", r"tree_verify_mla"),
+    ("layer_glue", r"^_(add_rms_norm|mla_rope_q|mla_rope_kv|silu_mul)_kernel"),  # plugins/layer_fusion
+    ("moe_experts", r"^(gate_up_kernel|down_kernel|silu_mul_kernel|combine_kernel)"),
+    ("moe_route", r"route_kernel"),
     ("tree_ops", r"_tree_kernel|_lse_partial|_radix_pass|_gather_kernel|_sort_rows|_tree_accept|kv_commit|"
                  r"_advance_lens|posterior"),
     ("gemm", r"gemm|gemv|nvjet|cutlass|xmma|splitK|cublas|Kernel2|sm90"),
@@ -268,7 +269,7 @@ def _profile(launch: Callable[[], None], reset: Callable[[], None], target, row:
     total = sum(c["kernels"] for c in classes.values())
     return {"classes": classes, "kernels": total, "kernels_per_layer": round(total / layers, 1),
             "gpu_us": round(sum(c["us"] for c in classes.values()), 1),
-            "top": sorted(([n, k, round(us, 1)] for n, (k, us) in top.items()), key=lambda r: -r[2])[:25]}
+            "top": sorted(([n, k, round(us, 1)] for n, (k, us) in top.items()), key=lambda r: -r[2])[:40]}
 
 
 def _experts_touched(target, s: DecodeSession, ar: bool) -> float:

@@ -25,7 +25,7 @@ from build_pipeline.tiny_drafter import default_target_layer_ids
 from core.drafter_config import DrafterConfig, parse_drafter_config
 from core.staging import staged_dir
 from core.weight_map import drafter_specs
-from runtime.model.layers import rms_norm
+from plugins.layer_fusion.reference import rms_norm_reference as rms_norm  # autograd: the torch form
 from runtime.model.rope import Rope
 from training.recipe import Recipe
 

@@ -121,6 +121,13 @@ def place(name: str, t: torch.Tensor, device: str | torch.device, dtype: torch.d
     return t.to(device=device)
 
 
+def stack_rows(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """a [m, d], b [k, d] -> the same values as row views of one [m + k, d] tensor (copied once, the originals
+    freed with their last reference), so the forward multiplies both in one GEMM (AttentionWeights.latent_inputs)."""
+    both = torch.cat([a, b])  # [m + k, d]
+    return both[:a.shape[0]], both[a.shape[0]:]
+
+
 def assemble_weights(cfg: ModelConfig, flat: dict[str, torch.Tensor]) -> TargetWeights:
     """Group a rank's {stored name: tensor} (build_pipeline/shard.py's names) into TargetWeights."""
     def get(key: str) -> torch.Tensor:
@@ -132,11 +139,11 @@ def assemble_weights(cfg: ModelConfig, flat: dict[str, torch.Tensor]) -> TargetW
     for li in range(cfg.num_layers):
         p = f"layers.{li}."
         q_lora = cfg.q_lora_rank is not None
+        q_a, kv_a = stack_rows(get(p + "attn.q_a"), get(p + "attn.kv_a")) if q_lora else (None, get(p + "attn.kv_a"))
         attn = AttentionWeights(
-            q_a=get(p + "attn.q_a") if q_lora else None,
-            q_a_norm=get(p + "attn.q_a_norm") if q_lora else None,
+            q_a=q_a, q_a_norm=get(p + "attn.q_a_norm") if q_lora else None,
             q_b=get(p + ("attn.q_b" if q_lora else "attn.q")),
-            kv_a=get(p + "attn.kv_a"), kv_a_norm=get(p + "attn.kv_a_norm"),
+            kv_a=kv_a, kv_a_norm=get(p + "attn.kv_a_norm"),
             w_uk=get(p + "attn.w_uk"), w_uv=get(p + "attn.w_uv"), o=get(p + "attn.o"))
         if cfg.is_moe_layer(li):
             if p + "moe.w13_packed" in flat:  # INT4, in plugins/moe_w4a16/layout.py's kernel layout

@@ -2,7 +2,9 @@
 
 Letters: b requests, n tokens, h heads, d hidden, p qk_nope dims, r rope dims, c latent (kv_lora_rank),
 u v_head_dim.  Absorbed: q_lat = q_nope . W_UK (p -> c), scores = [q_lat | q_pe] . [c_kv | k_pe],
-values = c_kv, out_h = (attn . c_kv) . W_UV (c -> u), then o_proj.  The attention itself is the
+values = c_kv, out_h = (attn . c_kv) . W_UV (c -> u), then o_proj.  Both absorptions are batched
+GEMMs over heads reading their operands through strides; rope, the latent row's norm and the
+query's assembly are the fused kernels of plugins/layer_fusion.  The attention itself is the
 kdtree::tree_verify_mla op, so the same code serves prefill chunks, AR steps and tree verification.
 
 Tensor parallel: `w` holds this rank's h/tp heads (q_b / kv_b rows and o_proj columns cut by head,
@@ -14,11 +16,11 @@ the caller (runtime/model/target.py) all-reduces it.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from core.config import ModelConfig
+from plugins.layer_fusion import mla_rope_kv, mla_rope_q, rms_norm
 from plugins.tree_verify_mla import tree_verify_mla
-from runtime.model.layers import rms_norm
+from runtime.model.layers import linear
 from runtime.model.rope import Rope
 from runtime.model.weights import AttentionWeights
 from runtime.model.workspace import ForwardWorkspace
@@ -34,23 +36,29 @@ def mla_forward(cfg: ModelConfig, w: AttentionWeights, rope: Rope, x: torch.Tens
     which of the n tokens each token sees (itself and its ancestors); ws holds the attention's outputs.
     """
     b, n, _ = x.shape
+    t = b * n
     h, p, r, c = w.w_uk.shape[0], cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
-    if w.q_a is not None:
-        q = F.linear(rms_norm(F.linear(x, w.q_a), w.q_a_norm, cfg.rms_norm_eps), w.q_b)
+    u = w.w_uv.shape[1]
+    xt = x.reshape(t, -1)  # [t, d]
+    joint = w.latent_inputs()  # [q+c+r, d] or None
+    if joint is not None:  # q_a and kv_a in one GEMM
+        both = linear(xt, joint)  # [t, q+c+r]
+        q_low, latent = both[:, :w.q_a.shape[0]], both[:, w.q_a.shape[0]:]  # [t, q], [t, c+r]
     else:
-        q = F.linear(x, w.q_b)
-    q = q.view(b, n, h, p + r)
-    q_nope, q_pe = q[..., :p], rope.apply(q[..., p:], cos, sin)  # [b, n, h, p], [b, n, h, r]
-    q_lat = torch.einsum("bnhp,hpc->bnhc", q_nope, w.w_uk)  # [b, n, h, c]
+        q_low, latent = (linear(xt, w.q_a) if w.q_a is not None else None), linear(xt, w.kv_a)
+    if q_low is not None:
+        q = linear(rms_norm(q_low, w.q_a_norm, cfg.rms_norm_eps), w.q_b)
+    else:
+        q = linear(xt, w.q_b)
+    q = q.view(t, h, p + r)
+    q_lat = torch.bmm(q[..., :p].transpose(0, 1), w.w_uk)  # [h, t, c] = q_nope . W_UK (strided read, no copy)
+    cos_t, sin_t = cos.reshape(t, -1), sin.reshape(t, -1)  # [t, r/2]
+    q_full = mla_rope_q(q, q_lat.transpose(0, 1), cos_t, sin_t, rope.interleave).view(b, n, h, c + r)
 
-    latent = F.linear(x, w.kv_a)  # [b, n, c+r]
-    c_kv = rms_norm(latent[..., :c], w.kv_a_norm, cfg.rms_norm_eps)  # [b, n, c]
-    k_pe = rope.apply(latent[..., c:], cos, sin)  # [b, n, r]
-    tree_kv = scratch[:, :n]
-    tree_kv.copy_(torch.cat([c_kv, k_pe], dim=-1))
+    tree_kv = scratch[:, :n]  # [b, n, c+r]: [rms_norm(c_kv) | rope(k_pe)] written in place
+    mla_rope_kv(latent, w.kv_a_norm, cfg.rms_norm_eps, cos_t, sin_t, rope.interleave, tree_kv)
 
-    q_full = torch.cat([q_lat, q_pe], dim=-1).contiguous()  # [b, n, h, c+r]
     o_lat, lse = ws.attention(b, n, h, c)  # [b, n, h, c], [b, n, h]
     tree_verify_mla(q_full, kv, lens, tree_kv, tree_mask, cfg.softmax_scale, o_lat, lse)
-    o = torch.einsum("bnhc,huc->bnhu", o_lat, w.w_uv)  # [b, n, h, u]
-    return F.linear(o.reshape(b, n, -1), w.o)
+    o = torch.bmm(o_lat.view(t, h, c).transpose(0, 1), w.w_uv.transpose(1, 2))  # [h, t, u] = o_lat . W_UV^T
+    return linear(o.transpose(0, 1).reshape(b, n, h * u), w.o)

@@ -24,11 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from core.drafter_config import DrafterConfig
 from plugins.common.precision import acc
-from runtime.model.layers import rms_norm, swiglu_mlp
+from plugins.layer_fusion import add_rms_norm
+from runtime.model.layers import linear, rms_norm, swiglu_mlp
 from runtime.model.rope import Rope
 from runtime.model.target import TargetModel
 
@@ -101,7 +101,7 @@ class DFlashDrafter:
         s = c.block_size
         dev = ctx_feats.device
         feats = ctx_feats[..., self.feat_cols].to(self.target.dtype)  # [b, a, F_l]
-        ctx = rms_norm(self._reduce(F.linear(feats, w.fc)), w.hidden_norm, c.rms_norm_eps)  # [b, a, H]
+        ctx = rms_norm(self._reduce(linear(feats, w.fc)), w.hidden_norm, c.rms_norm_eps)  # [b, a, H]
         ctx_pos = cache.lens[:, None].long() + torch.arange(a, device=dev)  # [b, a]
         start = cache.lens.long() + ctx_len.long()  # [b]
         blk_pos = start[:, None] + torch.arange(s, device=dev)  # [b, s]
@@ -115,21 +115,23 @@ class DFlashDrafter:
         write = ctx_pos.clamp(max=cap - 1)  # rows past ctx_len land at [start, ...): the block overwrites them
         write_blk = blk_pos.clamp(max=cap - 1)  # the block's own rows, past the committed length
         visible = torch.arange(cap, device=dev)[None, :] < (start + s)[:, None]  # [b, cap] context + block
-        for li, lw in enumerate(w.layers):
+        layers = w.layers
+        xn = rms_norm(x, layers[0].attn_norm, c.rms_norm_eps) if layers else x  # [b, s, H]
+        for li, lw in enumerate(layers):
             k_ctx, v_ctx = self._kv(lw, ctx, cos_c, sin_c)  # [b, a, g_l, e]
             cache.k[li, rows, write] = k_ctx
             cache.v[li, rows, write] = v_ctx
-            xn = rms_norm(x, lw.attn_norm, c.rms_norm_eps)
-            q = self.rope.apply(rms_norm(F.linear(xn, lw.q).view(b, s, self.heads, c.head_dim), lw.q_norm,
+            q = self.rope.apply(rms_norm(linear(xn, lw.q).view(b, s, self.heads, c.head_dim), lw.q_norm,
                                          c.rms_norm_eps), cos_b, sin_b)  # [b, s, h_l, e]
             k_blk, v_blk = self._kv(lw, xn, cos_b, sin_b)  # [b, s, g_l, e]
             cache.k[li, rows, write_blk] = k_blk  # scratch rows: the next call's context overwrites them
             cache.v[li, rows, write_blk] = v_blk
             attn = self._attend(q, cache.k[li], cache.v[li], visible)  # [b, s, h_l*e]
-            x = x + self._reduce(F.linear(attn, lw.o))
-            x = x + self._reduce(swiglu_mlp(rms_norm(x, lw.mlp_norm, c.rms_norm_eps), lw.gate_up, lw.down))
+            x, hn = add_rms_norm(x, self._reduce(linear(attn, lw.o)), lw.mlp_norm, c.rms_norm_eps)  # residual, norm
+            nxt = layers[li + 1].attn_norm if li + 1 < len(layers) else w.norm  # the next norm (the final one last)
+            x, xn = add_rms_norm(x, self._reduce(swiglu_mlp(hn, lw.gate_up, lw.down)), nxt, c.rms_norm_eps)
         cache.lens += ctx_len
-        y = rms_norm(x[:, 1:], w.norm, c.rms_norm_eps)  # [b, D, H]
+        y = xn[:, 1:] if layers else rms_norm(x[:, 1:], w.norm, c.rms_norm_eps)  # [b, D, H] (norms are per row)
         return self.target.logits(y)
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
@@ -139,7 +141,7 @@ class DFlashDrafter:
     def _kv(self, lw: DrafterLayerWeights, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
         b, n, _ = x.shape
-        k, v = F.linear(x, lw.kv).view(b, n, 2, self.kv_heads, c.head_dim).unbind(2)
+        k, v = linear(x, lw.kv).view(b, n, 2, self.kv_heads, c.head_dim).unbind(2)
         return self.rope.apply(rms_norm(k, lw.k_norm, c.rms_norm_eps), cos, sin), v
 
     def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, visible: torch.Tensor

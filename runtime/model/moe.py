@@ -8,27 +8,21 @@ form the rank holds them (runtime/model/weights.Experts).  The shared expert is 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from core.config import ModelConfig
 from plugins.common.precision import acc
 from plugins.moe_w4a16 import moe_w4a16
-from runtime.model.layers import swiglu_mlp
+from runtime.model.layers import linear, swiglu_mlp
 from runtime.model.weights import MoEWeights
-
-
-_MM_FP32_OUT = torch._C._dispatch_has_kernel_for_dispatch_key("aten::mm.dtype", "CUDA") \
-    if hasattr(torch.ops.aten.mm, "dtype") else False
 
 
 def router_logits(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """x [t, d] @ gate [e, d]^T -> [t, e] in fp32 (fp64 in fp64 runs), the products of the stored values
     summed in fp32 as DeepSeek-V3's reference router does.  A bf16 gate (as checkpoints ship it) is read
-    as bf16 by cuBLAS with an fp32 result (aten::mm.dtype) on CUDA: half the bytes of an fp32 copy and a
-    tensor-core GEMM instead of an fp32 one; elsewhere both sides are upcast (exact for bf16 values)."""
-    if _MM_FP32_OUT and x.is_cuda and x.dtype == gate.dtype and x.dtype in (torch.bfloat16, torch.float16):
-        return torch.mm(x, gate.t(), out_dtype=torch.float32)
-    return F.linear(acc(x), gate.to(acc(x).dtype))
+    as bf16 on CUDA with an fp32 result straight from the fp32 accumulator (runtime/model/layers.linear:
+    cuBLAS's aten::mm.dtype): half the bytes of an fp32 copy; elsewhere both sides are upcast (exact for
+    bf16 values)."""
+    return linear(x, gate, out_dtype=acc(x).dtype)
 
 
 def moe_forward(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor, e_start: int = 0,
@@ -44,6 +38,6 @@ def moe_forward(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor, e_start: int =
     ex = w.experts
     y = moe_w4a16(xt, logits, None, w.gate_bias, ex.w13, ex.w13_scale, ex.w2, ex.w2_scale, cfg.num_experts_per_tok,
                   cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor, e_start, workspace)
-    if w.shared is not None:
-        y = y + swiglu_mlp(xt, w.shared.gate_up, w.shared.down)
+    if w.shared is not None:  # y + shared(x): the shared expert's down projection accumulates into y (one GEMM)
+        y = swiglu_mlp(xt, w.shared.gate_up, w.shared.down, c=y)
     return y.view(shape)

@@ -13,6 +13,7 @@ import math
 import torch
 
 from core.config import RopeConfig
+from plugins.layer_fusion import rotate_reference
 
 
 def inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
@@ -54,8 +55,4 @@ class Rope:
         """x [b, n, (h,) r] with cos/sin [b, n, r/2] -> rotated, de-interleaved [b, n, (h,) r]."""
         if x.dim() == 4:
             cos, sin = cos[:, :, None], sin[:, :, None]
-        if self.interleave:
-            x1, x2 = x[..., 0::2], x[..., 1::2]
-        else:
-            x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        return rotate_reference(x, cos, sin, self.interleave)

@@ -30,10 +30,11 @@ import torch.nn.functional as F
 from core.config import ModelConfig
 from core.plan import ParallelPlan
 from plugins.common.precision import acc
+from plugins.layer_fusion import add_rms_norm
 from plugins.moe_w4a16 import MoEWorkspace
 from runtime.model.attention import mla_forward
 from runtime.model.cache import LatentCache
-from runtime.model.layers import rms_norm, swiglu_mlp
+from runtime.model.layers import linear, rms_norm, swiglu_mlp
 from runtime.model.moe import moe_forward
 from runtime.model.rope import Rope
 from runtime.model.weights import MoEWeights, TargetWeights
@@ -91,19 +92,22 @@ class TargetModel:
         x = self.embed(tokens)  # [b, n, d]
         cos, sin = self.rope.cos_sin(positions, x.dtype)
         feats: dict[int, torch.Tensor] = {}
-        for li, lw in enumerate(self.w.layers):
-            a = mla_forward(cfg, lw.attn, self.rope, rms_norm(x, lw.attn_norm, cfg.rms_norm_eps), cos, sin,
-                            cache.kv[li], cache.lens, cache.scratch[li], tree_mask, cache.work)  # [b, n, d] partial
-            x = x + self._reduce(a)
-            hn = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
+        layers, eps = self.w.layers, cfg.rms_norm_eps
+        hn = rms_norm(x, layers[0].attn_norm, eps) if layers else rms_norm(x, self.w.norm, eps)  # [b, n, d]
+        for li, lw in enumerate(layers):
+            a = mla_forward(cfg, lw.attn, self.rope, hn, cos, sin, cache.kv[li], cache.lens, cache.scratch[li],
+                            tree_mask, cache.work)  # [b, n, d] partial
+            x, hn = add_rms_norm(x, self._reduce(a), lw.mlp_norm, eps)  # residual, then the MLP's norm
             if isinstance(lw.mlp, MoEWeights):
                 m = moe_forward(cfg, lw.mlp, hn, self.experts[0], cache.work.moe)  # ep: experts from experts[0]
             else:
                 m = swiglu_mlp(hn, lw.mlp.gate_up, lw.mlp.down)
-            x = x + self._reduce(m)  # [b, n, d]: routed + shared (or dense) partial sums, one all-reduce
+            # routed + shared (or dense) partial sums, one all-reduce; the next layer's norm (the final one last)
+            nxt = layers[li + 1].attn_norm if li + 1 < len(layers) else self.w.norm
+            x, hn = add_rms_norm(x, self._reduce(m), nxt, eps)  # [b, n, d] each
             if li in self.feature_layers:
                 feats[li] = x
-        hidden = rms_norm(x, self.w.norm, cfg.rms_norm_eps)
+        hidden = hn
         features = torch.cat([feats[i] for i in self.feature_layers], dim=-1) if feats else None
         return hidden, features
 
@@ -120,7 +124,7 @@ class TargetModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., d] -> logits [..., v] (fp32, or fp64 for an fp64 model), the full vocabulary on
         every rank (all-gather of the vocab-parallel pieces under TP)."""
-        local = acc(F.linear(hidden, self.w.lm_head))  # [..., v_l]
+        local = linear(hidden, self.w.lm_head, out_dtype=acc(hidden).dtype)  # [..., v_l] from the fp32 accumulator
         if self.comm is None:
             return local
         return self.comm.all_gather(local, dim=-1)[..., :self.cfg.vocab_size].contiguous()  # [..., v]: padding cut
@@ -137,7 +141,7 @@ class TargetModel:
         if self.comm is None:
             logits = self.logits(hidden)  # [..., v]
             return logits.argmax(dim=-1), logits.amax(dim=-1)
-        local = acc(F.linear(hidden, self.w.lm_head))  # [..., v_l]
+        local = linear(hidden, self.w.lm_head, out_dtype=acc(hidden).dtype)  # [..., v_l]
         local[..., self.vocab_end - self.vocab_start:] = float("-inf")  # padding rows (core/plan.py) never win
         best, idx = local.max(dim=-1)  # [...] first occurrence of the maximum
         pair = torch.stack([best.double(), (idx + self.vocab_start).double()], dim=-1)  # [..., 2] exact in fp64

@@ -27,6 +27,16 @@ class AttentionWeights:
     w_uv: torch.Tensor  # [h, u, c]
     o: torch.Tensor  # [d, h*u]
 
+    def latent_inputs(self) -> torch.Tensor | None:
+        """[q+c+r, d]: q_a and kv_a as one matrix when they are consecutive rows of one tensor (as
+        runtime/load/artifact.assemble_weights holds them), so x multiplies both in one GEMM; else None."""
+        a, b = self.q_a, self.kv_a
+        if a is None or not (a.is_contiguous() and b.is_contiguous()) or a.dtype != b.dtype or a.device != b.device \
+                or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() \
+                or b.storage_offset() != a.storage_offset() + a.numel() or a.shape[1] != b.shape[1]:
+            return None
+        return torch.as_strided(a, (a.shape[0] + b.shape[0], a.shape[1]), (a.shape[1], 1))
+
 
 @dataclass
 class MLPWeights:

@@ -1,0 +1,213 @@
+"""layer_fusion: a decoder layer's elementwise stages as one kernel each (see kernel.py for why).
+
+Registered as kdtree:: ops (torch.export sees one node per stage); CUDA tensors of bf16 / fp16 / fp32
+run the Triton kernels, everything else (CPU, fp64) the torch reference (reference.py), which the
+wrappers call directly on CPU to keep the dispatcher's per-call cost out of the CPU path.
+
+Letters: t tokens, d hidden, h heads, p qk_nope dims, r rope dims, c latent, i MLP intermediate.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from plugins.layer_fusion.reference import (
+    add_rms_norm_reference,
+    mla_rope_kv_reference,
+    mla_rope_q_reference,
+    rms_norm_reference,
+    rotate_reference,
+    silu_mul_reference,
+)
+
+__all__ = ["rms_norm", "add_rms_norm", "mla_rope_q", "mla_rope_kv", "silu_mul", "rotate_reference"]
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# KDTREE_FUSION=0 (read once, at import): the references on CUDA too, i.e. the unfused torch ops, the peer
+# benchmarks/layer_fusion.py measures in the same run
+FUSION = os.environ.get("KDTREE_FUSION", "1") != "0"
+
+
+def _fused(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
+    """Run the kernel: a CUDA tensor of a kernel dtype, every other tensor of the same dtype."""
+    return FUSION and x.is_cuda and x.dtype in _KERNEL_DTYPES and all(o is None or o.dtype == x.dtype for o in others)
+
+
+def _check_rows(name: str, d: int, **tensors: torch.Tensor | None) -> None:
+    for key, t in tensors.items():
+        if t is not None and (t.dim() != 2 or t.shape[1] != d or t.stride(1) != 1):
+            raise ValueError(f"{name}: {key} must be [t, {d}] with unit stride along d, got {tuple(t.shape)} "
+                             f"strides {t.stride()}")
+
+
+# ---- rms_norm and the residual step
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., d] -> rms_norm(x) * weight [..., d] (transformers' RMSNorm)."""
+    if not _fused(x, weight):
+        return rms_norm_reference(x, weight, eps)
+    return rms_norm_op(x, weight, eps)
+
+
+@torch.library.custom_op("kdtree::rms_norm", mutates_args=())
+def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return rms_norm_reference(x, weight, eps)
+
+
+@rms_norm_op.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x)
+
+
+@rms_norm_op.register_kernel("cuda")
+def _rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if not _fused(x, weight):
+        return rms_norm_reference(x, weight, eps)
+    from plugins.layer_fusion.kernel import add_rms_norm_triton
+    d = x.shape[-1]
+    rows = x.reshape(-1, d)
+    _check_rows("rms_norm", d, x=rows)
+    y = torch.empty(rows.shape, dtype=x.dtype, device=x.device)  # [t, d]
+    add_rms_norm_triton(rows, None, None, weight, eps, None, y)
+    return y.view(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                 delta2: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual step of a layer: x, delta (, delta2) [..., d] -> (s = x + (delta + delta2), rms_norm(s) * weight)."""
+    if not _fused(x, delta, delta2, weight):
+        return add_rms_norm_reference(x, delta, delta2, weight, eps)
+    return add_rms_norm_op(x, delta, delta2, weight, eps)
+
+
+@torch.library.custom_op("kdtree::add_rms_norm", mutates_args=())
+def add_rms_norm_op(x: torch.Tensor, delta: torch.Tensor, delta2: torch.Tensor | None, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return add_rms_norm_reference(x, delta, delta2, weight, eps)
+
+
+@add_rms_norm_op.register_fake
+def _(x, delta, delta2, weight, eps):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@add_rms_norm_op.register_kernel("cuda")
+def _add_rms_norm_cuda(x: torch.Tensor, delta: torch.Tensor, delta2: torch.Tensor | None, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if not _fused(x, delta, delta2, weight):
+        return add_rms_norm_reference(x, delta, delta2, weight, eps)
+    from plugins.layer_fusion.kernel import add_rms_norm_triton
+    d = x.shape[-1]
+    rows = [t.reshape(-1, d) if t is not None else None for t in (x, delta, delta2)]
+    _check_rows("add_rms_norm", d, x=rows[0], delta=rows[1], delta2=rows[2])
+    s = torch.empty(rows[0].shape, dtype=x.dtype, device=x.device)  # [t, d]
+    y = torch.empty_like(s)
+    add_rms_norm_triton(rows[0], rows[1], rows[2], weight, eps, s, y)
+    return s.view(x.shape), y.view(x.shape)
+
+
+# ---- MLA: the query and the latent row
+
+def mla_rope_q(q: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               interleave: bool) -> torch.Tensor:
+    """q [t, h, p+r], q_lat [t, h, c] (any strides), cos/sin [t, r/2] -> q_full [t, h, c+r] = [q_lat | rope(q_pe)]."""
+    if not _fused(q, q_lat, cos, sin):
+        return mla_rope_q_reference(q, q_lat, cos, sin, interleave)
+    return mla_rope_q_op(q, q_lat, cos, sin, interleave)
+
+
+@torch.library.custom_op("kdtree::mla_rope_q", mutates_args=())
+def mla_rope_q_op(q: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  interleave: bool) -> torch.Tensor:
+    return mla_rope_q_reference(q, q_lat, cos, sin, interleave)
+
+
+@mla_rope_q_op.register_fake
+def _(q, q_lat, cos, sin, interleave):
+    t, h, c = q_lat.shape
+    return q_lat.new_empty(t, h, c + 2 * cos.shape[-1])
+
+
+@mla_rope_q_op.register_kernel("cuda")
+def _mla_rope_q_cuda(q: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     interleave: bool) -> torch.Tensor:
+    if not _fused(q, q_lat, cos, sin):
+        return mla_rope_q_reference(q, q_lat, cos, sin, interleave)
+    from plugins.layer_fusion.kernel import mla_rope_q_triton
+    t, h, c = q_lat.shape
+    r2 = cos.shape[-1]
+    if q.dim() != 3 or q.shape[:2] != (t, h) or q.shape[2] < 2 * r2 or cos.shape != (t, r2) or sin.shape != (t, r2) \
+            or q.stride(2) != 1 or q_lat.stride(2) != 1 or cos.stride(1) != 1 or sin.stride() != cos.stride():
+        raise ValueError(f"mla_rope_q: need q [{t}, {h}, p+r], cos/sin [{t}, r/2] with unit last strides; got q "
+                         f"{tuple(q.shape)} {q.stride()}, q_lat {tuple(q_lat.shape)} {q_lat.stride()}, cos "
+                         f"{tuple(cos.shape)} {cos.stride()}, sin {tuple(sin.shape)} {sin.stride()}")
+    out = torch.empty(t, h, c + 2 * r2, dtype=q.dtype, device=q.device)
+    mla_rope_q_triton(q, q_lat, cos, sin, interleave, out)
+    return out
+
+
+def mla_rope_kv(latent: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                interleave: bool, out: torch.Tensor) -> None:
+    """latent [t, c+r] (kv_a's output), cos/sin [t, r/2] -> out [b, n, c+r] (b * n = t, e.g. the cache's
+    scratch rows) = [rms_norm(c_kv) * weight | rope(k_pe)]."""
+    if not _fused(latent, weight, cos, sin, out):
+        mla_rope_kv_reference(latent, weight, eps, cos, sin, interleave, out)
+        return
+    mla_rope_kv_op(latent, weight, eps, cos, sin, interleave, out)
+
+
+@torch.library.custom_op("kdtree::mla_rope_kv", mutates_args=("out",))
+def mla_rope_kv_op(latent: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                   interleave: bool, out: torch.Tensor) -> None:
+    mla_rope_kv_reference(latent, weight, eps, cos, sin, interleave, out)
+
+
+@mla_rope_kv_op.register_kernel("cuda")
+def _mla_rope_kv_cuda(latent: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                      interleave: bool, out: torch.Tensor) -> None:
+    if not _fused(latent, weight, cos, sin, out):
+        mla_rope_kv_reference(latent, weight, eps, cos, sin, interleave, out)
+        return
+    from plugins.layer_fusion.kernel import mla_rope_kv_triton
+    b, n, w = out.shape
+    r2 = cos.shape[-1]
+    _check_rows("mla_rope_kv", w, latent=latent)
+    if latent.shape[0] != b * n or w != weight.shape[0] + 2 * r2 or cos.shape != (b * n, r2) \
+            or cos.stride(1) != 1 or sin.stride() != cos.stride() or out.stride(2) != 1:
+        raise ValueError(f"mla_rope_kv: need latent [{b * n}, c+r], out [{b}, {n}, c+r], cos/sin [{b * n}, r/2]; got "
+                         f"latent {tuple(latent.shape)}, out {tuple(out.shape)} {out.stride()}, cos {tuple(cos.shape)}")
+    mla_rope_kv_triton(latent, weight, eps, cos, sin, interleave, out)
+
+
+# ---- the MLP's activation
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [..., 2i] (gate, then up) -> silu(gate) * up [..., i]."""
+    if not _fused(gate_up):
+        return silu_mul_reference(gate_up)
+    return silu_mul_op(gate_up)
+
+
+@torch.library.custom_op("kdtree::silu_mul", mutates_args=())
+def silu_mul_op(gate_up: torch.Tensor) -> torch.Tensor:
+    return silu_mul_reference(gate_up)
+
+
+@silu_mul_op.register_fake
+def _(gate_up):
+    return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
+@silu_mul_op.register_kernel("cuda")
+def _silu_mul_cuda(gate_up: torch.Tensor) -> torch.Tensor:
+    if not _fused(gate_up):
+        return silu_mul_reference(gate_up)
+    from plugins.layer_fusion.kernel import silu_mul_triton
+    two_i = gate_up.shape[-1]
+    rows = gate_up.reshape(-1, two_i)
+    _check_rows("silu_mul", two_i, gate_up=rows)
+    out = torch.empty(rows.shape[0], two_i // 2, dtype=gate_up.dtype, device=gate_up.device)  # [t, i]
+    silu_mul_triton(rows, out)
+    return out.view(*gate_up.shape[:-1], two_i // 2)

@@ -1,0 +1,168 @@
+"""Triton kernels of a decoder layer's elementwise stages (reference.py holds their semantics).
+
+Why: a layer's glue (norms, residual adds, rope, the latent row's assembly, SiLU * up) was ~50 small
+torch kernels per layer per round, each a launch (~1.5-3 us of GPU time at decode sizes) around a few
+KB of data.  Each kernel here is one launch per stage and reads its inputs once:
+  add_rms_norm  s = x + (delta [+ delta2]); y = rms_norm(s) * w        (one program per row)
+  mla_rope_q    q_full[t, h] = [q_lat[t, h] | rope(q_pe[t, h])]         (one program per (token, head))
+  mla_rope_kv   out[t] = [rms_norm(c_kv[t]) * w | rope(k_pe[t])]        (one program per token)
+  silu_mul      h[t, j] = silu(gate[t, j]) * up[t, j]                   (programs over (t, i) tiles)
+Rounding: every value the reference rounds to the storage dtype is rounded here at the same point
+(`.to(dtype)` then back to fp32); fp contraction is off, so fp32 models also match the reference's
+products; exp and division are the IEEE ones torch uses (rsqrt, as torch's, is
+the hardware approximation).  Only the RMS reduction's summation order
+differs.  Strides are passed (views of q_b's output, of the bmm's [h, t, c] output, of the cache's
+scratch are read and written in place).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+_OPTS = {"enable_fp_fusion": False}
+
+
+def _warps(width: int) -> int:
+    return max(1, min(16, triton.next_power_of_2(width) // 256))
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, a_ptr, b_ptr, s_ptr, w_ptr, y_ptr, D, s_x, s_a, s_b, s_s, s_y, eps,
+                         HAS_ADD: tl.constexpr, HAS_B: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    m = offs < D
+    x = tl.load(x_ptr + row * s_x + offs, mask=m, other=0.0).to(tl.float32)
+    if HAS_ADD:
+        a = tl.load(a_ptr + row * s_a + offs, mask=m, other=0.0).to(tl.float32)
+        if HAS_B:
+            b = tl.load(b_ptr + row * s_b + offs, mask=m, other=0.0).to(tl.float32)
+            a = (a + b).to(s_ptr.dtype.element_ty).to(tl.float32)
+        s = (x + a).to(s_ptr.dtype.element_ty)
+        tl.store(s_ptr + row * s_s + offs, s, mask=m)
+        x = s.to(tl.float32)
+    var = tl.sum(x * x, axis=0) / D
+    xn = (x * tl.math.rsqrt(var + eps)).to(y_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * s_y + offs, (w * xn).to(y_ptr.dtype.element_ty), mask=m)
+
+
+def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor | None, delta2: torch.Tensor | None,
+                        weight: torch.Tensor, eps: float, s: torch.Tensor | None, y: torch.Tensor) -> None:
+    """x, delta, delta2, s, y [t, d] (unit stride along d); s = x + (delta + delta2), y = rms_norm(s) * weight.
+    delta None: y = rms_norm(x) * weight (s unused)."""
+    t, d = x.shape
+    if t == 0:
+        return
+    has_add, has_b = delta is not None, delta2 is not None
+    a = delta if has_add else x
+    b = delta2 if has_b else a
+    s = s if has_add else y
+    _add_rms_norm_kernel[(t,)](x, a, b, s, weight, y, d, x.stride(0), a.stride(0), b.stride(0), s.stride(0),
+                               y.stride(0), eps, HAS_ADD=has_add, HAS_B=has_b, BLOCK=triton.next_power_of_2(d),
+                               num_warps=_warps(d), **_OPTS)
+
+
+@triton.jit
+def _rotate_store(src_ptr, cos_ptr, sin_ptr, dst_ptr, R2, INTERLEAVE: tl.constexpr, BLOCK_R: tl.constexpr):
+    """dst[:R2] = x1 * cos - x2 * sin, dst[R2:] = x2 * cos + x1 * sin, each product and sum rounded to
+    dst's dtype as torch does (src: the r rope values of one row, pairs interleaved or as halves)."""
+    j = tl.arange(0, BLOCK_R)
+    m = j < R2
+    if INTERLEAVE:
+        x1 = tl.load(src_ptr + 2 * j, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(src_ptr + 2 * j + 1, mask=m, other=0.0).to(tl.float32)
+    else:
+        x1 = tl.load(src_ptr + j, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(src_ptr + R2 + j, mask=m, other=0.0).to(tl.float32)
+    dt = dst_ptr.dtype.element_ty
+    cos = tl.load(cos_ptr + j, mask=m, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + j, mask=m, other=0.0).to(tl.float32)
+    lo = (x1 * cos).to(dt).to(tl.float32) - (x2 * sin).to(dt).to(tl.float32)
+    hi = (x2 * cos).to(dt).to(tl.float32) + (x1 * sin).to(dt).to(tl.float32)
+    tl.store(dst_ptr + j, lo.to(dt), mask=m)
+    tl.store(dst_ptr + R2 + j, hi.to(dt), mask=m)
+
+
+@triton.jit
+def _mla_rope_q_kernel(q_ptr, lat_ptr, cos_ptr, sin_ptr, out_ptr, P, C, R2, s_qt, s_qh, s_lt, s_lh, s_ct,
+                       s_ot, s_oh, INTERLEAVE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    offs = tl.arange(0, BLOCK_C)
+    m = offs < C
+    out = out_ptr + t * s_ot + h * s_oh
+    tl.store(out + offs, tl.load(lat_ptr + t * s_lt + h * s_lh + offs, mask=m, other=0.0), mask=m)
+    _rotate_store(q_ptr + t * s_qt + h * s_qh + P, cos_ptr + t * s_ct, sin_ptr + t * s_ct, out + C, R2,
+                  INTERLEAVE, BLOCK_R)
+
+
+def mla_rope_q_triton(q: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool,
+                      out: torch.Tensor) -> None:
+    """q [t, h, p+r], q_lat [t, h, c], cos/sin [t, r/2] (unit stride along the last dim) -> out [t, h, c+r]."""
+    t, h, c = q_lat.shape
+    r2 = cos.shape[-1]
+    if t == 0:
+        return
+    _mla_rope_q_kernel[(t, h)](q, q_lat, cos, sin, out, q.shape[-1] - 2 * r2, c, r2, q.stride(0), q.stride(1),
+                               q_lat.stride(0), q_lat.stride(1), cos.stride(0), out.stride(0), out.stride(1),
+                               INTERLEAVE=interleave, BLOCK_C=triton.next_power_of_2(c),
+                               BLOCK_R=triton.next_power_of_2(r2), num_warps=_warps(c), **_OPTS)
+
+
+@triton.jit
+def _mla_rope_kv_kernel(lat_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, N, C, R2, s_lt, s_ct, s_ob, s_on, eps,
+                        INTERLEAVE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    out = out_ptr + (t // N) * s_ob + (t % N) * s_on
+    src = lat_ptr + t * s_lt
+    offs = tl.arange(0, BLOCK_C)
+    m = offs < C
+    x = tl.load(src + offs, mask=m, other=0.0).to(tl.float32)
+    var = tl.sum(x * x, axis=0) / C
+    xn = (x * tl.math.rsqrt(var + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(out + offs, (w * xn).to(out_ptr.dtype.element_ty), mask=m)
+    _rotate_store(src + C, cos_ptr + t * s_ct, sin_ptr + t * s_ct, out + C, R2, INTERLEAVE, BLOCK_R)
+
+
+def mla_rope_kv_triton(latent: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                       interleave: bool, out: torch.Tensor) -> None:
+    """latent [t, c+r], cos/sin [t, r/2] -> out [b, n, c+r] (t = b * n; unit stride along the last dim)."""
+    b, n, _ = out.shape
+    c, r2 = weight.shape[0], cos.shape[-1]
+    if b * n == 0:
+        return
+    _mla_rope_kv_kernel[(b * n,)](latent, weight, cos, sin, out, n, c, r2, latent.stride(0), cos.stride(0),
+                                  out.stride(0), out.stride(1), eps, INTERLEAVE=interleave,
+                                  BLOCK_C=triton.next_power_of_2(c), BLOCK_R=triton.next_power_of_2(r2),
+                                  num_warps=_warps(c), **_OPTS)
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, I, s_g, s_o, BLOCK: tl.constexpr, IEEE_EXP: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = j < I
+    g = tl.load(gu_ptr + t * s_g + j, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + t * s_g + I + j, mask=m, other=0.0).to(tl.float32)
+    dt = out_ptr.dtype.element_ty
+    if IEEE_EXP:  # torch's expf (libdevice); the interpreter has no libdevice
+        e = libdevice.exp(-g)
+    else:
+        e = tl.exp(-g)
+    act = tl.math.div_rn(g, 1.0 + e).to(dt).to(tl.float32)
+    tl.store(out_ptr + t * s_o + j, (act * u).to(dt), mask=m)
+
+
+def silu_mul_triton(gate_up: torch.Tensor, out: torch.Tensor) -> None:
+    """gate_up [t, 2i] (unit stride along the last dim) -> out [t, i]."""
+    t, i = out.shape
+    if t == 0:
+        return
+    block = min(1024, triton.next_power_of_2(i))
+    _silu_mul_kernel[(t, triton.cdiv(i, block))](gate_up, out, i, gate_up.stride(0), out.stride(0), BLOCK=block,
+                                                 IEEE_EXP=gate_up.is_cuda, num_warps=_warps(block), **_OPTS)

@@ -1,0 +1,69 @@
+"""The elementwise stages of a decoder layer, in plain torch: the semantics the fused kernels keep.
+
+Each function is what the layer computed before fusion, op for op, so the torch dtype rules (every
+elementwise op computed in fp32 for bf16/fp16 inputs and rounded once to the input dtype) are the
+contract: kernel.py rounds at the same points, so bf16 results agree bit for bit except where a
+reduction's order differs (the RMS of a row).
+
+Letters: t tokens (b * n flattened), d hidden, h heads, p qk_nope dims, r rope dims, c latent
+(kv_lora_rank), i MLP intermediate.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from plugins.common.precision import acc
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm: normalise in fp32 (fp64 stays fp64), cast back, then scale.  x [..., d]."""
+    xf = acc(x)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm_reference(x: torch.Tensor, delta: torch.Tensor, delta2: torch.Tensor | None, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual step: s = x + (delta + delta2) (delta2 optional, summed first), then (s, rms_norm(s))."""
+    if delta2 is not None:
+        delta = delta + delta2
+    s = x + delta  # [..., d]
+    return s, rms_norm_reference(s, weight, eps)
+
+
+def rotate_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """x [..., r] with cos/sin broadcastable to [..., r/2] -> rotated [..., r], de-interleaved: (all first
+    elements of the pairs, then all second ones).  interleave: the pairs are (x0, x1), (x2, x3), ...;
+    else (x_j, x_{j + r/2}) (the halves)."""
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def mla_rope_q_reference(q: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         interleave: bool) -> torch.Tensor:
+    """The absorbed MLA query: q [t, h, p+r] (q_b's output), q_lat [t, h, c] (q_nope . W_UK, any strides),
+    cos/sin [t, r/2] -> q_full [t, h, c+r] = [q_lat | rope(q_pe)], contiguous."""
+    r = cos.shape[-1] * 2
+    q_pe = rotate_reference(q[..., q.shape[-1] - r:], cos[:, None], sin[:, None], interleave)  # [t, h, r]
+    return torch.cat([q_lat, q_pe], dim=-1).contiguous()
+
+
+def mla_rope_kv_reference(latent: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                          sin: torch.Tensor, interleave: bool, out: torch.Tensor) -> None:
+    """The latent row of each token: latent [t, c+r] (kv_a's output) -> out [b, n, c+r] (t = b * n, any
+    strides; the cache's scratch rows) = [rms_norm(c_kv) * weight | rope(k_pe)]; cos/sin [t, r/2]."""
+    c = weight.shape[0]
+    c_kv = rms_norm_reference(latent[..., :c], weight, eps)  # [t, c]
+    k_pe = rotate_reference(latent[..., c:], cos, sin, interleave)  # [t, r]
+    out.copy_(torch.cat([c_kv, k_pe], dim=-1).view(out.shape))
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [t, 2i] (gate columns, then up columns) -> silu(gate) * up [t, i]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,0 +1,194 @@
+"""plugins/layer_fusion kernels against their references (reference.py: the layer's torch ops).
+
+Fresh random inputs (never zeros) at awkward sizes (d 7, 100, 7168; c 512 and 24; r 64 and 6; rows 1,
+3, 17, 130), bf16 / fp16 / fp32, interleaved and half-split rope, strided inputs (q_b's output viewed
+per head, the bmm's [h, t, c] output read transposed, the cache's scratch rows written in place).
+bf16 / fp16 must be bit-identical except where the RMS reduction's order shows (<= 1 ulp of the
+storage dtype on a few elements); fp32 within 2e-6 relative.
+
+CPU: the Triton launchers under TRITON_INTERPRET=1 in a subprocess (the interpreter is chosen when
+triton is imported), a few cases per op, fp16 and fp32 (the interpreter truncates fp32 -> bf16).  GPU (-m gpu): hundreds of cases per op, and the ops
+dispatching to the kernels.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from plugins.layer_fusion.reference import (
+    add_rms_norm_reference,
+    mla_rope_kv_reference,
+    mla_rope_q_reference,
+    rms_norm_reference,
+    silu_mul_reference,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+ULP = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10, torch.float32: 2e-6, torch.float64: 1e-12}
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, exact: bool) -> tuple[bool, float]:
+    """(ok, max relative error): exact ops match bit for bit; the others within 2 ulp of the storage dtype
+    (the RMS's summation order moves a few results by one ulp)."""
+    g, w = got.float(), want.float()
+    if not torch.isfinite(g).all():
+        return False, float("inf")
+    err = float(((g - w).abs() / w.abs().clamp_min(1e-3)).max()) if g.numel() else 0.0
+    if exact:
+        return bool(torch.equal(got, want)), err
+    return err <= 2 * ULP[got.dtype], err
+
+
+def run_cases(device: str, count: int, seed: int = 0) -> list[dict]:
+    """count random cases per op through the Triton launchers; one record per case."""
+    from plugins.layer_fusion.kernel import (
+        add_rms_norm_triton,
+        mla_rope_kv_triton,
+        mla_rope_q_triton,
+        silu_mul_triton,
+    )
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    # Triton 3.6's interpreter truncates fp32 -> bf16 (no round-to-nearest-even): bf16 is checked on the GPU
+    dtypes = (torch.bfloat16, torch.float16, torch.float32) if device == "cuda" else (torch.float16, torch.float32)
+
+    def rnd(*shape, dtype, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=g))]
+
+    out = []
+    for k in range(count):
+        dt = dtypes[k % len(dtypes)]
+        t = pick((1, 3, 17, 130))
+        # add_rms_norm (with one or two deltas) and plain rms_norm; strided rows (a view of a wider buffer)
+        d = pick((7, 100, 7168))
+        x, b2, w = rnd(t, d, dtype=dt, scale=3), rnd(t, d, dtype=dt), rnd(d, dtype=dt)
+        wide = rnd(t, d + 5, dtype=dt)[:, 2:d + 2]
+        s, y = torch.empty_like(x), torch.empty_like(x)
+        delta2 = b2 if k % 2 else None
+        add_rms_norm_triton(x, wide, delta2, w, 1e-6, s, y)
+        ws, wy = add_rms_norm_reference(x, wide, delta2, w, 1e-6)
+        ok_s, _ = _close(s, ws, exact=True)
+        ok_y, err = _close(y, wy, exact=False)
+        out.append(dict(op="add_rms_norm", case=f"t{t} d{d} {dt} delta2={delta2 is not None}", ok=ok_s and ok_y,
+                        err=err))
+        y2 = torch.empty_like(x)
+        add_rms_norm_triton(wide, None, None, w, 1e-5, None, y2)
+        ok, err = _close(y2, rms_norm_reference(wide, w, 1e-5), exact=False)
+        out.append(dict(op="rms_norm", case=f"t{t} d{d} {dt}", ok=ok, err=err))
+
+        # mla_rope_q: q [t, h, p+r] from a [t, h*(p+r)] GEMM output, q_lat read through [h, t, c] strides
+        h, p, c, r2 = pick((1, 8, 16)), pick((128, 16)), pick((512, 24)), pick((32, 3))
+        interleave = bool(k % 2)
+        q = rnd(t, h * (p + 2 * r2), dtype=dt).view(t, h, p + 2 * r2)
+        q_lat = rnd(h, t, c, dtype=dt).transpose(0, 1)  # [t, h, c] strided
+        cos, sin = rnd(t, r2, dtype=dt), rnd(t, r2, dtype=dt)
+        got = torch.empty(t, h, c + 2 * r2, dtype=dt, device=device)
+        mla_rope_q_triton(q, q_lat, cos, sin, interleave, got)
+        ok, err = _close(got, mla_rope_q_reference(q, q_lat, cos, sin, interleave), exact=True)
+        out.append(dict(op="mla_rope_q", case=f"t{t} h{h} p{p} c{c} r{2 * r2} {dt} il={interleave}", ok=ok, err=err))
+
+        # mla_rope_kv: into scratch rows [b, n, c+r] of a [b, n_max, c+r] buffer; untouched rows stay
+        bq = pick((1, 2, 3))
+        n = max(1, t // bq)
+        latent = rnd(bq * n, c + 2 * r2, dtype=dt, scale=2)
+        wn = rnd(c, dtype=dt)
+        cos, sin = rnd(bq * n, r2, dtype=dt), rnd(bq * n, r2, dtype=dt)
+        scratch = rnd(bq, n + 4, c + 2 * r2, dtype=dt)
+        want = scratch.clone()
+        mla_rope_kv_triton(latent, wn, 1e-6, cos, sin, interleave, scratch[:, :n])
+        mla_rope_kv_reference(latent, wn, 1e-6, cos, sin, interleave, want[:, :n])
+        ok_rows, err = _close(scratch[:, :n], want[:, :n], exact=False)
+        ok_pe, _ = _close(scratch[:, :n, c:], want[:, :n, c:], exact=True)
+        out.append(dict(op="mla_rope_kv", case=f"b{bq} n{n} c{c} r{2 * r2} {dt} il={interleave}",
+                        ok=ok_rows and ok_pe and torch.equal(scratch[:, n:], want[:, n:]), err=err))
+
+        # silu_mul: gate_up [t, 2i] rows of a wider buffer
+        i = pick((5, 256, 2304))
+        gu = rnd(t, 2 * i + 3, dtype=dt, scale=3)[:, :2 * i]
+        got = torch.empty(t, i, dtype=dt, device=device)
+        silu_mul_triton(gu, got)
+        # bit-identical to CUDA torch (the same IEEE exp and division); the CPU reference's vectorised exp
+        # may differ in the last fp32 bit, which rounding to 16 bits hides almost always
+        ok, err = _close(got, silu_mul_reference(gu), exact=device == "cuda" and dt != torch.float32)
+        out.append(dict(op="silu_mul", case=f"t{t} i{i} {dt}", ok=ok, err=err))
+    return out
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.run([sys.executable, __file__, "--interpreter"], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("op", ["add_rms_norm", "rms_norm", "mla_rope_q", "mla_rope_kv", "silu_mul"])
+def test_kernel_matches_reference_in_interpreter(interpreter_results, op):
+    cases = [c for c in interpreter_results if c["op"] == op]
+    assert cases and all(c["ok"] for c in cases), [c for c in cases if not c["ok"]]
+
+
+def test_cpu_ops_are_the_references():
+    """On CPU (and for fp64) the public functions are the references: the layer computes what it did."""
+    from plugins.layer_fusion import add_rms_norm, mla_rope_kv, mla_rope_q, rms_norm, silu_mul
+    g = torch.Generator().manual_seed(3)
+    x, d, w = torch.randn(2, 5, 16, generator=g), torch.randn(2, 5, 16, generator=g), torch.randn(16, generator=g)
+    assert torch.equal(rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6))
+    s, y = add_rms_norm(x.double(), d.double(), w.double(), 1e-6)
+    ws, wy = add_rms_norm_reference(x.double(), d.double(), None, w.double(), 1e-6)
+    assert torch.equal(s, ws) and torch.equal(y, wy) and s.dtype == torch.float64
+    q, lat, cs = torch.randn(4, 2, 10, generator=g), torch.randn(4, 2, 6, generator=g), torch.randn(4, 2, generator=g)
+    assert torch.equal(mla_rope_q(q, lat, cs, cs, True), mla_rope_q_reference(q, lat, cs, cs, True))
+    got, want = torch.zeros(2, 2, 10), torch.zeros(2, 2, 10)
+    mla_rope_kv(torch.randn(4, 10, generator=g), torch.randn(6, generator=g), 1e-6, cs, cs, False, got)
+    assert torch.count_nonzero(got) > 0 and not torch.equal(got, want)
+    gu = torch.randn(3, 8, generator=g)
+    assert torch.equal(silu_mul(gu), silu_mul_reference(gu))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kernels_on_gpu_many_cases():
+    cases = run_cases("cuda", 240, seed=11)
+    bad = [c for c in cases if not c["ok"]]
+    results = os.environ.get("KDTREE_RESULTS_DIR")
+    if results:
+        Path(results).mkdir(parents=True, exist_ok=True)
+        (Path(results) / "layer_fusion_cases.json").write_text(json.dumps(
+            {"cases": len(cases), "failed": bad[:20], "max_err": {op: max(c["err"] for c in cases if c["op"] == op)
+                                                                  for op in {c["op"] for c in cases}}}, indent=1))
+    assert not bad, bad[:10]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_ops_dispatch_to_kernels_on_gpu():
+    """The registered ops on CUDA tensors run the kernels (fp64 the reference) and agree with the CPU path."""
+    from plugins.layer_fusion import add_rms_norm, mla_rope_q, silu_mul
+    g = torch.Generator().manual_seed(2)
+    x, d, w = torch.randn(3, 4, 7168, generator=g), torch.randn(3, 4, 7168, generator=g), torch.randn(7168, generator=g)
+    for dt in (torch.bfloat16, torch.float64):
+        s, y = add_rms_norm(x.to("cuda", dt), d.to("cuda", dt), w.to("cuda", dt), 1e-6)
+        ws, wy = add_rms_norm_reference(x.to(dt), d.to(dt), None, w.to(dt), 1e-6)
+        assert torch.equal(s.cpu(), ws) and _close(y.cpu(), wy, exact=False)[0]
+    q, lat, cs = torch.randn(5, 8, 192, generator=g), torch.randn(5, 8, 512, generator=g), torch.randn(5, 32, generator=g)
+    got = mla_rope_q(*(v.to("cuda", torch.bfloat16) for v in (q, lat, cs, cs)), True)
+    want = mla_rope_q_reference(*(v.to(torch.bfloat16) for v in (q, lat, cs, cs)), True)
+    assert torch.equal(got.cpu(), want)
+    gu = torch.randn(6, 512, generator=g).to(torch.bfloat16)
+    assert torch.equal(silu_mul(gu.cuda()).cpu(), silu_mul_reference(gu))
+
+
+if __name__ == "__main__" and "--interpreter" in sys.argv:
+    print(json.dumps(run_cases("cpu", 6)))
