@@ -29,6 +29,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -180,6 +182,18 @@ def run_setting(model: str, extra: list[str], max_batch: int, clients: int, seco
     return row
 
 
+@contextmanager
+def model_dir(model: str | None) -> Iterator[str]:
+    """`model`, or (None) a tiny random checkpoint (build_pipeline.tiny, the tests' model) in a temporary
+    folder that lasts the block."""
+    if model is not None:
+        yield model
+        return
+    from build_pipeline.tiny import make_tiny
+    with tempfile.TemporaryDirectory() as tmp:
+        yield str(make_tiny(Path(tmp) / "tiny-kimi", preset="kimi"))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model")
@@ -193,17 +207,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stall-s", type=float, default=120, help="a request silent this long counts as hung")
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     a = ap.parse_args(argv)
-    tmp = None
-    model = a.model
-    if model is None:
-        from build_pipeline.tiny import make_tiny
-        tmp = tempfile.TemporaryDirectory()
-        model = str(make_tiny(Path(tmp.name) / "tiny-kimi", preset="kimi"))
     extra = ["--device", a.device, "--max-model-len", str(a.max_model_len)]
     extra += ["--drafter", a.drafter] if a.drafter else []
     extra += ["--spec", a.spec] if a.spec else []
     load_before = os.getloadavg()[0]  # this machine may be shared: say how busy it was
-    rows = [run_setting(model, extra, b, a.clients, a.seconds, a.max_tokens, a.stall_s) for b in (1, a.clients)]
+    with model_dir(a.model) as model:
+        rows = [run_setting(model, extra, b, a.clients, a.seconds, a.max_tokens, a.stall_s) for b in (1, a.clients)]
     for r in rows:
         r["setting"] = "one at a time" if r["max_batch"] == 1 else "continuous batching"
     speedup = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"] if rows[0]["tokens_per_s"] else None
@@ -217,8 +226,6 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "speedup_tokens_per_s": round(speedup or 0, 3)}, a.out)
     print(f"wrote {path}")
-    if tmp is not None:
-        tmp.cleanup()
     clean = all(r["hung"] == 0 and set(r["errors"]) <= {"429"} for r in rows)
     return 0 if clean and (speedup or 0) > 1 else 1
 

@@ -52,12 +52,16 @@ class Tokenizer:
     """encode/decode plus the special ids the runtime needs (stop tokens, chat markers)."""
 
     def __init__(self, encode_fn, decode_fn, specials: dict[str, int], vocab_size: int,
-                 bos: str | None, eos: str | None):
+                 bos: str | None, eos: str | None, chat_template: str | None = None):
+        """bos, eos: the tokens' strings; chat_template: the checkpoint's Jinja chat template (its source,
+        never run here: runtime/serve/template.py renders it in a sandbox), None when it ships none."""
         self._encode, self._decode = encode_fn, decode_fn
         self.specials = specials
         self.vocab_size = vocab_size
+        self.bos_token, self.eos_token = bos, eos
         self.bos_id = specials.get(bos) if bos else None
         self.eos_id = specials.get(eos) if eos else None
+        self.chat_template = chat_template
 
     @classmethod
     def load(cls, model_dir: str | Path) -> "Tokenizer":
@@ -69,14 +73,15 @@ class Tokenizer:
             raise CheckpointError(f"{cfg_path}: not valid JSON ({exc})") from None
         if not isinstance(cfg, dict):
             raise CheckpointError(f"{cfg_path}: top level must be a JSON object")
+        template = _chat_template(d, cfg)
         if (d / "tiktoken.model").is_file():
-            return cls._from_tiktoken(d / "tiktoken.model", cfg)
+            return cls._from_tiktoken(d / "tiktoken.model", cfg, template)
         if (d / "tokenizer.json").is_file():
-            return cls._from_tokenizers(d / "tokenizer.json", cfg)
+            return cls._from_tokenizers(d / "tokenizer.json", cfg, template)
         raise CheckpointError(f"{d}: no tokenizer (expected tiktoken.model or tokenizer.json)")
 
     @classmethod
-    def _from_tiktoken(cls, path: Path, cfg: dict) -> "Tokenizer":
+    def _from_tiktoken(cls, path: Path, cfg: dict, template: str | None) -> "Tokenizer":
         import tiktoken
 
         ranks = read_tiktoken_ranks(path)
@@ -91,10 +96,10 @@ class Tokenizer:
         return cls(lambda text, special: enc.encode(text, allowed_special="all" if special else set(),
                                                     disallowed_special=()),
                    lambda ids: enc.decode(ids, errors="replace"), specials, enc.n_vocab,
-                   _content(cfg.get("bos_token")), _content(cfg.get("eos_token")))
+                   _content(cfg.get("bos_token")), _content(cfg.get("eos_token")), template)
 
     @classmethod
-    def _from_tokenizers(cls, path: Path, cfg: dict) -> "Tokenizer":
+    def _from_tokenizers(cls, path: Path, cfg: dict, template: str | None) -> "Tokenizer":
         from tokenizers import Tokenizer as HFTokenizer
 
         try:
@@ -108,7 +113,7 @@ class Tokenizer:
 
         return cls(encode,
                    lambda ids: tok.decode(ids, skip_special_tokens=False), specials, tok.get_vocab_size(),
-                   _content(cfg.get("bos_token")), _content(cfg.get("eos_token")))
+                   _content(cfg.get("bos_token")), _content(cfg.get("eos_token")), template)
 
     def encode(self, text: str, allowed_special: bool = False) -> list[int]:
         """text -> ids.  Special-token strings in the text ("<|im_end|>") are plain text unless
@@ -174,6 +179,25 @@ class StreamDecoder:
         text = self.tok.decode(self.ids)
         new, self.emitted = text[self.emitted:], len(text)
         return new
+
+
+def _chat_template(d: Path, cfg: dict) -> str | None:
+    """The default chat template, where transformers finds it: `chat_template.jinja` beside the config
+    (it wins), else tokenizer_config.json's `chat_template` (a string, or a list of named templates:
+    the one named "default")."""
+    f = d / "chat_template.jinja"
+    if f.is_file():
+        try:
+            return f.read_text()
+        except UnicodeDecodeError:
+            raise CheckpointError(f"{f}: not UTF-8 text") from None
+    t = cfg.get("chat_template")
+    if isinstance(t, list):
+        t = {x.get("name"): x.get("template") for x in t if isinstance(x, dict)}.get("default")
+    if t is not None and not isinstance(t, str):
+        raise CheckpointError(f"{d / 'tokenizer_config.json'}: chat_template must be a string or a list of "
+                              f"{{name, template}}, got {type(t).__name__}")
+    return t
 
 
 def _content(tok) -> str | None:

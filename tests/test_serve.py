@@ -1,9 +1,11 @@
 """`kdtree serve` on loopback (CPU, tiny model), driven by the official `openai` client.
 
 Three real servers (subprocesses started through the CLI, on free ports): a DDTree one with an API
-key and a batch of 4; an AR one with one slot and a queue of one (429, disconnect); a `--tp 2` one
+key and a batch of 4, over a copy of the tiny checkpoint that ships a Jinja chat template; an AR one
+with one slot and a queue of one (429, disconnect; no chat template: Kimi's markers); a `--tp 2` one
 whose rank 1 is made to crash after a few requests (503, exit 1, one error line).  The reference is
-`kdtree run` itself for one request and the in-process Engine (what `kdtree run` calls) for the rest.
+`kdtree run` itself for one request and the in-process Engine (what `kdtree run` calls) for the rest;
+transformers' renderer for chat templates; the scheduler in process for a long prompt's chunked join.
 """
 
 from __future__ import annotations
@@ -12,25 +14,41 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import torch
 
+from benchmarks.serve_join import SHORT, join_stall
 from benchmarks.serve_load import ROOT, ServerProcess, drive
 from build_pipeline.tiny_drafter import make_tiny_drafter
+from runtime.decode.session import PREFILL_CHUNK
 from runtime.engine.engine import Engine
+from runtime.serve.template import ChatTemplate, TemplateFailed
 
 KEY = "sk-test-key"
 PROMPT = "The quick brown fox"
 # one torch thread per process: the servers and this process share the CI's 2 cores, and idle OpenMP
 # threads spinning beside another busy process slow tiny matmuls by orders of magnitude
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "KDTREE_RANK_THREADS": "1"}
+# Kimi's layout as a Jinja template (what tokenizer_config.json's chat_template renders for these roles),
+# refusing other roles through raise_exception
+KIMI_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m['role'] not in ['system', 'user', 'assistant'] -%}"
+    "{{ raise_exception('unsupported role ' + m['role']) }}{%- endif -%}"
+    "<|im_{{ m['role'] }}|>{{ m['role'] }}<|im_middle|>"
+    "{%- if m['content'] is string -%}{{ m['content'] }}"
+    "{%- else -%}{%- for p in m['content'] -%}{{ p['text'] }}{%- endfor -%}{%- endif -%}<|im_end|>"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -50,9 +68,20 @@ def paths(tiny, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def servers(paths):
+def templated(paths, tmp_path_factory) -> str:
+    """The tiny checkpoint (same weights, same name) with KIMI_TEMPLATE in its tokenizer_config.json."""
+    src = Path(paths[0])
+    out = tmp_path_factory.mktemp("templated") / src.name
+    shutil.copytree(src, out)
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps(dict(cfg, chat_template=KIMI_TEMPLATE)))
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def servers(paths, templated):
     path, dr = paths
-    main = ServerProcess(path, "--drafter", dr, "--budget", "8", "--max-batch", "4", "--max-model-len", "160",
+    main = ServerProcess(templated, "--drafter", dr, "--budget", "8", "--max-batch", "4", "--max-model-len", "160",
                          "--api-key", KEY, env=ONE_THREAD)
     small = ServerProcess(path, "--max-batch", "1", "--max-queue", "1", "--max-model-len", "1024",
                           env=ONE_THREAD)
@@ -110,19 +139,62 @@ def test_completions_equal_kdtree_run(servers, paths):
 
 
 def test_chat_equals_engine(servers, engine):
-    main, _ = servers
+    """Through the checkpoint's chat template (main) and through Kimi's markers (small: no template),
+    streamed and not: the tokens of `kdtree run --chat`'s prompt."""
     tok = engine.tokenizer
-    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    msgs = [{"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "there"}]}]
     ref = list(engine.generate_ids(tok.chat("hello there", system="be brief"), 30))
     ref_text = tok.decode([t for t in ref if t not in engine.stop_ids()[0]])
-    client = _client(main)
-    got = client.chat.completions.create(model="kimi-hf", messages=msgs, max_tokens=30, temperature=0,
-                                         extra_body={"return_token_ids": True})
-    assert got.choices[0].model_extra["token_ids"] == ref and got.choices[0].message.content == ref_text
-    text, ids, _, _ = _stream_text(client.chat.completions.create(
-        model="kimi-hf", messages=msgs, max_tokens=30, temperature=0, stream=True,
-        extra_body={"return_token_ids": True}))
-    assert (text, ids) == (ref_text, ref)
+    for server in servers:
+        client = _client(server)
+        got = client.chat.completions.create(model="kimi-hf", messages=msgs, max_tokens=30, temperature=0,
+                                             extra_body={"return_token_ids": True})
+        assert got.choices[0].model_extra["token_ids"] == ref and got.choices[0].message.content == ref_text
+        assert got.usage.prompt_tokens == len(tok.chat("hello there", system="be brief"))
+        text, ids, _, _ = _stream_text(client.chat.completions.create(
+            model="kimi-hf", messages=msgs, max_tokens=30, temperature=0, stream=True,
+            extra_body={"return_token_ids": True}))
+        assert (text, ids) == (ref_text, ref)
+
+
+def test_chat_template_that_fails_is_a_400(servers):
+    main, small = servers
+    bad = [{"role": "tool", "content": "42", "tool_call_id": "t1"}]
+    with pytest.raises(openai.BadRequestError, match="chat template failed on these messages: unsupported role "
+                                                     "tool") as e:
+        _client(main).chat.completions.create(model="kimi-hf", messages=bad, max_tokens=4)
+    assert e.value.body["param"] == "messages"
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\].content: only text parts"):
+        _client(main).chat.completions.create(model="kimi-hf", max_tokens=4, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}])
+    got = _client(small).chat.completions.create(model="kimi-hf", messages=bad, max_tokens=2)  # markers: tool is fine
+    assert got.usage.completion_tokens >= 1
+
+
+def test_chat_template_renders_as_transformers_does():
+    """The sandboxed renderer against transformers' own (render_jinja_template) on a template using what
+    transformers gives templates; what a template must not do fails, and a syntax error names the line."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    features = ("{{ bos_token }}{% set ns = namespace(n=0) %}{% for m in messages %}"
+                "{% if loop.index > 3 %}{% break %}{% endif %}\n  {% set ns.n = ns.n + 1 %}{{ m.role | upper }}: "
+                "{{ m | tojson(separators=(',', ':')) }}\n{% generation %}{{ m.content }}{% endgeneration %}"
+                "{% if m.role == 'user' %}{% continue %}{% endif %} [{{ ns.n }}] {{ dict(a=1) | tojson }}\n"
+                "{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}{{ eos_token }}")
+    msgs = [{"role": "system", "content": "be brief, é <|im_end|>"}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "yo"}, {"role": "user", "content": "more"}]
+    for source in (KIMI_TEMPLATE, features):
+        want = render_jinja_template([msgs], chat_template=source, add_generation_prompt=True, bos_token="[BOS]",
+                                     eos_token="[EOS]")[0][0]
+        assert ChatTemplate(source, "[BOS]", "[EOS]").render(msgs) == want
+    for source, error in (("{{ ''.__class__.__mro__ }}", "SecurityError"), ("{{ messages.append(1) }}", "Security"),
+                          ("{% set ns = namespace(_x=1) %}", "underscore"), ("{{ x.y }}", "UndefinedError"),
+                          ("{{ raise_exception('no system turn') }}", "^no system turn$")):
+        with pytest.raises(TemplateFailed, match=error):
+            ChatTemplate(source, None, None).render(msgs)
+    with pytest.raises(ValueError, match=r"chat template does not compile: .* \(line 2\)"):
+        ChatTemplate("hi\n{% for %}", None, None)
 
 
 def test_concurrent_requests_batch_and_stay_lossless(servers, engine):
@@ -290,3 +362,17 @@ def test_tp2_serves_the_same_tokens_and_a_dead_rank_gives_503(paths, engine):
         assert len(errors) == 1 and "rank 1 died" in errors[0], srv.err
     finally:
         srv.stop()
+
+
+def test_a_long_prompt_joins_in_chunks_between_rounds(engine):
+    """In process (the server's scheduler, ddtree): a 900-token prompt joins while a stream runs.  With
+    the default prefill budget the stream gets a round between its chunks (256 tokens each); with whole
+    prompts at once, none.  Both requests' tokens equal the engine's either way."""
+    stops = engine.stop_ids()[0]
+    prompt = [random.Random(5).randrange(1000) for _ in range(900)]
+    chunked = join_stall(engine, prompt, PREFILL_CHUNK, 1024, max_tokens=40, stop_ids=stops)
+    whole = join_stall(engine, prompt, None, 1024, max_tokens=40, stop_ids=stops)
+    stream = list(engine.generate_ids(SHORT, 40))
+    assert len(stream) == 40  # the stream outlives the join
+    assert chunked["tokens"] == whole["tokens"] == {"stream": stream, "long": list(engine.generate_ids(prompt, 4))}
+    assert chunked["stream_rounds_during_join"] >= 3 and whole["stream_rounds_during_join"] <= 1, (chunked, whole)

@@ -1,6 +1,7 @@
 """Prefill: a prompt through TargetModel.forward + kv_commit in chunks, each chunk a chain committed whole.
 
-Every decode loop (AR and speculative) starts with it (runtime/decode/session.py).
+Every decode loop (AR and speculative) starts with it (runtime/decode/session.py); the server's slots
+(runtime/decode/slots.py) run the same chunks one at a time, between rounds.
 """
 
 from __future__ import annotations
@@ -32,14 +33,22 @@ def prefill(model: TargetModel, cache: LatentCache, prompt: torch.Tensor
     feats = []
     hidden = None
     for start in range(0, p, chunk):
-        ids = prompt[start:start + chunk][None]  # [1, n]
-        n = ids.shape[1]
-        positions = cache.lens[:, None].long() + torch.arange(n, device=ids.device)  # [1, n]
-        hidden, f = model.forward(ids, positions, cache, causal_mask(1, n, ids.device))
-        commit_chain(cache, n)
+        hidden, f = prefill_chunk(model, cache, prompt[start:start + chunk])
         if f is not None:
-            feats.append(f[0])
-    return hidden[0, -1], (torch.cat(feats) if feats else None)
+            feats.append(f)
+    return hidden[-1], (torch.cat(feats) if feats else None)
+
+
+def prefill_chunk(model: TargetModel, cache: LatentCache, ids: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """ids [n] int64 (n <= cache.tokens_per_forward): the next n prompt tokens of request 0 of a batch-1
+    cache, after its committed rows, as one chain committed whole -> (hidden [n, d], features [n, f*d] or
+    None).  A prompt prefilled chunk by chunk this way equals prefill() over the same chunks."""
+    n = ids.shape[0]
+    positions = cache.lens[:, None].long() + torch.arange(n, device=ids.device)  # [1, n]
+    hidden, f = model.forward(ids[None], positions, cache, causal_mask(1, n, ids.device))  # [1, n, d], [1, n, F]
+    commit_chain(cache, n)
+    return hidden[0], (f[0] if f is not None else None)
 
 
 def prefill_requests(model: TargetModel, cache: LatentCache, prompts: list[list[int]]

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from core.tokenizer import Tokenizer
 from runtime.decode.params import SpecConfig
-from runtime.serve.chat import chat_ids
+from runtime.serve.chat import ChatPrompt
 from runtime.serve.metrics import Metrics
 from runtime.serve.protocol import (
     ApiError,
@@ -49,6 +49,8 @@ class ServeConfig:
 
 
 def build_app(cfg: ServeConfig, tok: Tokenizer, scheduler: Scheduler, metrics: Metrics) -> FastAPI:
+    """The app; compiles the tokenizer's chat template (a ValueError when it does not parse)."""
+    chat_prompt = ChatPrompt(tok)
     app = FastAPI(title="kdtree serve", docs_url=None, redoc_url=None)
 
     @app.exception_handler(ApiError)
@@ -102,7 +104,7 @@ def build_app(cfg: ServeConfig, tok: Tokenizer, scheduler: Scheduler, metrics: M
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _json(request)
-        return await _generate(request, _parse(body, chat_ids(tok, body.get("messages")), chat=True))
+        return await _generate(request, _parse(body, chat_prompt.ids(body.get("messages")), chat=True))
 
     def _parse(body: dict, ids: list[int], chat: bool) -> Generation:
         g = parse(body, ids, chat, cfg.model, cfg.stop_ids, cfg.max_model_len, cfg.spec, cfg.vocab)

@@ -1,12 +1,12 @@
 """The server's lanes under tensor parallelism: each rank process keeps the same slot batches on its shard.
 
 The rank processes are RanksRunner's (runtime/engine/ranks.py) with another body: instead of whole
-generations (Engine.rounds) they take the scheduler's three operations, sent to every rank:
-("admit", key, (prompt, params)), ("step", key, None), ("release", key, row).  Every rank runs the
-operation on its own SlotBatch for `key` (the collectives inside the model keep them in step); rank 0
-answers admit and step.  RankLane mirrors a slot batch's free and active rows on the front, so the
-scheduler drives LocalLanes and RankLanes alike.  A rank that dies surfaces as RankFailure from the
-group (runtime/parallel/ranks.py): the scheduler's fatal path.
+generations (Engine.rounds) they take the scheduler's operations, sent to every rank:
+("admit", key, (prompt, params)), ("prefill", key, row), ("step", key, None), ("release", key, row).
+Every rank runs the operation on its own SlotBatch for `key` (the collectives inside the model keep
+them in step); rank 0 answers all but release.  RankLane mirrors a slot batch's free, joining and
+active rows on the front, so the scheduler drives LocalLanes and RankLanes alike.  A rank that dies
+surfaces as RankFailure from the group (runtime/parallel/ranks.py): the scheduler's fatal path.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from core.errors import NonFiniteLogits
 from core.plan import ParallelPlan
 from runtime.decode.graphs import GraphPool
 from runtime.decode.params import SpecConfig
-from runtime.decode.slots import RowEmission
+from runtime.decode.slots import Prefilled, RowEmission
 from runtime.engine.engine import Engine
 from runtime.engine.ranks import RanksRunner
 from runtime.load.artifact import read_manifest
@@ -47,13 +47,10 @@ def _rank_body(comm: Comm, conn, art_dir: str, plan: ParallelPlan, drafter, spec
         if op == "release":
             lane.release(arg)
             continue
-        if op == "admit":
-            try:
-                out = ("ok", lane.admit(*arg))
-            except (ValueError, NonFiniteLogits) as exc:  # the same on every rank (the logits are gathered)
-                out = ("bad" if isinstance(exc, ValueError) else "nonfinite", str(exc))
-        else:
-            out = lane.step()
+        try:
+            out = ("ok", lane.admit(*arg) if op == "admit" else lane.prefill(arg) if op == "prefill" else lane.step())
+        except (ValueError, NonFiniteLogits) as exc:  # the same on every rank (the logits are gathered)
+            out = ("bad" if isinstance(exc, ValueError) else "nonfinite", str(exc))
         if comm.rank == 0:
             conn.send((op, out))
 
@@ -65,6 +62,7 @@ class RankLane:
         self.group, self.key = group, key
         self.free = list(range(batch))
         self.active: set[int] = set()
+        self.joining: set[int] = set()
 
     def _all(self, op: str, arg) -> None:
         for r in range(self.group.world):
@@ -75,19 +73,33 @@ class RankLane:
             if rank == 0 and kind == op:
                 return payload
 
-    def admit(self, prompt: list[int], params) -> tuple[int, int, bool]:
-        self._all("admit", (prompt, params))
-        status, out = self._answer("admit")
+    def _call(self, op: str, arg):
+        self._all(op, arg)
+        status, out = self._answer(op)
         if status != "ok":
             raise (ValueError if status == "bad" else NonFiniteLogits)(out)
-        row, first, live = out
+        return out
+
+    def admit(self, prompt: list[int], params) -> int:
+        row = self._call("admit", (prompt, params))
         self.free.remove(row)
-        (self.active.add if live else self.free.append)(row)
-        return row, first, live
+        self.joining.add(row)
+        return row
+
+    def prefill(self, row: int) -> Prefilled:
+        try:
+            done = self._call("prefill", row)
+        except NonFiniteLogits:  # the ranks freed the row
+            self.joining.discard(row)
+            self.free.append(row)
+            raise
+        if done.first is not None:
+            self.joining.discard(row)
+            (self.active.add if done.live else self.free.append)(row)
+        return done
 
     def step(self) -> list[RowEmission]:
-        self._all("step", None)
-        emitted = self._answer("step")
+        emitted = self._call("step", None)
         for e in emitted:
             if not e.live:  # finished, or its logits were non-finite: released on the ranks
                 self.active.discard(e.row)
@@ -95,9 +107,10 @@ class RankLane:
         return emitted
 
     def release(self, row: int) -> None:
-        if row in self.active:
+        if row in self.active or row in self.joining:
             self._all("release", row)
             self.active.discard(row)
+            self.joining.discard(row)
             self.free.append(row)
 
 

@@ -63,14 +63,15 @@ def serve(path: Path, drafter: Path | None = None, host: str = "127.0.0.1", port
         if server is not None:
             server.should_exit = True
 
-    scheduler = Scheduler(lanes, max_batch, max_queue, metrics, on_fatal).start()
+    scheduler = Scheduler(lanes, max_batch, max_queue, metrics, on_fatal)
     cfg = ServeConfig(name, max_model_len, SpecConfig(engine.spec, engine.budget), engine.has_drafter,
                       engine.stop_ids()[0], engine.cfg.vocab_size, api_key)
-    app = build_app(cfg, engine.tokenizer, scheduler, metrics)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
-    threading.Thread(target=_announce, args=(server, name, engine, max_batch, max_model_len, echo),
-                     daemon=True).start()
     try:
+        app = build_app(cfg, engine.tokenizer, scheduler, metrics)  # a chat template that does not parse: here
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
+        threading.Thread(target=_announce, args=(server, name, engine, max_batch, max_model_len, echo),
+                         daemon=True).start()
+        scheduler.start()
         server.run()
     finally:
         scheduler.close()
