@@ -48,7 +48,8 @@ def _rank_body(comm: Comm, conn, art_dir: str, plan: ParallelPlan, drafter, spec
             lane.release(arg)
             continue
         try:
-            out = ("ok", lane.admit(*arg) if op == "admit" else lane.prefill(arg) if op == "prefill" else lane.step())
+            calls = {"admit": lambda: lane.admit(*arg), "prefill": lambda: lane.prefill(arg), "step": lane.step}
+            out = ("ok", calls[op]())
         except (ValueError, NonFiniteLogits) as exc:  # the same on every rank (the logits are gathered)
             out = ("bad" if isinstance(exc, ValueError) else "nonfinite", str(exc))
         if comm.rank == 0:
