@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from training.measure import heldout_prompts, measure_pair
+from training.measure import divergence_margins, heldout_prompts, measure_pair
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,6 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.out}")
     bad = [r["mode"] for r in res["runs"] if r.get("identical_to_ar") is False]
     if bad:
+        # where each run left AR's tokens: the target's fp64 CPU logits there for both tokens
+        res["divergences"] = divergence_margins(args.target, prompts, res["ids_t0"])
+        args.out.write_text(json.dumps(res, indent=2) + "\n")
+        print(f"{'mode':<12} {'prompt':>6} {'pos':>4} {'fp64 logit AR tok':>18} {'run tok':>8} {'top2 gap':>9}")
+        for d in res["divergences"]:
+            print(f"{d['mode']:<12} {d['prompt']:>6} {d['position']:>4} {d['logit_ar_token']:>18.4f} "
+                  f"{d['logit_run_token']:>8.4f} {d['top2_gap']:>9.4f}")
         print(f"NOT LOSSLESS at T=0: {bad}", file=sys.stderr)
         return 1
     return 0

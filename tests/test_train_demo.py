@@ -75,11 +75,12 @@ def test_budget():
         DEMO.with_(hidden=512).check_budget()
 
 
-def _run(out: Path, root: Path, stop_at: int | None = None) -> dict:
+def _run(out: Path, root: Path, stop_at: int | None = None, stop_at_phase: str | None = None) -> dict:
     from training.pipeline import train_demo
 
     return train_demo(out, TINY, STEPS, STEPS, corpus_root=root, ckpt_every=3, eval_every=4, eval_windows=4,
-                      stop_at=stop_at, measure=False, progress=False, log=lambda s: None)
+                      stop_at=stop_at, measure=False, progress=False, log=lambda s: None,
+                      stop_at_phase=stop_at_phase)
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +89,9 @@ def runs(root, tmp_path_factory):
     full = _run(base / "full", root)
     _run(base / "resumed", root, stop_at=5)  # interrupted mid-target (after a checkpoint at 3, one at 5)
     resumed = _run(base / "resumed", root)
+    _run(base / "split", root, stop_at_phase="target")  # the target phase on one machine ...
+    shutil.rmtree(base / "split" / "ckpt")  # ... its optimiser state not carried to the next
+    _run(base / "split", root)
     return base, full, resumed
 
 
@@ -106,6 +110,14 @@ def test_loss_goes_down_and_resume_is_exact(runs):
         assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
         assert [r["loss"] for r in a["rows"]] == [r["loss"] for r in b["rows"]]
     assert full["target"] == resumed["target"]
+    # the drafter trained in a later run on the target's export alone is the one trained in one go
+    a = torch.load(base / "full" / "ckpt" / "drafter.pt", weights_only=False)
+    b = torch.load(base / "split" / "ckpt" / "drafter.pt", weights_only=False)
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    def losses(run: str) -> list:
+        return [(r["phase"], r["step"], r["loss"]) for r in map(json.loads, (base / run / "loss.jsonl").open())]
+
+    assert losses("full") == losses("split")
     assert abs(full["target"]["eval_loss_int4_shipped"] - full["target"]["eval_loss_trained"]) < 0.05
 
 

@@ -134,6 +134,16 @@ def write_log(rows_by_phase: dict[str, list[dict]], out: Path) -> Path:
     return path
 
 
+def read_log(out: Path) -> dict[str, list[dict]]:
+    """write_log's rows back, by phase ({} when there is no log)."""
+    path, rows = out / "loss.jsonl", {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            rows.setdefault(row.pop("phase"), []).append(row)
+    return rows
+
+
 def plot_losses(rows_by_phase: dict[str, list[dict]], path: Path) -> str | None:
     """A PNG of the train (and eval) loss of each phase; None and a note when matplotlib is absent."""
     try:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import torch
+
 from training.corpus import read_split
 
 
@@ -69,6 +71,50 @@ def measure_pair(target_dir: str | Path, drafter_dir: str | Path, prompts: list[
                 row["speedup_vs_ar"] = round(tps / ar_tps, 3) if tps and ar_tps else None
                 if temp == 0:
                     row["identical_to_ar"] = outs == ar_ids
+                    row["first_diff"] = [first_diff(a, o) for a, o in zip(ar_ids, outs)]  # per prompt; None = equal
+            if temp == 0:
+                results.setdefault("ids_t0", {})[label] = outs
             results["runs"].append(row)
     eng.close()
     return results
+
+
+def first_diff(a: list[int], b: list[int]) -> int | None:
+    """The first index where two token lists differ (the shorter's length if one is a prefix), None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def divergence_margins(target_dir: str | Path, prompts: list[str], ids_t0: dict[str, list[list[int]]],
+                       device: str = "cpu", dtype: torch.dtype = torch.float64) -> list[dict]:
+    """Where a T = 0 run's tokens leave AR's: the target's logits there, recomputed at `dtype` (fp64 on
+    the CPU by default), for AR's token and the run's.  A gap of a few bf16 rounding steps says the two
+    tokens were a near-tie that the bf16 GPU forward of 1 token (AR) and of a tree (verify) resolved
+    differently; a large gap would be a wrong token.  One row per (mode, prompt) that diverges."""
+    from runtime.decode.prefill import prefill
+    from runtime.engine.engine import Engine
+
+    eng = Engine.load(target_dir, device=device, spec="none", dtype=dtype)
+    model = eng.runner.target
+    rows = []
+    for mode, outs in ids_t0.items():
+        if mode == "ar":
+            continue
+        for i, (ar, got) in enumerate(zip(ids_t0["ar"], outs)):
+            k = first_diff(ar, got)
+            if k is None or k >= min(len(ar), len(got)):
+                continue
+            ctx = eng.encode(prompts[i]) + ar[:k]
+            cache = model.new_cache(1, len(ctx) + 1, 256)
+            hidden, _ = prefill(model, cache, torch.tensor(ctx, dtype=torch.long, device=model.device))
+            logits = model.logits(hidden[None])[0].double()  # [v]
+            top2 = logits.topk(2)
+            rows.append({"mode": mode, "prompt": i, "position": k, "ar_token": ar[k], "run_token": got[k],
+                         "logit_ar_token": round(float(logits[ar[k]]), 5),
+                         "logit_run_token": round(float(logits[got[k]]), 5),
+                         "top2_gap": round(float(top2.values[0] - top2.values[1]), 5),
+                         "argmax": int(top2.indices[0])})
+    eng.close()
+    return rows

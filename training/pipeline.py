@@ -7,6 +7,9 @@ continues an interrupted run.  Layout of `out`:
   tokenizer/         tokenizer.json, tokenizer_config.json
   tokens-{train,eval}.npy
   ckpt/              target.pt, drafter.pt (resumable state)
+  target-report.json the target's held-out losses, written with its export: a run that finds both
+                     continues from the export (the drafter phase needs no target checkpoint, so the
+                     two phases can run on different machines or calls)
   target/, drafter/  the shipped pair (the real layouts; `Engine.load(target, drafter=drafter)`)
   loss.jsonl, loss.png, report.json
 """
@@ -35,6 +38,7 @@ from training.loop import (
     fixed_windows,
     plot_losses,
     random_windows,
+    read_log,
     run_phase,
     write_log,
 )
@@ -44,6 +48,7 @@ from training.target import (
     build_target,
     export_target,
     lm_loss,
+    load_exported,
     quantised_copy,
     tap_features,
 )
@@ -53,9 +58,11 @@ from training.tokenizer import MASK, special_ids, train_tokenizer
 def train_demo(out: str | Path, recipe: Recipe, steps: int, drafter_steps: int, device: str = "cpu", seed: int = 0,
                ckpt_every: int = 100, eval_every: int = 100, eval_windows: int = 64, stop_at: int | None = None,
                corpus_root: Path | None = None, measure: bool = True, progress: bool = True,
+               stop_at_phase: str | None = None,
                log: Callable[[str], None] = print) -> dict:
     """Run (or resume) the whole recipe; returns report.json's content.  stop_at: end the current
-    phase at that step (an interruption, for the resume test)."""
+    phase at that step (an interruption, for the resume test); stop_at_phase="target": stop once the
+    target is exported (a later run, here or elsewhere, trains the drafter on that export)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
@@ -85,7 +92,6 @@ def train_demo(out: str | Path, recipe: Recipe, steps: int, drafter_steps: int, 
 
     # ---- target
     model = build_target(recipe, specials, seed).to(dev)
-    balance = RouterBalance(model, recipe.bias_update)
 
     def eval_target(m=model) -> dict:
         m.eval()
@@ -95,36 +101,54 @@ def train_demo(out: str | Path, recipe: Recipe, steps: int, drafter_steps: int, 
         m.train()
         return {"eval_loss": round(loss, 5)}
 
-    def target_step(gen: torch.Generator, step: int):
-        ids = random_windows(arrays["train"], recipe.batch, recipe.seq_len + 1, gen).to(dev)
-        return lm_loss(model, ids, autocast), {}
-
-    tphase = Phase("target", list(model.parameters()), model.state_dict, model.load_state_dict, target_step,
-                   recipe.lr, recipe.warmup, steps, recipe.weight_decay,
-                   after_step=lambda: {"max_load": round(balance.update(), 3)}, eval_fn=eval_target)
-    model.train()
-    rows = {"target": run_phase(tphase, out / "ckpt", seed, ckpt_every, eval_every, stop_at, progress, log),
-            "drafter": []}
     report: dict = {"recipe": recipe.__dict__, "seed": seed, "device": device, "corpus": {
         k: manifest[k] for k in ("python_version", "held_out_modules", "train_files", "eval_files", "sha256")},
         "tokens": {k: len(v) for k, v in arrays.items()}}
-    if stop_at is not None and stop_at < steps:
+    exported, target_report = out / "target", out / "target-report.json"
+    if (exported / "config.json").is_file() and target_report.is_file():
+        # the target was trained and exported by an earlier run (possibly on another machine, without
+        # its optimiser checkpoint): continue from the export, which is what the drafter trains on anyway
+        report["target"] = json.loads(target_report.read_text())
+        if report["target"]["steps"] != steps:
+            raise ValueError(f"{exported} was exported after {report['target']['steps']} target steps, not "
+                             f"--steps {steps}: remove it (and {target_report.name}) to train again")
+        shipped = load_exported(model, exported).eval()
+        rows = {"target": read_log(out).get("target", []), "drafter": []}
+        log(f"target: continuing from {exported} ({steps} steps)")
+    else:
+        balance = RouterBalance(model, recipe.bias_update)
+
+        def target_step(gen: torch.Generator, step: int):
+            ids = random_windows(arrays["train"], recipe.batch, recipe.seq_len + 1, gen).to(dev)
+            return lm_loss(model, ids, autocast), {}
+
+        tphase = Phase("target", list(model.parameters()), model.state_dict, model.load_state_dict, target_step,
+                       recipe.lr, recipe.warmup, steps, recipe.weight_decay,
+                       after_step=lambda: {"max_load": round(balance.update(), 3)}, eval_fn=eval_target)
+        model.train()
+        rows = {"target": run_phase(tphase, out / "ckpt", seed, ckpt_every, eval_every, stop_at, progress, log),
+                "drafter": []}
+        if stop_at is not None and stop_at < steps:
+            write_log(rows, out)
+            return report
+        model.eval()
+        shipped = quantised_copy(model)
+        report["target"] = {"steps": steps, "eval_loss_trained": eval_target()["eval_loss"],
+                            "eval_loss_int4_shipped": eval_target(shipped)["eval_loss"],
+                            "bytes_estimate": recipe.target_bytes()}
+        log(f"target held-out loss: trained {report['target']['eval_loss_trained']:.4f}, "
+            f"as shipped (bf16 + INT4 experts) {report['target']['eval_loss_int4_shipped']:.4f}")
+        license_text = corpus_mod.license_note(tuple(manifest["held_out_modules"]))
+        export_target(model, exported, tdir, {"LICENSE-corpus.txt": license_text})
         write_log(rows, out)
+        target_report.write_text(json.dumps(report["target"], indent=2) + "\n")
+    if stop_at_phase == "target":
         return report
-    model.eval()
-    shipped = quantised_copy(model)
-    report["target"] = {"steps": steps, "eval_loss_trained": eval_target()["eval_loss"],
-                        "eval_loss_int4_shipped": eval_target(shipped)["eval_loss"],
-                        "bytes_estimate": recipe.target_bytes()}
-    log(f"target held-out loss: trained {report['target']['eval_loss_trained']:.4f}, "
-        f"as shipped (bf16 + INT4 experts) {report['target']['eval_loss_int4_shipped']:.4f}")
-    license_text = corpus_mod.license_note(tuple(manifest["held_out_modules"]))
-    export_target(model, out / "target", tdir, {"LICENSE-corpus.txt": license_text})
 
     # ---- drafter, trained on the features of the target as shipped
     for p in shipped.parameters():
         p.requires_grad_(False)
-    dconf = drafter_config(recipe, json.loads(model.config.to_json_string()), specials[MASK])
+    dconf = drafter_config(recipe, json.loads(shipped.config.to_json_string()), specials[MASK])
     drafter = TrainableDrafter(dconf, recipe.hidden, seed).to(dev)
     layer_ids = tuple(dconf["dflash_config"]["target_layer_ids"])
     embed, head = shipped.model.embed_tokens.weight, shipped.lm_head.weight

@@ -144,7 +144,32 @@ def stored_weights(model) -> tuple[dict, dict[str, torch.Tensor]]:
 def quantised_copy(model):
     """A copy of `model` (fp32) holding exactly the function of its export: bf16 weights, INT4 experts."""
     _, stored = stored_weights(model)
-    q = copy.deepcopy(model)
+    return _fill_from_stored(copy.deepcopy(model), stored)
+
+
+def load_exported(model, folder: str | Path):
+    """`model` (build_target's architecture) filled from an export_target folder: the shipped function,
+    as quantised_copy gives it, read back from disk (a run continuing after the target was exported).
+    Reads only the shards the index names, inside `folder`, through safetensors (no pickle)."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder).resolve()
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    stored: dict[str, torch.Tensor] = {}
+    for fname in sorted(set(index["weight_map"].values())):
+        path = (folder / fname).resolve()
+        if path.parent != folder:
+            raise ValueError(f"{folder}/model.safetensors.index.json: shard {fname!r} is outside the folder")
+        stored.update(load_file(str(path)))
+    missing = set(model.state_dict()) - set(stored) - {
+        k for k in model.state_dict() if ".mlp.experts." in k or k.endswith("rotary_emb.inv_freq")}
+    if missing:
+        raise ValueError(f"{folder}: the export lacks {sorted(missing)[:3]}")
+    return _fill_from_stored(model, stored)
+
+
+def _fill_from_stored(q, stored: dict[str, torch.Tensor]):
+    """Copy the stored tensors (bf16 / fp32, INT4 experts dequantised) into model q, in place; returns q."""
     state = q.state_dict()
     with torch.no_grad():
         for name, t in stored.items():
