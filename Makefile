@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed
 # build artifacts (`kdtree build`, models built on the fly by tests) are cached under the workspace
 export KDTREE_CACHE ?= $(CURDIR)/.cache/kdtree
 
-.PHONY: setup test test-gpu demo bench lint clean
+.PHONY: setup test test-gpu demo demo-tiny bench lint clean
 
 setup: $(STAMP)
 
@@ -32,7 +32,17 @@ $(TINY)/config.json: | setup
 $(DRAFTER)/config.json: $(TINY)/config.json
 	$(BIN)/kdtree make-tiny $(DRAFTER) --drafter-for $(TINY) --force
 
-demo: setup $(TINY)/config.json $(DRAFTER)/config.json
+# the bundled pair (artifacts/demo-pair: a small Kimi-K2-architecture target and its DFlash drafter, trained
+# on CPython's standard library by scripts/train_demo.py) writes Python; the stats line shows tau and tokens/s
+PAIR    ?= artifacts/demo-pair
+DEMO_PROMPT ?= import os\n\n\ndef read_lines(path):\n    \"\"\"Return the lines of the file at path.\"\"\"\n
+
+demo: setup
+	$(BIN)/kdtree run $(PAIR)/target --drafter $(PAIR)/drafter --spec ddtree --budget 16 \
+		--prompt "$$(printf '$(DEMO_PROMPT)')" --max-new-tokens 96
+
+# the random tiny model in the exact Kimi K2.6 layout (kimi_k25 config, INT4 experts) and a random drafter
+demo-tiny: setup $(TINY)/config.json $(DRAFTER)/config.json
 	$(BIN)/kdtree run $(TINY) --drafter $(DRAFTER) --spec ddtree --budget 16 \
 		--prompt "The quick brown fox" --max-new-tokens 48
 

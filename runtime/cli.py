@@ -162,7 +162,12 @@ def run(
             typer.echo(json.dumps({"token_ids": out, "text": text, "stats": eng.last_stats}))
         else:
             typer.echo("")
-            typer.echo(json.dumps(eng.last_stats), err=True)
+            st = eng.last_stats
+            if st.get("tau") is not None and st.get("decode_tokens_per_s") is not None:
+                typer.echo(f"{st['new_tokens']} tokens in {st['rounds']} rounds: tau {st['tau']:.2f} tokens/round, "
+                           f"{st['decode_tokens_per_s']:.1f} tokens/s decode ({st.get('spec', '')}, {st['device']})",
+                           err=True)
+            typer.echo(json.dumps(st), err=True)
 
     _guard(go, as_json)
 

@@ -35,13 +35,15 @@ def heldout_prompts(corpus_dir: str | Path, n: int, context_chars: int = 400) ->
 
 def measure_pair(target_dir: str | Path, drafter_dir: str | Path, prompts: list[str], budgets: list[int],
                  temperatures: list[float], max_new_tokens: int = 64, device: str = "cpu",
-                 chain: bool = True, seed: int = 0) -> dict:
+                 chain: bool = True, seed: int = 0, dtype: torch.dtype | None = None) -> dict:
+    """dtype: the Engine's (None: fp32 on CPU, bf16 on CUDA)."""
     from runtime.engine.engine import Engine
 
-    eng = Engine.load(target_dir, device=device, drafter=drafter_dir, spec="ddtree", budget=budgets[0])
+    eng = Engine.load(target_dir, device=device, drafter=drafter_dir, spec="ddtree", budget=budgets[0], dtype=dtype)
     modes = [("ar", "none", 0)] + ([("chain", "chain", 0)] if chain else []) + [
         (f"ddtree-{b}", "ddtree", b) for b in budgets]
-    results = {"target": str(target_dir), "drafter": str(drafter_dir), "device": device, "prompts": len(prompts),
+    results = {"target": str(target_dir), "drafter": str(drafter_dir), "device": device,
+               "dtype": str(eng.dtype).replace("torch.", ""), "prompts": len(prompts),
                "max_new_tokens": max_new_tokens, "runs": []}
     for temp in temperatures:
         ar_ids: list[list[int]] = []
