@@ -23,6 +23,19 @@ def default_target_layer_ids(num_target_layers: int, taps: int) -> list[int]:
     return sorted({round(lo + i * (hi - lo) / (taps - 1)) for i in range(taps)})
 
 
+def target_fingerprint(target_dir: str | Path) -> str:
+    """core/fingerprint.py's fingerprint of the checkpoint's embedding, read through the real loader."""
+    from core.fingerprint import embedding_fingerprint
+    from core.loader import WeightLoader
+    from core.weight_map import target_specs
+
+    cfg = load_config(target_dir)
+    spec = next(s for s in target_specs(cfg) if s.key == "embed")
+    for _, embed in WeightLoader(target_dir, cfg.tensor_prefix, cfg.quant).stream([spec], torch.float32):
+        return embedding_fingerprint(embed)
+    raise ValueError(f"{target_dir}: no embedding tensor")
+
+
 def make_tiny_drafter(target_dir: str | Path, out: str | Path, layers: int = 2, block_size: int = 8, taps: int = 2,
                       seed: int = 0, force: bool = False) -> Path:
     from safetensors.torch import save_file
@@ -58,7 +71,8 @@ def make_tiny_drafter(target_dir: str | Path, out: str | Path, layers: int = 2, 
         "tie_word_embeddings": False,
         "block_size": block_size,
         "dflash_config": {"mask_token_id": t.vocab_size - 2,
-                          "target_layer_ids": default_target_layer_ids(t.num_layers, taps)},
+                          "target_layer_ids": default_target_layer_ids(t.num_layers, taps),
+                          "target_fingerprint": target_fingerprint(target_dir)},
         "torch_dtype": "bfloat16",
     }
     dcfg = parse_drafter_config(config)

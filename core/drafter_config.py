@@ -32,6 +32,7 @@ class DrafterConfig:
     mask_token_id: int
     target_layer_ids: tuple[int, ...]
     block_size: int
+    target_fingerprint: str | None = None  # dflash_config.target_fingerprint (ours; core/fingerprint.py)
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "num_layers",
@@ -121,4 +122,15 @@ def parse_drafter_config(raw: dict[str, Any], source: str = "drafter config.json
         mask_token_id=int(get("mask_token_id", nested=True)),
         target_layer_ids=tuple(ids),
         block_size=int(get("block_size", 16, nested=True)),
+        target_fingerprint=_fingerprint(dflash.get("target_fingerprint"), source),
     )
+
+
+def _fingerprint(value: Any, source: str) -> str | None:
+    """dflash_config.target_fingerprint: absent (z-lab's checkpoints) or 16 hex digits."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) != 16 or any(c not in "0123456789abcdef" for c in value):
+        raise ConfigError(f"{source}: `dflash_config.target_fingerprint` must be 16 lowercase hex digits, "
+                          f"got {value!r}")
+    return value

@@ -38,3 +38,39 @@ def test_ddtree_lossless_and_accepting(engine):
     assert e.last_stats["tau"] > 1.5, e.last_stats
     text = engine.tokenizer.decode(tree)
     assert any(w in text for w in ("return", "if ", "def ", "path")), text  # Python, not noise
+
+
+def test_drafter_for_another_target_is_said(tmp_path):
+    """A drafter records its target's fingerprint (core/fingerprint.py); loaded for another target it
+    still decodes losslessly, with a warning naming both fingerprints; a malformed record is refused."""
+    import shutil
+    import warnings
+
+    from build_pipeline.tiny_drafter import make_tiny_drafter, target_fingerprint
+    from core.errors import ConfigError
+    from runtime.engine.engine import Engine
+    from runtime.load.drafter import DrafterProvenanceWarning
+
+    mine = json.loads((PAIR / "drafter" / "config.json").read_text())["dflash_config"]["target_fingerprint"]
+    assert mine == target_fingerprint(PAIR / "target")
+    tiny = make_tiny_drafter(PAIR / "target", tmp_path / "tiny-drafter")  # make-tiny records it too
+    assert json.loads((tiny / "config.json").read_text())["dflash_config"]["target_fingerprint"] == mine
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DrafterProvenanceWarning)
+        Engine.load(PAIR / "target", device="cpu", drafter=tiny, spec="ddtree", budget=4).close()
+
+    other = tmp_path / "other"
+    shutil.copytree(PAIR / "drafter", other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["dflash_config"]["target_fingerprint"] = "0123456789abcdef"
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.warns(DrafterProvenanceWarning, match=r"built for another target.*0123456789abcdef.*" + mine):
+        eng = Engine.load(PAIR / "target", device="cpu", drafter=other, spec="ddtree", budget=4)
+    ar = list(eng.configure(spec="none").generate_ids(PROMPT, max_new_tokens=8))
+    assert list(eng.configure(spec="ddtree", budget=4).generate_ids(PROMPT, max_new_tokens=8)) == ar
+    eng.close()
+
+    cfg["dflash_config"]["target_fingerprint"] = "not-hex"
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="target_fingerprint"):
+        Engine.load(PAIR / "target", device="cpu", drafter=other, spec="ddtree", budget=4)

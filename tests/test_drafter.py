@@ -25,8 +25,9 @@ def pair(tiny, tmp_path_factory):
 def test_z_lab_layout(tiny, tmp_path):
     d = make_tiny_drafter(tiny.get("kimi"), tmp_path / "d")
     raw = json.loads((d / "config.json").read_text())
-    assert raw["architectures"] == ["DFlashDraftModel"] and set(raw["dflash_config"]) == {"mask_token_id",
-                                                                                         "target_layer_ids"}
+    # z-lab's two keys, plus ours: the fingerprint of the target it was made for (core/fingerprint.py)
+    assert raw["architectures"] == ["DFlashDraftModel"] and set(raw["dflash_config"]) == {
+        "mask_token_id", "target_layer_ids", "target_fingerprint"}
     header = json.loads((d / "model.safetensors").read_bytes()[8:8 + int.from_bytes(
         (d / "model.safetensors").read_bytes()[:8], "little")])
     names = set(header) - {"__metadata__"}

@@ -144,15 +144,19 @@ def expected_chain_tau(acc_by_depth: torch.Tensor) -> float:
     return tau
 
 
-def export_drafter(model: TrainableDrafter, out: str | Path) -> Path:
-    """Write config.json + model.safetensors (bf16, z-lab's names) to `out`, atomically."""
+def export_drafter(model: TrainableDrafter, out: str | Path, target_fingerprint: str | None = None) -> Path:
+    """Write config.json + model.safetensors (bf16, z-lab's names) to `out`, atomically; target_fingerprint
+    (core/fingerprint.py, of the target it was trained on) is recorded in dflash_config."""
     from safetensors.torch import save_file
 
     out = Path(out)
     tensors = {s.ckpt: model.w(s.key).detach().to("cpu", torch.bfloat16).contiguous() for s in model.specs}
     with staged_dir(out) as stage:
         save_file(tensors, str(stage / "model.safetensors"), metadata={"format": "pt"})
-        (stage / "config.json").write_text(json.dumps(model.config, indent=2) + "\n")
+        config = dict(model.config)
+        if target_fingerprint is not None:
+            config["dflash_config"] = {**config["dflash_config"], "target_fingerprint": target_fingerprint}
+        (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from core.fingerprint import embedding_fingerprint
 from training import corpus as corpus_mod
 from training.drafter import (
     TrainableDrafter,
@@ -180,7 +181,7 @@ def train_demo(out: str | Path, recipe: Recipe, steps: int, drafter_steps: int, 
     rows["drafter"] = run_phase(dphase, out / "ckpt", seed, ckpt_every, eval_every, None, progress, log)
     report["drafter"] = {"steps": drafter_steps, **(rows["drafter"][-1] if rows["drafter"] else {}),
                          "bytes_estimate": recipe.drafter_bytes()}
-    export_drafter(drafter, out / "drafter")
+    export_drafter(drafter, out / "drafter", embedding_fingerprint(embed))
     write_log(rows, out)
     note = plot_losses(rows, out / "loss.png")
     if note:

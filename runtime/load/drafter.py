@@ -9,11 +9,13 @@ rounding, hence at most the tree, differs."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
 
 from core.drafter_config import DrafterConfig, load_drafter_config
+from core.fingerprint import FINGERPRINT_ROWS, embedding_fingerprint
 from core.loader import WeightLoader
 from core.progress import Progress
 from core.weight_map import drafter_specs
@@ -30,6 +32,7 @@ def load_drafter(drafter_dir: str | Path, target: TargetModel, progress: bool = 
     if tuple(target.feature_layers) != cfg.target_layer_ids:
         raise ValueError(f"target returns features of layers {target.feature_layers}, drafter needs "
                          f"{cfg.target_layer_ids}")
+    check_provenance(cfg, target, drafter_dir)
     loader = WeightLoader(drafter_dir)
     specs = drafter_specs(cfg, target.cfg.hidden_size)
     flat = {}
@@ -39,6 +42,26 @@ def load_drafter(drafter_dir: str | Path, target: TargetModel, progress: bool = 
         bar.advance()
     bar.close()
     return assemble_drafter(cfg, flat, target, shard)
+
+
+class DrafterProvenanceWarning(UserWarning):
+    """The drafter records another target than the one it is loaded for (decoding stays lossless)."""
+
+
+def check_provenance(cfg: DrafterConfig, target: TargetModel, drafter_dir: str | Path) -> str | None:
+    """Warns (DrafterProvenanceWarning) when the drafter's recorded target fingerprint is not this target's;
+    returns the fingerprint compared against, None when there is nothing to compare (no record, or a rank
+    that does not hold the embedding's first rows)."""
+    embed = target.w.embed  # [v_local, d]
+    if cfg.target_fingerprint is None or (target.comm is not None and target.comm.rank != 0) \
+            or embed.shape[0] < FINGERPRINT_ROWS:
+        return None
+    mine = embedding_fingerprint(embed)
+    if mine != cfg.target_fingerprint:
+        warnings.warn(f"drafter {drafter_dir} was built for another target (its dflash_config.target_fingerprint "
+                      f"{cfg.target_fingerprint}, this target's {mine}): tokens stay the target's (lossless), "
+                      f"but expect few accepted drafts", DrafterProvenanceWarning, stacklevel=3)
+    return mine
 
 
 def shardable(cfg: DrafterConfig, tp: int, target_hidden: int) -> bool:
