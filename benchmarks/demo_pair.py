@@ -1,7 +1,7 @@
 """tau and speedup over AR of the demo pair (issue 19, "Measure"): DDTree at budgets 4..256 and the
 DFlash chain, at T = 0 and T = 1, on prompts from the held-out stdlib modules.
 
-    .venv/bin/python benchmarks/demo_pair.py        # the shipped pair, artifacts/demo-pair (or --target/--drafter/--corpus)
+    .venv/bin/python benchmarks/demo_pair.py        # artifacts/demo-pair (or --target/--drafter/--corpus)
     python benchmarks/demo_pair.py ... --device cuda          # on the H200 (kernels and graphs)
 
 Writes --out: one row per (temperature, mode) with tau, decode tokens/s, speedup over AR at that
@@ -26,7 +26,7 @@ import torch  # noqa: E402
 
 from training.measure import divergence_margins, heldout_prompts, measure_pair  # noqa: E402
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+DTYPES = ("float32", "float64", "bfloat16")  # torch dtype names, as kdtree run's --dtype
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,14 +35,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="tau and speedup of a target + DFlash drafter pair")
     ap.add_argument("--target", type=Path, default=ROOT / "artifacts" / "demo-pair" / "target")
     ap.add_argument("--drafter", type=Path, default=ROOT / "artifacts" / "demo-pair" / "drafter")
-    ap.add_argument("--corpus", type=Path, default=ROOT / "artifacts" / "demo-pair" / "corpus", help="corpus dir of training/corpus.py (held-out prompts)")
+    ap.add_argument("--corpus", type=Path, default=ROOT / "artifacts" / "demo-pair" / "corpus",
+                    help="corpus dir of training/corpus.py (held-out prompts)")
     ap.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable; instead of --corpus)")
     ap.add_argument("--prompts", type=int, default=8, help="held-out prompts to use")
     ap.add_argument("--budgets", default="4,8,16,32,64,128,256")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: fp32 on CPU, bf16 on CUDA")
+    ap.add_argument("--dtype", default=None, choices=DTYPES, help="default: fp32 on CPU, bf16 on CUDA")
     ap.add_argument("--no-chain", action="store_true")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "demo-pair.json")
     ap.add_argument("--merge", nargs="+", type=Path, help="join these run files into --out (+ a PNG plot)")
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give --corpus (held-out prompts) or --prompt")
     res = measure_pair(args.target, args.drafter, prompts, [int(b) for b in args.budgets.split(",")],
                        [float(t) for t in args.temperatures.split(",")], args.max_new_tokens, args.device,
-                       chain=not args.no_chain, dtype=DTYPES[args.dtype] if args.dtype else None)
+                       chain=not args.no_chain, dtype=getattr(torch, args.dtype) if args.dtype else None)
     res["host"] = {"python": platform.python_version(), "machine": platform.machine()}
     print(f"{'T':>4} {'mode':<12} {'tau':>7} {'tok/s':>9} {'speedup':>8} {'==AR':>5}")
     for r in res["runs"]:

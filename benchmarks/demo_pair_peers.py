@@ -28,9 +28,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from training.measure import first_diff, heldout_prompts  # noqa: E402
+from training.target import LayerTap  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = ("float32", "bfloat16")  # torch dtype names, as kdtree run's --dtype
 
 
 def hf_target(folder: Path, device: str, dtype: torch.dtype):
@@ -58,19 +59,6 @@ def hf_drafter(folder: Path, target_hidden: int, device: str, dtype: torch.dtype
     return d.to(device, dtype).eval()
 
 
-class Tap:
-    """The residual stream after the drafter's target layers, captured on every target forward."""
-
-    def __init__(self, model, layer_ids: list[int]):
-        self.layer_ids, self.got = layer_ids, {}
-        for i in layer_ids:
-            model.model.layers[i].register_forward_hook(
-                lambda mod, inp, out, i=i: self.got.__setitem__(i, out[0] if isinstance(out, tuple) else out))
-
-    def feats(self) -> torch.Tensor:
-        return torch.cat([self.got[i] for i in self.layer_ids], dim=-1)  # [1, n, F]
-
-
 def keep_in_cache(cache, past: int, idx: torch.Tensor) -> None:
     """Keep the first `past` positions of every layer's cache plus the tree nodes idx [a] after them."""
     for layer in cache.layers:
@@ -80,11 +68,12 @@ def keep_in_cache(cache, past: int, idx: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def hf_ddtree(target, drafter, tap: Tap, ids: list[int], max_new: int, budget: int, eos: int | None
+def hf_ddtree(target, drafter, tap: LayerTap, ids: list[int], max_new: int, budget: int, eos: int | None
               ) -> tuple[list[int], int, float]:
     """(new ids, rounds, decode seconds) of the transformers-style DDTree loop, greedy."""
     from transformers import DynamicCache
 
+    from plugins.common.bitmask import unpack_mask
     from plugins.tree_accept.reference import tree_accept_reference
     from plugins.tree_build.reference import build_from_topk_reference, topk_logprobs_reference
     dev, dtype = target.device, target.dtype
@@ -104,13 +93,10 @@ def hf_ddtree(target, drafter, tap: Tap, ids: list[int], max_new: int, budget: i
         f = torch.cat([feats, feats.new_zeros(1, 1, feats.shape[-1])], 1)  # the bonus has no features yet
         logits = drafter(f, seq_t, torch.tensor([[past]], device=dev), embed, head)[:, 0]  # [1, D, V]
         lp, top = topk_logprobs_reference(logits.float().cpu(), min(budget, logits.shape[-1]))  # to the host
-        tokens, parents, depth, _, _ = build_from_topk_reference(lp, top, budget, torch.tensor([bonus]),
-                                                                 torch.tensor([past]))
+        tokens, parents, depth, _, bits = build_from_topk_reference(lp, top, budget, torch.tensor([bonus]),
+                                                                    torch.tensor([past]))
         n = tokens.shape[1]
-        anc = torch.eye(n, dtype=torch.bool)  # [N, N] node j sees its ancestors and itself
-        par = parents[0].tolist()
-        for j in range(1, n):
-            anc[j] |= anc[par[j]]
+        anc = unpack_mask(bits[0], n)  # [N, N] node j sees its ancestors and itself
         mask = torch.zeros(1, 1, n, past + n, dtype=dtype, device=dev)
         mask[0, 0, :, past:] = torch.where(anc, 0.0, neg).to(dev, dtype)
         out = target(input_ids=tokens.to(dev), position_ids=(past + depth).to(dev), attention_mask=mask,
@@ -159,7 +145,7 @@ def run_all(pair: Path, prompts: list[str], budget: int, max_new: int, device: s
     target = hf_target(pair / "target", device, dtype)
     layer_ids = json.loads((pair / "drafter" / "config.json").read_text())["dflash_config"]["target_layer_ids"]
     drafter = hf_drafter(pair / "drafter", target.config.hidden_size, device, dtype)
-    tap = Tap(target, layer_ids)
+    tap = LayerTap(target, layer_ids)
     eos = target.config.eos_token_id
     res = {k: {"ids": [], "new": 0, "rounds": 0, "decode_s": 0.0} for k in ("ours", "ours-ar", "hf-ddtree",
                                                                               "hf-generate")}
@@ -200,16 +186,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--check-dtype", default="float32", choices=sorted(DTYPES))
-    ap.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="timing pass (bf16 on CUDA, fp32 on CPU)")
+    ap.add_argument("--check-dtype", default="float32", choices=DTYPES)
+    ap.add_argument("--dtype", default=None, choices=DTYPES, help="timing pass (bf16 on CUDA, fp32 on CPU)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "demo-pair-peers.json")
     args = ap.parse_args(argv)
     from benchmarks.common import git_commit, gpu_name
     prompts = heldout_prompts(args.pair / "corpus", args.prompts)
     timing = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    check = run_all(args.pair, prompts, args.budget, args.max_new_tokens, args.device, DTYPES[args.check_dtype])
+    check = run_all(args.pair, prompts, args.budget, args.max_new_tokens, args.device,
+                    getattr(torch, args.check_dtype))
     passes = [check] + ([] if timing == args.check_dtype else
-                        [run_all(args.pair, prompts, args.budget, args.max_new_tokens, args.device, DTYPES[timing])])
+                        [run_all(args.pair, prompts, args.budget, args.max_new_tokens, args.device,
+                                 getattr(torch, timing))])
     ours = {p["dtype"]: next(r for r in p["rows"] if r["impl"] == "ours") for p in passes}
     for p in passes:
         for r in p["rows"]:

@@ -95,19 +95,35 @@ class RouterBalance:
         return worst
 
 
+class LayerTap:
+    """The residual stream after each decoder layer in layer_ids, captured on every forward of `model`
+    (forward hooks, until remove())."""
+
+    def __init__(self, model, layer_ids: tuple[int, ...] | list[int]):
+        self.layer_ids, self.got = tuple(layer_ids), {}
+        self.hooks = [model.model.layers[i].register_forward_hook(
+            lambda mod, inp, out, i=i: self.got.__setitem__(i, out[0] if isinstance(out, tuple) else out))
+            for i in self.layer_ids]
+
+    def feats(self) -> torch.Tensor:
+        """[b, l, len(layer_ids) * hidden] of the last forward, in the model's dtype."""
+        return torch.cat([self.got[i] for i in self.layer_ids], dim=-1)
+
+    def remove(self) -> None:
+        for h in self.hooks:
+            h.remove()
+
+
 def tap_features(model, ids: torch.Tensor, layer_ids: tuple[int, ...], autocast: bool = False) -> torch.Tensor:
     """ids [b, l] -> the residual stream after each decoder layer in layer_ids, concatenated:
     [b, l, len(layer_ids) * hidden] fp32 (what runtime/model/target.py returns as features)."""
-    got: dict[int, torch.Tensor] = {}
-    hooks = [model.model.layers[i].register_forward_hook(
-        lambda mod, inp, out, i=i: got.__setitem__(i, out[0] if isinstance(out, tuple) else out)) for i in layer_ids]
+    tap = LayerTap(model, layer_ids)
     try:
         with torch.no_grad(), torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=autocast):
             model.model(input_ids=ids)
     finally:
-        for h in hooks:
-            h.remove()
-    return torch.cat([got[i].float() for i in layer_ids], dim=-1)
+        tap.remove()
+    return tap.feats().float()
 
 
 def stored_weights(model) -> tuple[dict, dict[str, torch.Tensor]]:
