@@ -15,6 +15,7 @@ runs (CPU reference, H200 bf16, H200 fp32) into benchmarks/results/demo-pair.jso
 from __future__ import annotations
 
 import argparse
+import datetime as _dt
 import json
 import platform
 import sys
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from core.provenance import git_commit  # noqa: E402
 from training.measure import divergence_margins, heldout_prompts, measure_pair  # noqa: E402
 
 DTYPES = ("float32", "float64", "bfloat16")  # torch dtype names, as kdtree run's --dtype
@@ -40,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable; instead of --corpus)")
     ap.add_argument("--prompts", type=int, default=8, help="held-out prompts to use")
     ap.add_argument("--budgets", default="4,8,16,32,64,128,256")
+    ap.add_argument("--auto", type=int, default=None, metavar="B",
+                    help="also run --budget auto:B (the bucket chosen per round, up to B nodes)")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--device", default="cpu")
@@ -56,12 +60,17 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give --corpus (held-out prompts) or --prompt")
     res = measure_pair(args.target, args.drafter, prompts, [int(b) for b in args.budgets.split(",")],
                        [float(t) for t in args.temperatures.split(",")], args.max_new_tokens, args.device,
-                       chain=not args.no_chain, dtype=getattr(torch, args.dtype) if args.dtype else None)
+                       chain=not args.no_chain, dtype=getattr(torch, args.dtype) if args.dtype else None,
+                       auto=args.auto)
     res["host"] = {"python": platform.python_version(), "machine": platform.machine()}
+    res.update(date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), git_commit=git_commit(),
+               gpu=torch.cuda.get_device_name() if args.device == "cuda" else None)
     print(f"{'T':>4} {'mode':<12} {'tau':>7} {'tok/s':>9} {'speedup':>8} {'==AR':>5}")
     for r in res["runs"]:
         print(f"{r['temperature']:>4} {r['mode']:<12} {r['tau'] or 0:>7.3f} {r['decode_tokens_per_s'] or 0:>9.1f} "
-              f"{r.get('speedup_vs_ar') or 1.0:>8.3f} {r.get('identical_to_ar', '')!s:>5}")
+              f"{r.get('speedup_vs_ar') or 1.0:>8.3f} {r.get('identical_to_ar', '')!s:>5}"
+              + (f"  mean bucket {r['mean_budget']} {r['budget_histogram']}" if "mean_budget" in r else "")
+              + (f"  [{r['graph_note']}]" if r.get("graph_note") else ""))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=2) + "\n")
     print(f"wrote {args.out}")
@@ -102,7 +111,7 @@ def merge(paths: list[Path], out: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for doc in runs:
         for temp in sorted({r["temperature"] for r in doc["runs"]}):
-            rows = [r for r in doc["runs"] if r["temperature"] == temp and r["budget"]]
+            rows = [r for r in doc["runs"] if r["temperature"] == temp and isinstance(r["budget"], int)]
             if not rows:
                 continue
             label = f"{doc['device']} {doc.get('dtype', '')} T={temp:g}"

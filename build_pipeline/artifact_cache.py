@@ -4,6 +4,9 @@ Layout: `$KDTREE_CACHE/<key>/` holds manifest.json plus everything it lists (ran
 graphs/, drafter/, tokenizer/).  An entry counts as complete only when `<key>/manifest.json`
 exists, and `<key>/` only appears by one `os.rename` of a fully written staging folder
 (`.stage-<key>-<pid>-<rand>/`), so an interrupted build leaves nothing that looks complete.
+`<key>/autotune/` is not listed in the manifest: the runtime stores there the cost curves it
+measures on first use of `--budget auto` (runtime/decode/budget.py), one folder per GPU, dtype,
+batch and largest budget.
 
 Key = sha256 of canonical JSON over the input files' sha256 (config, safetensors shards, tokenizer,
 drafter), the build options, the code version (sha256 of core/, build_pipeline/ and plugins/ sources) and

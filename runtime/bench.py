@@ -1,12 +1,12 @@
 """`kdtree bench`: AR vs speculative decoding on one loaded model, graphs on and off, one table.
 
-Per configuration (AR, chain, DDTree at each budget; on CUDA each with graphs on and off) one
+Per configuration (AR, chain, DDTree at each budget, fixed or auto; on CUDA each with graphs on and off) one
 warm-up generation (which also captures the graphs) and one timed generation at T = 0 of the same
 prompt.  Reported per row: decode tokens/s, tau (accepted tokens per round), rounds, wall µs per
 round, GPU µs per round (CUDA events around each launch), host µs per round (Python work in the
 host loop, waiting excluded), GPU idle fraction (1 - GPU time / decode wall time: the host
 overhead the GPU actually sees), per-stage µs per round (eager rows: events around each stage),
-and whether the tokens equal the AR row's.
+and whether the tokens equal the AR row's; auto rows add the budgets their rounds verified.
 """
 
 from __future__ import annotations
@@ -19,16 +19,18 @@ from pathlib import Path
 import torch
 
 from core.provenance import git_commit
+from runtime.decode.budget import CostCurve
 from runtime.decode.stats import STAGES
 from runtime.engine.engine import Engine
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time, in a land far away,"
 
 
-def run_bench(path: str | Path, drafter: str | Path | None = None, budgets: tuple[int, ...] = (1, 4, 16, 64),
+def run_bench(path: str | Path, drafter: str | Path | None = None, budgets: tuple[int | str, ...] = (1, 4, 16, 64),
               max_new_tokens: int = 64, device: str = "cpu", prompt: str | None = None, chain: bool = True,
-              dtype: torch.dtype | None = None, progress: bool = False) -> dict:
-    """Run every configuration; returns {"meta": ..., "rows": [...], "summary": ...}."""
+              dtype: torch.dtype | None = None, progress: bool = False, budget_curve: CostCurve | None = None) -> dict:
+    """Run every configuration; returns {"meta": ..., "rows": [...], "summary": ...}.  budgets: integers, or
+    "auto" / "auto:B_MAX" (budget_curve: their cost curve; None: stored or measured)."""
     eng = Engine.load(path, device=device, drafter=drafter, spec="none", graphs=True, dtype=dtype, progress=progress)
     ids = eng.encode(prompt or DEFAULT_PROMPT) if eng.tokenizer is not None else list(range(1, 17))
     configs = [("none", 0)]
@@ -38,7 +40,8 @@ def run_bench(path: str | Path, drafter: str | Path | None = None, budgets: tupl
     rows, ar_tokens = [], None
     for spec, budget in configs:
         for graphs in graph_modes:
-            e = eng.configure(spec=spec, budget=budget or eng.budget, graphs=graphs)
+            curve = budget_curve if isinstance(budget, str) else None
+            e = eng.configure(spec=spec, budget=budget or eng.budget, graphs=graphs, budget_curve=curve)
             list(e.generate_ids(ids, min(8, max_new_tokens)))  # warm-up: capture, Triton compiles
             out = list(e.generate_ids(ids, max_new_tokens))
             st = e.last_stats
@@ -63,6 +66,7 @@ def _row(spec: str, budget: int, graphs: bool, st: dict, matches_ar: bool) -> di
         "gpu_idle_frac": st.get("gpu_idle_frac"),
         "stage_us_per_round": {k: round(1e3 * stage[k] / rounds, 2) for k in STAGES} if stage and rounds else None,
         "matches_ar": matches_ar,
+        "budget_histogram": st.get("budget_histogram"), "mean_budget": st.get("mean_budget"),
     }
 
 

@@ -48,7 +48,7 @@ def _fail(msg: str, as_json: bool = False) -> None:
 
 # API field -> this CLI's flag, for runtime/decode/params.InvalidParam (the one validation of decode arguments)
 FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "spec": "--spec", "budget": "--budget",
-         "seed": "--seed"}
+         "seed": "--seed", "budget_curve": "--budget-curve"}
 
 
 def _guard(fn, as_json: bool = False):
@@ -88,8 +88,12 @@ def run(
     drafter: Optional[Path] = typer.Option(None, "--drafter", help="DFlash drafter directory"),
     spec: Optional[str] = typer.Option(None, "--spec", help="none (plain AR) | chain (DFlash) | ddtree; default "
                                        "ddtree with a drafter (--drafter or the artifact's), else none"),
-    budget: Optional[int] = typer.Option(None, "--budget", help="ddtree: tree nodes per round besides the root "
-                                         "(default 16)"),
+    budget: Optional[str] = typer.Option(None, "--budget", help="ddtree: tree nodes per round besides the root "
+                                         "(default 16), or auto / auto:B_MAX: chosen per round on the device among "
+                                         "1, 2, 4, ..., B_MAX (default 256) by expected tokens per second"),
+    budget_curve: Optional[Path] = typer.Option(None, "--budget-curve", help="with --budget auto: the cost curve "
+                                                "JSON to choose with (default: stored under the artifact's "
+                                                "autotune/, else measured on first use and stored there)"),
     allow_special: bool = typer.Option(False, "--allow-special", help="read special-token strings in --prompt "
                                        "(<|im_end|>, ...) as control tokens; default: plain text"),
     graphs: bool = typer.Option(True, "--graphs/--no-graphs", help="CUDA: replay captured graphs of a round"),
@@ -120,8 +124,13 @@ def run(
             raise ValueError(f"--dtype must be auto, float32, float64 or bfloat16, got {dtype!r}")
         if chat and prompt_ids is not None:
             raise ValueError("--chat wraps --prompt text; it does not apply to --prompt-ids")
+        from runtime.decode.budget import CostCurve
+
         SamplingParams(max_new_tokens, temperature, seed)  # bad decode arguments fail before the load
-        SpecConfig(spec or "ddtree", 16 if budget is None else budget)
+        want = SpecConfig.of(spec or "ddtree", 16 if budget is None else budget)
+        curve = CostCurve.load(budget_curve) if budget_curve is not None else None
+        if curve is not None and not want.auto:
+            raise ValueError("--budget-curve applies to --budget auto")
         if spec not in (None, "none") and drafter is None and not is_artifact(model_dir):
             raise ValueError(f"--spec {spec} needs --drafter DIR")
         if spec == "none" and drafter is not None:
@@ -133,7 +142,7 @@ def run(
         # spec None: Engine.load's rule (ddtree with a drafter, else none), as from Python
         eng = Engine.load(model_dir, device=device, drafter=drafter, spec=spec, budget=16 if budget is None else budget,
                           graphs=graphs, progress=not as_json, tp=tp, ep=ep,
-                          dtype=None if dtype == "auto" else getattr(torch, dtype))
+                          dtype=None if dtype == "auto" else getattr(torch, dtype), budget_curve=curve)
         if eng.rank != 0:  # under torchrun: every rank decodes, rank 0 alone prints
             sys.stdout = open(os.devnull, "w")
         tok = eng.tokenizer
@@ -177,7 +186,10 @@ def bench(
     path: Path = typer.Argument(..., help="`kdtree build` artifact or checkpoint directory"),
     drafter: Optional[Path] = typer.Option(None, "--drafter", help="DFlash drafter directory"),
     budgets: Optional[str] = typer.Option(None, "--budgets", help="DDTree budgets to measure (default 1,4,16,64; "
-                                          "with --rank-only 1,2,4,...,256)"),
+                                          "with --rank-only 1,2,4,...,256); auto or auto:B_MAX adds a row of the "
+                                          "per-round choice"),
+    budget_curve: Optional[Path] = typer.Option(None, "--budget-curve", help="the cost curve JSON of the auto "
+                                                "rows (default: stored or measured, see kdtree run)"),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
     prompt: Optional[str] = typer.Option(None, "--prompt", help="prompt text (default: a fixed sentence)"),
@@ -208,12 +220,20 @@ def bench(
             raise ValueError(f"--device must be cpu or cuda, got {device!r}")
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: no CUDA device is available")
+        from runtime.decode.budget import CostCurve
+        from runtime.decode.params import InvalidParam, SpecConfig
+
         try:
-            bs = tuple(int(b) for b in (budgets or "1,4,16,64").split(",") if b.strip())
-        except ValueError:
-            raise ValueError(f"--budgets must be comma-separated integers, got {budgets!r}") from None
-        if not bs or min(bs) < 1:
-            raise ValueError(f"--budgets must be integers >= 1, got {budgets!r}")
+            bs = tuple(SpecConfig.of("ddtree", b.strip()).budget_label for b in (budgets or "1,4,16,64").split(",")
+                       if b.strip())
+        except InvalidParam:
+            raise ValueError(f"--budgets must be comma-separated integers >= 1 or auto[:B_MAX], got {budgets!r}") \
+                from None
+        if not bs:
+            raise ValueError(f"--budgets must be integers >= 1 or auto[:B_MAX], got {budgets!r}")
+        curve = CostCurve.load(budget_curve) if budget_curve is not None else None
+        if curve is not None and not any(isinstance(b, str) for b in bs):
+            raise ValueError("--budget-curve applies to auto rows: add auto to --budgets")
         if max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
         if name is not None and (Path(name).name != name or name in ("", ".", "..")):
@@ -223,7 +243,7 @@ def bench(
         if budgets is not None and drafter is None and not (Path(path) / "drafter").is_dir():
             raise ValueError("--budgets needs a drafter (--drafter DIR, or an artifact built with one): without one "
                              "bench measures AR only")
-        result = run_bench(path, drafter, bs, max_new_tokens, device, prompt, progress=not as_json)
+        result = run_bench(path, drafter, bs, max_new_tokens, device, prompt, progress=not as_json, budget_curve=curve)
         if out is not None:
             written = write_result(result, out, name or Path(path).name)
             result["written"] = str(written)

@@ -284,9 +284,12 @@ def test_kernels_compile_to_cubin_without_a_gpu(tmp_path):
     cubin = (tmp_path / "out" / rec["cubin"]).read_bytes()
     assert cubin[:4] == b"\x7fELF" and b".version" in (tmp_path / "out" / rec["ptx"]).read_bytes()
     recs = compile_all(tmp_path / "tri", ("sm_90",), (16,), progress=False, modules=["tests.aot_demo_kernels"])
-    assert [r["name"] for r in recs] == ["add_one_b16"] and recs[0]["kind"] == "triton"
-    meta = json.loads((tmp_path / "tri" / recs[0]["meta"]).read_text())
-    assert meta["target"][1] == 90 and (tmp_path / "tri" / recs[0]["cubin"]).read_bytes()[:4] == b"\x7fELF"
+    # the plugins' CUDA C (budget auto's setter kernel, where the runtime looks for it), then the Triton kernel
+    assert [(r["kind"], r["name"]) for r in recs] == [("cuda", "set_conditionals"), ("triton", "add_one_b16")]
+    assert recs[0]["cubin"] == "kernels/sm_90/graph_conditional/set_conditionals.cubin"
+    tri = recs[1]
+    meta = json.loads((tmp_path / "tri" / tri["meta"]).read_text())
+    assert meta["target"][1] == 90 and (tmp_path / "tri" / tri["cubin"]).read_bytes()[:4] == b"\x7fELF"
 
 
 def test_cli_build_json(k25, kcache, tmp_path):

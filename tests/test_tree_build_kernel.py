@@ -3,8 +3,10 @@
 - the torch prototype of the level-parallel algorithm (plugins/tree_build/parallel_reference.py) vs the
   heap on ~300 random tie-heavy cases and a hand-made fp32 absorption case;
 - the Triton kernels under TRITON_INTERPRET=1 on CPU (run in a subprocess, so that no other test module
-  sees the interpreter's triton): end to end from logits, and stage 2 alone on crafted candidate lists;
-- on CUDA (pytest -m gpu): >= 200 random shapes up to the Kimi vocabulary, B 1024, depth 16, all five
+  sees the interpreter's triton): end to end from logits, stage 2 alone on crafted candidate lists, and
+  prefix-closed (the first b + 1 nodes of the tree of budget B are the tree of budget b: check_prefix_closed,
+  which tests/test_budget_auto.py runs on the reference);
+- on CUDA (pytest -m gpu): >= 200 random shapes up to the Kimi vocabulary, B 1024, depth 16, all six
   outputs equal; a JSON summary goes to $KDTREE_RESULTS_DIR/tree_build-device-test.json when set
   ($KDTREE_TREE_BUILD_SHAPES overrides the 240 shapes); their kernel variants are compiled first, in parallel
   processes (tests/compile_warmup.py).
@@ -118,15 +120,16 @@ def check_end_to_end(logits: torch.Tensor, topk: int, budget: int, seed: int, dt
     root = torch.randint(0, vocab, (b,), generator=gen).to(logits.device)
     start = torch.randint(0, 10_000, (b,), generator=gen).to(logits.device)
     outs = poisoned_outputs(b, budget + 1, logits.device)
-    ws = tree_build_triton(logits, root, start, topk, *outs)
+    scores = torch.full((b, budget + 1), float("nan"), device=logits.device)
+    ws = tree_build_triton(logits, root, start, topk, *outs, scores=scores)
     k = min(topk, vocab)
     lp, ids = topk_logprobs_reference(logits, k)
     kk = ws.k
     lp_ok = torch.equal(ws.lp.view(b, depth, kk).cpu(), lp[..., :kk].cpu())
     ids_ok = torch.equal(ws.ids.view(b, depth, kk).long().cpu(), ids[..., :kk].cpu())
     ref = build_from_topk_reference(lp, ids, budget, root, start)
-    names = ("tokens", "parents", "depth", "positions", "mask")
-    bad = [name for name, o, r in zip(names, outs, ref) if not torch.equal(o.cpu(), r.cpu())]
+    names = ("tokens", "parents", "depth", "positions", "mask", "scores")
+    bad = [name for name, o, r in zip(names, outs + [scores], ref) if not torch.equal(o.cpu(), r.cpu())]
     if workspace:
         big = TreeBuildWorkspace.allocate(b + 1, depth + 1, vocab + 5, budget + 3, topk + 2, logits.device)
         big.buffer.fill_(0xFF)  # NaN floats, -1 ints: whatever the kernels read before writing shows
@@ -151,11 +154,39 @@ def check_stage2(lp: np.ndarray, budget: int, seed: int, device="cpu") -> dict:
     ws.ids.copy_(ids[0, :, :kk].to(device))
     root, start = torch.tensor([5], device=device), torch.tensor([17], device=device)
     outs = poisoned_outputs(1, budget + 1, device)
-    build_tree_triton(ws.lp, ws.ids, root, start, *outs, ws)
+    scores = torch.full((1, budget + 1), float("nan"), device=device)
+    build_tree_triton(ws.lp, ws.ids, root, start, *outs, ws, scores)
     ref = build_from_topk_reference(lpt, ids, budget, root.cpu(), start.cpu())
-    names = ("tokens", "parents", "depth", "positions", "mask")
-    bad = [name for name, o, r in zip(names, outs, ref) if not torch.equal(o.cpu(), r.cpu())]
+    names = ("tokens", "parents", "depth", "positions", "mask", "scores")
+    bad = [name for name, o, r in zip(names, outs + [scores], ref) if not torch.equal(o.cpu(), r.cpu())]
     return {"D": depth, "K": k, "B": budget, "ok": not bad, "bad_outputs": bad}
+
+
+def check_prefix_closed(logits: torch.Tensor, big: int, smalls: tuple[int, ...], kernel: bool) -> list[str]:
+    """Trees of budget `big` and each of `smalls` (topk = budget, as DDTree), through the kernels or the
+    registered op; the mismatches of the big tree's first b + 1 nodes (all six outputs) against the tree of b."""
+    from plugins.tree_build import tree_build as build
+    if kernel:
+        from plugins.tree_build.kernel import tree_build_triton as build
+    b = logits.shape[0]
+    root, start = torch.arange(b, device=logits.device) + 3, torch.arange(b, device=logits.device) * 10
+
+    def tree(budget: int) -> list[torch.Tensor]:
+        outs = poisoned_outputs(b, budget + 1, logits.device)
+        scores = torch.full((b, budget + 1), float("nan"), device=logits.device)
+        build(logits, root, start, budget, *outs, scores=scores)
+        return outs + [scores]
+
+    full, bad = tree(big), []
+    for small in smalls:
+        n = small + 1
+        cut = [t[:, :n] for t in full[:4]] + [full[4][:, :n, :mask_words(n)], full[5][:, :n]]
+        names = ("tokens", "parents", "depth", "positions", "mask", "scores")
+        bad += [f"B {big} -> b {small}: {name}" for name, x, y in zip(names, cut, tree(small))
+                if not torch.equal(x, y)]
+        if full[4][:, :n, mask_words(n):].any():
+            bad.append(f"B {big} -> b {small}: mask words beyond the prefix")
+    return bad
 
 
 def _interpreter_cases() -> list[tuple]:
@@ -173,6 +204,7 @@ def _interpreter_cases() -> list[tuple]:
         ("e2e", 1, 4, 2, 1, 2, "randn", torch.float32),         # B = 1
     ]
     cases += [("s2", ABSORPTION_LP, budget) for budget in (20, 22, 24)]
+    cases.append(("prefix", 2, 3, 40, 12, (1, 5)))
     rng = random.Random(1234)
     for case in range(6):
         depth, k = rng.randint(2, 5), rng.randint(2, 8)
@@ -191,6 +223,11 @@ def interpreter_worker() -> list[dict]:
             logits = make_logits(rng, gen, b, depth, vocab, mode, "cpu")
             res = check_end_to_end(logits, topk, budget, seed=i, dtype=dtype, workspace=i in (3, 4))
             res["mode"] = mode
+        elif case[0] == "prefix":
+            _, b, depth, vocab, big, smalls = case
+            logits = (torch.randn(b, depth, vocab, generator=torch.Generator().manual_seed(i)) * 2).round() / 2
+            bad = check_prefix_closed(logits, big, smalls, kernel=True)
+            res = {"B": big, "b": list(smalls), "ok": not bad, "bad_outputs": bad}
         else:
             _, lp, budget = case
             res = check_stage2(lp, budget, seed=i)
@@ -295,7 +332,7 @@ def _write_device_summary(results: list[dict], t0: float, done: bool, warmed: di
     time limit still leaves what it checked, with complete = false)."""
     failed = [r for r in results if not r["ok"]]
     summary = {"op": "tree_build", "complete": done, "shapes_checked": len(results), "failed": len(failed),
-               "exact": "all five outputs and the stage-1 lp/ids compared with torch.equal",
+               "exact": "all six outputs (scores included) and the stage-1 lp/ids compared with torch.equal",
                "seconds": round(time.time() - t0, 1), "compile_warmup": warmed, "failures": failed[:20],
                "shapes": results}
     out_dir = os.environ.get("KDTREE_RESULTS_DIR")

@@ -49,8 +49,8 @@ def test_tree_build_is_the_brute_force_best_prefixes(case):
     lp = _random_lp(rng, depth, k, ties=case % 2 == 0)
     ids = torch.tensor([[rng.sample(range(50), k) for _ in range(depth)]])  # distinct tokens per depth
     root, start = torch.tensor([7]), torch.tensor([100])
-    tokens, parents, dep, positions, mask = build_from_topk_reference(torch.from_numpy(lp)[None], ids, budget,
-                                                                      root, start)
+    tokens, parents, dep, positions, mask, _ = build_from_topk_reference(torch.from_numpy(lp)[None], ids, budget,
+                                                                         root, start)
     expect = brute_force_tree(lp, budget)
     index = {ranks: i + 1 for i, ranks in enumerate(expect)}
     assert tokens[0, 0] == 7 and parents[0, 0] == -1 and dep[0, 0] == 0

@@ -35,13 +35,14 @@ def heldout_prompts(corpus_dir: str | Path, n: int, context_chars: int = 400) ->
 
 def measure_pair(target_dir: str | Path, drafter_dir: str | Path, prompts: list[str], budgets: list[int],
                  temperatures: list[float], max_new_tokens: int = 64, device: str = "cpu",
-                 chain: bool = True, seed: int = 0, dtype: torch.dtype | None = None) -> dict:
-    """dtype: the Engine's (None: fp32 on CPU, bf16 on CUDA)."""
+                 chain: bool = True, seed: int = 0, dtype: torch.dtype | None = None, auto: int | None = None) -> dict:
+    """dtype: the Engine's (None: fp32 on CPU, bf16 on CUDA); auto: also run `--budget auto:<auto>` (mode
+    ddtree-auto; its rows carry the rounds per verified bucket and the mean bucket)."""
     from runtime.engine.engine import Engine
 
     eng = Engine.load(target_dir, device=device, drafter=drafter_dir, spec="ddtree", budget=budgets[0], dtype=dtype)
     modes = [("ar", "none", 0)] + ([("chain", "chain", 0)] if chain else []) + [
-        (f"ddtree-{b}", "ddtree", b) for b in budgets]
+        (f"ddtree-{b}", "ddtree", b) for b in budgets] + ([("ddtree-auto", "ddtree", f"auto:{auto}")] if auto else [])
     results = {"target": str(target_dir), "drafter": str(drafter_dir), "device": device,
                "dtype": str(eng.dtype).replace("torch.", ""), "prompts": len(prompts),
                "max_new_tokens": max_new_tokens, "runs": []}
@@ -54,6 +55,7 @@ def measure_pair(target_dir: str | Path, drafter_dir: str | Path, prompts: list[
             new = rounds = 0
             decode_s = 0.0
             outs = []
+            buckets: dict[int, int] = {}
             t0 = time.monotonic()
             for i, p in enumerate(prompts):
                 ids = list(e.generate_ids(p, max_new_tokens=max_new_tokens, temperature=temp, seed=seed + i))
@@ -62,11 +64,20 @@ def measure_pair(target_dir: str | Path, drafter_dir: str | Path, prompts: list[
                 new += st["new_tokens"]
                 rounds += st["rounds"]
                 decode_s += st["decode_s"]
+                for b, k in st.get("budget_histogram", {}).items():
+                    buckets[int(b)] = buckets.get(int(b), 0) + k
             wall = time.monotonic() - t0
             tps = new / decode_s if decode_s > 0 else None
             row = {"mode": label, "temperature": temp, "budget": budget or None, "new_tokens": new,
                    "rounds": rounds, "tau": round(new / rounds, 4) if rounds else None,
                    "decode_tokens_per_s": round(tps, 2) if tps else None, "wall_s": round(wall, 3)}
+            row["graphs"] = e.last_stats.get("graphs")
+            if e.last_stats.get("graph_note"):
+                row["graph_note"] = e.last_stats["graph_note"]
+            if buckets:
+                row["budget_histogram"] = dict(sorted(buckets.items()))
+                row["mean_budget"] = round(sum(b * k for b, k in buckets.items()) / sum(buckets.values()), 2)
+                row["budget_curve"] = e.last_stats.get("budget_curve")
             if spec == "none":
                 ar_ids, ar_tps = outs, tps
             else:

@@ -18,21 +18,24 @@ __all__ = ["tree_build", "tree_build_op", "TreeBuildWorkspace", "topk_logprobs_r
 
 def tree_build(logits: torch.Tensor, root: torch.Tensor, start: torch.Tensor, topk: int, tokens: torch.Tensor,
                parents: torch.Tensor, depth: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-               workspace: Optional[torch.Tensor] = None) -> None:
+               workspace: Optional[torch.Tensor] = None, scores: Optional[torch.Tensor] = None) -> None:
     """Writes the tree of logits [b, D, V] into tokens, parents, depth, positions [b, N] and mask [b, N, w]
-    through the registered op (see tree_build_op); workspace: a TreeBuildWorkspace's .buffer, or None."""
+    (and, given scores [b, N] fp32, each node's path log-probability) through the registered op (see
+    tree_build_op); workspace: a TreeBuildWorkspace's .buffer, or None."""
     # every argument passed explicitly: torch 2.11's mutation bookkeeping indexes the given args only
-    tree_build_op(logits, root, start, topk, tokens, parents, depth, positions, mask, workspace)
+    tree_build_op(logits, root, start, topk, tokens, parents, depth, positions, mask, workspace, scores)
 
 
 @torch.library.custom_op("kdtree::tree_build",
-                         mutates_args=("tokens", "parents", "depth", "positions", "mask", "workspace"))
+                         mutates_args=("tokens", "parents", "depth", "positions", "mask", "workspace", "scores"))
 def tree_build_op(logits: torch.Tensor, root: torch.Tensor, start: torch.Tensor, topk: int, tokens: torch.Tensor,
                   parents: torch.Tensor, depth: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                  workspace: Optional[torch.Tensor]) -> None:
+                  workspace: Optional[torch.Tensor], scores: Optional[torch.Tensor]) -> None:
     """logits [b, D, V] draft logits, root [b] int64 bonus tokens, start [b] position of the root;
     budget B = tokens.shape[1] - 1; candidates per depth K = min(topk, V) (topk = B for DDTree,
-    1 for a chain).  Writes tokens, parents, depth, positions [b, N] and mask [b, N, w].
+    1 for a chain).  Writes tokens, parents, depth, positions [b, N] and mask [b, N, w]; scores [b, N] fp32
+    (optional) gets each node's path log-probability under the drafter (root 0; see reference.py).
+    Nodes come in score order, so the first b + 1 nodes are the tree of budget b (reference.py).
 
     workspace: uint8 [nbytes], TreeBuildWorkspace.allocate(b, D, V, B, topk, device).buffer for a capacity
     at least this call's (each of b, D, V, B, topk), so the kernel path allocates nothing; None allocates
@@ -46,18 +49,21 @@ def tree_build_op(logits: torch.Tensor, root: torch.Tensor, start: torch.Tensor,
         raise ValueError(f"tree_build: mask must be int64 [{b}, {n}, {mask_words(n)}], got {tuple(mask.shape)}")
     if root.shape != (b,) or start.shape != (b,):
         raise ValueError(f"tree_build: root and start must be [{b}], got {tuple(root.shape)}, {tuple(start.shape)}")
+    if scores is not None and (scores.shape != (b, n) or scores.dtype != torch.float32):
+        raise ValueError(f"tree_build: scores must be fp32 [{b}, {n}], got {scores.dtype} {tuple(scores.shape)}")
     if workspace is not None:
         TreeBuildWorkspace.carve(workspace, b, d, v, n - 1, topk)  # the kernel path's capacity check
     k = min(topk, v)
     lp, ids = topk_logprobs_reference(logits, k)
     outs = build_from_topk_reference(lp, ids, n - 1, root, start)
-    for dst, src in zip((tokens, parents, depth, positions, mask), outs):
-        dst.copy_(src)
+    for dst, src in zip((tokens, parents, depth, positions, mask, scores), outs):
+        if dst is not None:
+            dst.copy_(src)
 
 
 @tree_build_op.register_kernel("cuda")
 def _tree_build_cuda(logits: torch.Tensor, root: torch.Tensor, start: torch.Tensor, topk: int, tokens: torch.Tensor,
                      parents: torch.Tensor, depth: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                     workspace: Optional[torch.Tensor]) -> None:
+                     workspace: Optional[torch.Tensor], scores: Optional[torch.Tensor]) -> None:
     from plugins.tree_build.kernel import tree_build_triton
-    tree_build_triton(logits, root, start, topk, tokens, parents, depth, positions, mask, workspace)
+    tree_build_triton(logits, root, start, topk, tokens, parents, depth, positions, mask, workspace, scores)

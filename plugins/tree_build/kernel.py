@@ -49,12 +49,18 @@ def check_tree_build_args(logits, root, start, topk, tokens, parents, depth, pos
 
 def tree_build_triton(logits: torch.Tensor, root: torch.Tensor, start: torch.Tensor, topk: int,
                       tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor, positions: torch.Tensor,
-                      mask: torch.Tensor, workspace: torch.Tensor | None = None) -> TreeBuildWorkspace:
+                      mask: torch.Tensor, workspace: torch.Tensor | None = None,
+                      scores: torch.Tensor | None = None) -> TreeBuildWorkspace:
     """Same contract as kdtree::tree_build (see reference.py); writes the outputs in place and returns the
     workspace views used (ws.lp / ws.ids then hold the sorted candidates [b * D, K], K = min(topk, V, B)).
-    workspace: a TreeBuildWorkspace's .buffer allocated for at least this call's shapes; None allocates one."""
+    workspace: a TreeBuildWorkspace's .buffer allocated for at least this call's shapes; None allocates one.
+    scores: [b, N] fp32, each node's path log-probability (root 0), or None."""
     check_tree_build_args(logits, root, start, topk, tokens, parents, depth, positions, mask)
     b, d, v = logits.shape
+    if scores is not None and (tuple(scores.shape) != tuple(tokens.shape) or scores.dtype != torch.float32
+                               or not scores.is_contiguous() or scores.device != logits.device):
+        raise ValueError(f"tree_build: scores must be contiguous torch.float32 {list(tokens.shape)} on "
+                         f"{logits.device}, got {scores.dtype} {list(scores.shape)} on {scores.device}")
     budget = tokens.shape[1] - 1
     if workspace is None:
         ws = TreeBuildWorkspace.allocate(b, d, v, budget, topk, logits.device)
@@ -63,5 +69,5 @@ def tree_build_triton(logits: torch.Tensor, root: torch.Tensor, start: torch.Ten
             raise ValueError(f"tree_build: workspace is on {workspace.device}, logits on {logits.device}")
         ws = TreeBuildWorkspace.carve(workspace, b, d, v, budget, topk)
     topk_logprobs_triton(logits.contiguous().view(b * d, v), ws.k, ws)
-    build_tree_triton(ws.lp, ws.ids, root, start, tokens, parents, depth, positions, mask, ws)
+    build_tree_triton(ws.lp, ws.ids, root, start, tokens, parents, depth, positions, mask, ws, scores)
     return ws

@@ -42,11 +42,11 @@ def _count_above(lp_row_ptr, s, s_star, K, valid, STRICT: tl.constexpr, LOGK: tl
 
 @triton.jit
 def _tree_kernel(lp_ptr, ids_ptr, root_ptr, start_ptr,
-                 tok_ptr, par_out_ptr, dep_out_ptr, pos_out_ptr, mask_ptr,
+                 tok_ptr, par_out_ptr, dep_out_ptr, pos_out_ptr, mask_ptr, sc_out_ptr,
                  score_ws, int_ws, tab_ws,
                  K, B, D, W,
                  B_PAD: tl.constexpr, P_PAD: tl.constexpr, D_PAD: tl.constexpr, W_MAX: tl.constexpr,
-                 LOGK: tl.constexpr):
+                 LOGK: tl.constexpr, HAS_SCORES: tl.constexpr):
     req = tl.program_id(0)
     N = B + 1
     lp_req = lp_ptr + req * D * K          # [D, K] this request's sorted log-probs
@@ -161,7 +161,7 @@ def _tree_kernel(lp_ptr, ids_ptr, root_ptr, start_ptr,
     u_score = tl.load(sc_ws + dd * B_PAD + qq, mask=u_ok, other=0.0)
     u_key = tl.where(u_ok, pack(u_score, (dd << 11) | qq), -9223372036854775807 - 1)  # [D_PAD, B_PAD]
     best = tl.topk(tl.reshape(u_key, [D_PAD * B_PAD]), B_PAD)
-    _, best_tie = unpack(best)
+    best_ord, best_tie = unpack(best)
     j = q  # node j + 1
     jv = j < B
     nd = tl.where(jv, best_tie >> 11, 0)
@@ -180,6 +180,9 @@ def _tree_kernel(lp_ptr, ids_ptr, root_ptr, start_ptr,
     start = tl.load(start_ptr + req)
     tl.store(pos_out_ptr + out, start + (nd + 1).to(tl.int64), mask=jv)
     first = j == 0
+    if HAS_SCORES:  # the prefix's score, as kept in A_d (the same fp32 sums as the reference's)
+        tl.store(sc_out_ptr + out, unordered(best_ord), mask=jv)
+        tl.store(sc_out_ptr + req * N + j, j.to(tl.float32) * 0.0, mask=first)
     tl.store(tok_ptr + req * N + j, tl.load(root_ptr + req + j * 0, mask=first, other=0), mask=first)
     tl.store(par_out_ptr + req * N + j, j * 0 - 1, mask=first)
     tl.store(dep_out_ptr + req * N + j, j * 0, mask=first)
@@ -205,14 +208,16 @@ def _tree_kernel(lp_ptr, ids_ptr, root_ptr, start_ptr,
             tl.store(mask_ptr + (req * N + j) * W + w, tl.where(w == 0, 1, 0).to(tl.int64) + j * 0, mask=first)
 
 
-def build_tree_triton(lp, ids, root, start, tokens, parents, depth, positions, mask, ws) -> None:
-    """lp, ids [b, D, K] sorted candidates (ws.lp / ws.ids) -> the five outputs, written in place."""
+def build_tree_triton(lp, ids, root, start, tokens, parents, depth, positions, mask, ws, scores=None) -> None:
+    """lp, ids [b, D, K] sorted candidates (ws.lp / ws.ids) -> the five outputs (and scores [b, N] fp32 when
+    given), written in place."""
     b, n = tokens.shape
     budget = n - 1
     w = mask.shape[2]
     logk = ws.b_pad.bit_length()  # binary search over [0, K], K <= B_PAD: ceil(log2(K + 1)) steps suffice
     warps = 4 if ws.p_pad <= 512 else (8 if ws.p_pad <= 2048 else 16)
     _tree_kernel[(b,)](lp, ids, root, start, tokens, parents, depth, positions, mask,
+                       scores if scores is not None else ws.score,  # a placeholder pointer, never written
                        ws.score, ws.ints, ws.table, ws.k, budget, ws.depth, w,
                        B_PAD=ws.b_pad, P_PAD=ws.p_pad, D_PAD=ws.d_pad, W_MAX=ws.b_pad // 64 + 1, LOGK=logk,
-                       num_warps=warps)
+                       HAS_SCORES=scores is not None, num_warps=warps)

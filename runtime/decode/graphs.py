@@ -10,6 +10,9 @@ Replay: torch hands out the instantiated cudaGraphExec_t (CUDAGraph.raw_cuda_gra
 launched with cuda.bindings.runtime.cudaGraphLaunch on torch's current stream; where either is
 missing, CUDAGraph.replay() does the same launch (the fallback is recorded in `via`).
 
+Budget auto: the round's head and each bucket's body are captured here as separate graphs and
+composed with conditional IF nodes by runtime/decode/conditional.py.
+
 Not done: the device-side loop (a conditional WHILE node running rounds until every request has
 stopped, shown to work on the H200 in DESIGN.md); the host launches one graph per round and reads
 the emitted tokens back one round behind (session.py), which keeps the GPU busy as long as the
@@ -18,7 +21,7 @@ host's work per round is shorter than a round.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -62,23 +65,39 @@ class GraphPool:
         self.cudart = _cuda_runtime()
 
 
+def capture_graph(fn: Callable[[], None], pool: GraphPool, name: str, warmup: int = 2,
+                  prewarm: Sequence[Callable[[], object]] = (), keep_graph: bool = False) -> torch.cuda.CUDAGraph:
+    """fn() captured into a torch CUDAGraph on the pool's stream and memory pool, after the `prewarm`
+    callables (once each) and `warmup` eager calls of fn, all on the capture stream (lazy init: Triton
+    compiles, cuBLAS handles, outside the capture).  keep_graph: keep the cudaGraph_t (raw_cuda_graph())
+    for composing (runtime/decode/conditional.py) instead of instantiating it."""
+    stream = pool.stream
+    stream.wait_stream(torch.cuda.current_stream(pool.device))
+    with torch.cuda.stream(stream):
+        for warm in prewarm:
+            warm()
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream(pool.device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph(keep_graph=keep_graph) if keep_graph else torch.cuda.CUDAGraph()
+    current = torch.cuda.current_stream(pool.device)
+    try:
+        with torch.cuda.graph(graph, pool=pool.pool, stream=stream):
+            fn()
+    except Exception as exc:  # a host sync or an allocation the capture refused
+        # when capture_end raises, torch.cuda.graph's exit leaves the capture stream current: every later
+        # op (and capture) of the process would run on it
+        torch.cuda.set_stream(current)
+        raise GraphUnavailable(f"capturing {name} failed: {type(exc).__name__}: {exc}") from exc
+    return graph
+
+
 class CapturedStep:
-    """fn() captured into one CUDA graph (after `warmup` eager calls on the capture stream)."""
+    """fn() captured into one CUDA graph (capture_graph) and launched through cuda-python."""
 
     def __init__(self, fn: Callable[[], None], pool: GraphPool, warmup: int = 2, name: str = "step"):
         self.name = name
-        stream = pool.stream
-        stream.wait_stream(torch.cuda.current_stream(pool.device))
-        with torch.cuda.stream(stream):
-            for _ in range(warmup):  # lazy init (Triton compiles, cuBLAS handles) outside the capture
-                fn()
-        torch.cuda.current_stream(pool.device).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(self.graph, pool=pool.pool, stream=stream):
-                fn()
-        except Exception as exc:  # a host sync or an allocation the capture refused
-            raise GraphUnavailable(f"capturing {name} failed: {type(exc).__name__}: {exc}") from exc
+        self.graph = capture_graph(fn, pool, name, warmup)
         self.cudart = pool.cudart
         self.exec_handle = None
         self.note = ""

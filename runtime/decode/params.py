@@ -1,16 +1,21 @@
 """What a generation asks for, validated once: SamplingParams (per request) and SpecConfig (the mode).
 
 Modes: `none` (plain AR), `chain` (DFlash's single path: one candidate per depth, B = D) and
-`ddtree` (the B best prefixes of the draft, K = B candidates per depth).  Errors are InvalidParam
-naming the API field (max_new_tokens, temperature, spec, budget); the CLI alone maps them to its
-flag names.
+`ddtree` (the B best prefixes of the draft, K = B candidates per depth).  DDTree's budget is fixed
+(`--budget B`) or chosen per round (`--budget auto`, `auto:B_MAX`: the tree is built at B_MAX and each
+round verifies the bucket of it that maximises the expected tokens per second under a cost curve,
+runtime/decode/budget.py).  Errors are InvalidParam naming the API field (max_new_tokens,
+temperature, spec, budget); the CLI alone maps them to its flag names.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from runtime.decode.budget import CostCurve
+
 MODES = ("none", "chain", "ddtree")
+AUTO_MAX_BUDGET = 256  # `--budget auto`: the largest bucket (the tree tree_build builds every round)
 
 
 class InvalidParam(ValueError):
@@ -41,18 +46,42 @@ class SamplingParams:
 @dataclass(frozen=True)
 class SpecConfig:
     mode: str = "ddtree"  # "none" | "chain" | "ddtree"
-    budget: int = 16  # tree nodes besides the root (ddtree)
+    budget: int = 16  # tree nodes besides the root (ddtree); with auto the largest bucket
+    auto: bool = False  # ddtree: choose the bucket per round (runtime/decode/budget.py)
+    curve: CostCurve | None = None  # auto: the cost curve to choose with (None: stored or measured)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise InvalidParam("spec", f"spec must be none, chain or ddtree, got {self.mode!r}")
+        if isinstance(self.budget, bool) or not isinstance(self.budget, int):
+            raise InvalidParam("budget", f"budget must be an integer, auto or auto:N, got {self.budget!r}")
         if self.mode == "ddtree" and self.budget < 1:
             raise InvalidParam("budget", f"budget must be >= 1, got {self.budget}")
+        if self.auto and self.mode != "ddtree":
+            raise InvalidParam("budget", f"budget auto applies to spec ddtree, not {self.mode}")
+        if self.curve is not None and not self.auto:
+            raise InvalidParam("budget", "a cost curve applies to budget auto only")
+
+    @classmethod
+    def of(cls, mode: str, budget: "int | str" = 16, curve: CostCurve | None = None) -> "SpecConfig":
+        """budget: an integer, "auto" (largest bucket AUTO_MAX_BUDGET) or "auto:N" (largest bucket N)."""
+        size, auto = parse_budget(budget)
+        return cls(mode, size, auto, curve)
+
+    @property
+    def budget_label(self) -> "int | str":
+        """The budget as the API and the CLI spell it: B, or auto:B_MAX."""
+        return f"auto:{self.budget}" if self.auto else self.budget
 
     @property
     def bucket(self) -> tuple[str, int]:
-        """(mode, budget) with the budget only where it matters: the key of a decode session."""
+        """(mode, budget) with the budget only where it matters (with auto: the largest bucket)."""
         return self.mode, self.budget if self.mode == "ddtree" else 0
+
+    @property
+    def key(self) -> tuple:
+        """What decides a decode session: the bucket, whether the budget is auto, and the curve it was given."""
+        return (*self.bucket, self.auto, self.curve)
 
     def tree_shape(self, depth: int, vocab: int) -> tuple[int, int]:
         """(budget B, candidates per depth K) for drafts of `depth` positions."""
@@ -62,3 +91,21 @@ class SpecConfig:
         if depth == 1 and self.budget > vocab:
             raise InvalidParam("budget", f"budget {self.budget} exceeds the {vocab} prefixes of a depth-1 draft")
         return self.budget, k
+
+
+def parse_budget(value: "int | str") -> tuple[int, bool]:
+    """(largest budget, auto) from an integer, "B", "auto" or "auto:B"."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value, False
+    text = str(value).strip().lower()
+    if text == "auto":
+        return AUTO_MAX_BUDGET, True
+    head, sep, tail = text.partition(":")
+    try:
+        if head == "auto" and tail:
+            return int(tail), True
+        if not sep:
+            return int(text), False
+    except ValueError:
+        pass
+    raise InvalidParam("budget", f"budget must be an integer, auto or auto:N, got {value!r}")

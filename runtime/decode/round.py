@@ -10,11 +10,21 @@ state that changes between calls, every result copied into a buffer.
                -> kv_commit -> emit
   ar_step:     target over the bonus token -> kv_commit -> next token -> emit
 
+Budget per round (`--budget auto`, runtime/decode/budget.py): tree_build also writes each node's path
+log-probability, the round chooses a bucket b on the device and verifies, accepts, commits and emits the
+tree's first b + 1 nodes only (the tree of budget b: tree_build's nodes are prefix-closed).  The round
+is a head (draft_tree: draft, tree_build, the choice) and one body per bucket (verify_bucket).  Captured,
+each is its own graph and runtime/decode/conditional.py composes them, each body inside a CUDA-graph
+IF node whose predicate a kernel of the graph sets from the device's one-hot choice, so the graph picks
+its bucket without a host sync; eager (the CPU reference, CUDA without graphs), the host reads the
+choice (one .item(), a sync) and runs that bucket's body: the same bucket either way.  Every body
+writes the same buffers, so the rest of the session does not depend on the bucket.
+
 Emission (both): this step's candidate tokens (the accepted path's tokens after the root, then
 the new bonus; for AR the one new token) are cut at the first stop token or at max_new, and
-written to out [b, a + 4] = tokens | count | live | accept_len | nonfinite (the logits held a NaN
-or Inf), the one buffer the host reads back per round.  A request that has finished (live 0) is
-frozen: it commits and emits nothing.
+written to out [b, a + 5] = tokens | count | live | accept_len | nonfinite (the logits held a NaN
+or Inf) | budget (the tree nodes verified besides the root; 0 for AR), the one buffer the host reads
+back per round.  A request that has finished (live 0) is frozen: it commits and emits nothing.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from plugins.kv_commit import kv_commit
 from plugins.tree_accept import tree_accept
 from plugins.tree_accept.posterior import posterior
 from plugins.tree_build import tree_build
+from runtime.decode.budget import BucketChoice
 from runtime.decode.clock import no_clock
 from runtime.model.cache import LatentCache
 from runtime.model.target import TargetModel
@@ -47,7 +58,8 @@ class RoundBuffers:
     depth: torch.Tensor  # [b, N] int32
     positions: torch.Tensor  # [b, N] int64
     mask: torch.Tensor  # [b, N, w] int64
-    out: torch.Tensor  # [b, a + 3] int64 emitted tokens | count | live | accept_len
+    scores: torch.Tensor  # [b, N] fp32 path log-prob of each node under the drafter (budget auto only)
+    out: torch.Tensor  # [b, a + 5] int64 emitted tokens | count | live | accept_len | nonfinite | budget
     live: torch.Tensor  # [b] int32 1 while the request is generating
     produced: torch.Tensor  # [b] int32 tokens emitted so far
     max_new: torch.Tensor  # [b] int32
@@ -67,7 +79,8 @@ class RoundBuffers:
         return cls(bonus=z(b), accept_len=z(b, dt=torch.int32), accept_idx=z(b, a, dt=torch.int32),
                    ctx_feats=z(b, a, max(feat_dim, 1), dt=dtype), ctx_tokens=z(b, a),
                    tokens=z(b, n), parents=z(b, n, dt=torch.int32), depth=z(b, n, dt=torch.int32),
-                   positions=z(b, n), mask=z(b, n, mask_words(n)), out=z(b, a + 4), live=z(b, dt=torch.int32),
+                   positions=z(b, n), mask=z(b, n, mask_words(n)), scores=z(b, n, dt=torch.float32),
+                   out=z(b, a + 5), live=z(b, dt=torch.int32),
                    produced=z(b, dt=torch.int32), max_new=z(b, dt=torch.int32),
                    stop_ids=torch.full((b, max_stops), -1, dtype=torch.int64, device=device),
                    rng=z(2), inv_temp=torch.ones(1, dtype=torch.float32, device=device), nonfinite=z(b))
@@ -99,34 +112,76 @@ def _flag_nonfinite(buf: RoundBuffers, x: torch.Tensor) -> None:
 
 
 def spec_round(target: TargetModel, drafter, cache: LatentCache, dcache, buf: RoundBuffers, topk: int, greedy: bool,
-               tree_ws: torch.Tensor | None, clock=None) -> None:
-    """One speculative round for all b requests; see the module docstring.  tree_ws: tree_build's
+               tree_ws: torch.Tensor | None, clock=None, choice: BucketChoice | None = None) -> None:
+    """One speculative round for all b requests, eagerly; see the module docstring.  tree_ws: tree_build's
     workspace buffer (TreeBuildWorkspace; None on CPU, where the op is the reference).  `clock(stage)` (a
     context manager factory, runtime/decode/clock.StageClock) times the stages of an eager call; None
-    when captured."""
+    when captured.  choice: budget auto (the buckets and their device state), None for the whole tree;
+    with it the host reads the device's choice (one .item(), a sync: the reference behaviour; a captured
+    round decides on the device instead, runtime/decode/conditional.py)."""
+    clock = clock or no_clock
+    draft_tree(drafter, cache, dcache, buf, topk, tree_ws, clock, choice)
+    if choice is None:
+        verify_bucket(target, cache, buf, greedy, buf.tokens.shape[1], clock)
+        return
+    i = int(choice.pick.item())
+    if i < len(choice.buckets):
+        verify_bucket(target, cache, buf, greedy, choice.buckets[i] + 1, clock, choice)
+
+
+def draft_tree(drafter, cache: LatentCache, dcache, buf: RoundBuffers, topk: int, tree_ws: torch.Tensor | None,
+               clock=None, choice: BucketChoice | None = None) -> None:
+    """The round's head: draft, build the tree at the session's budget into buf and, with budget auto,
+    choose the bucket to verify on the device (choice.pick, choice.hot)."""
     clock = clock or no_clock
     with clock("draft"):
         logits = drafter.draft(dcache, buf.ctx_feats, buf.accept_len, buf.bonus, buf.ctx_tokens)  # [b, D, V]
     with clock("build"):
         tree_build(logits, buf.bonus, cache.lens.long(), topk, buf.tokens, buf.parents, buf.depth, buf.positions,
-                   buf.mask, tree_ws)
+                   buf.mask, tree_ws, buf.scores if choice is not None else None)
+        if choice is not None:
+            choice.select(buf.scores, buf.live)  # choice.pick [], choice.hot [nb] on the device
+
+
+def verify_bucket(target: TargetModel, cache: LatentCache, buf: RoundBuffers, greedy: bool, n: int, clock=None,
+                  choice: BucketChoice | None = None) -> None:
+    """The round's body: verify, accept, commit and emit the tree's first n nodes (n = N: all of it), into
+    buf; with budget auto, the accepted lengths then calibrate the next rounds' estimates."""
+    _verify_commit(target, cache, buf, greedy, n, clock or no_clock)
+    if choice is not None:
+        with (clock or no_clock)("accept"):
+            choice.observe(buf.accept_len, buf.accept_idx)
+
+
+def _verify_commit(target: TargetModel, cache: LatentCache, buf: RoundBuffers, greedy: bool, n: int, clock) -> None:
+    """Verify, accept, commit and emit the tree's first n nodes (n = N: all of it), into buf."""
+    tokens, parents, positions, mask = _tree_prefix(buf, n)
     with clock("verify"):
-        hidden, feats = target.forward(buf.tokens, buf.positions, cache, buf.mask)  # [b, N, d], [b, N, F] | None
-        chosen = pick(target, hidden, greedy, buf)  # [b, N] the target's token after each node
+        hidden, feats = target.forward(tokens, positions, cache, mask)  # [b, n, d], [b, n, F] | None
+        chosen = pick(target, hidden, greedy, buf)  # [b, n] the target's token after each node
     with clock("accept"):
-        tree_accept(chosen, buf.tokens, buf.parents, buf.accept_idx, buf.accept_len, buf.bonus)
+        tree_accept(chosen, tokens, parents, buf.accept_idx, buf.accept_len, buf.bonus)
         buf.accept_len.mul_(buf.live)  # finished requests stay frozen
     with clock("commit"):
         kv_commit(cache.kv, cache.lens, cache.scratch, buf.accept_idx, buf.accept_len, feats,
                   buf.ctx_feats if feats is not None else None)
-        path = buf.tokens.gather(1, buf.accept_idx.long())  # [b, a] root first
+        path = buf.tokens.gather(1, buf.accept_idx.long())  # [b, a] root first (slots >= accept_len: stale, < N)
         buf.ctx_tokens.copy_(path)
         a = path.shape[1]
         slot = torch.arange(a, device=path.device)  # [a]
         last = (buf.accept_len.long() - 1)[:, None]  # [b, 1]
         shifted = torch.cat([path[:, 1:], path[:, :1]], dim=1)  # [b, a] path tokens after the root
         cand = torch.where(slot[None, :] == last, buf.bonus[:, None], shifted)  # [b, a]
-        _emit(buf, cand, buf.accept_len)
+        _emit(buf, cand, buf.accept_len, n - 1)
+
+
+def _tree_prefix(buf: RoundBuffers, n: int) -> tuple[torch.Tensor, ...]:
+    """tokens, parents, positions [b, n] and mask [b, n, mask_words(n)] of the tree's first n nodes: the
+    buffers themselves for the whole tree, else contiguous copies (a no-op for b = 1)."""
+    if n == buf.tokens.shape[1]:
+        return buf.tokens, buf.parents, buf.positions, buf.mask
+    return (buf.tokens[:, :n].contiguous(), buf.parents[:, :n].contiguous(), buf.positions[:, :n].contiguous(),
+            buf.mask[:, :n, :mask_words(n)].contiguous())
 
 
 def ar_step(target: TargetModel, cache: LatentCache, buf: RoundBuffers, one: torch.Tensor, greedy: bool,
@@ -141,12 +196,13 @@ def ar_step(target: TargetModel, cache: LatentCache, buf: RoundBuffers, one: tor
         kv_commit(cache.kv, cache.lens, cache.scratch, buf.accept_idx, buf.live)
         buf.accept_len.copy_(buf.live)
         buf.bonus.copy_(torch.where(buf.live.bool(), nxt, buf.bonus))
-        _emit(buf, nxt[:, None], buf.accept_len)
+        _emit(buf, nxt[:, None], buf.accept_len, 0)
 
 
-def _emit(buf: RoundBuffers, cand: torch.Tensor, count: torch.Tensor) -> None:
+def _emit(buf: RoundBuffers, cand: torch.Tensor, count: torch.Tensor, budget: int) -> None:
     """cand [b, a] candidate tokens in order, the first count[r] real (0 for frozen requests):
-    keep them up to and including the first stop token or the max_new-th token."""
+    keep them up to and including the first stop token or the max_new-th token.  budget: the tree nodes
+    this round verified besides the root (0 for AR), recorded in the out row."""
     b, a = cand.shape
     slot = torch.arange(a, device=cand.device)[None, :]  # [1, a]
     valid = slot < count[:, None]  # [b, a]
@@ -157,11 +213,12 @@ def _emit(buf: RoundBuffers, cand: torch.Tensor, count: torch.Tensor) -> None:
     n = keep.sum(1).to(torch.int32)  # [b]
     buf.produced.add_(n)
     buf.live.mul_(1 - fin.amax(1))
-    buf.out[:, :a].copy_(cand)  # out is [b, a + 4]
+    buf.out[:, :a].copy_(cand)  # out is [b, a + 5]
     buf.out[:, a].copy_(n)
     buf.out[:, a + 1].copy_(buf.live)
     buf.out[:, a + 2].copy_(count)
     buf.out[:, a + 3].copy_(buf.nonfinite)
+    buf.out[:, a + 4].fill_(budget)
 
 
 def one_token_mask(b: int, device) -> torch.Tensor:

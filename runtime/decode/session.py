@@ -9,9 +9,14 @@ is reused across generations and only replaced when a request needs more capacit
   last <= a rows, which become the first round's context -> rounds until every request stopped.
 
 Host loop (CUDA): launch round k + 1 before reading round k back (the emitted tokens travel in one
-[b, a + 4] int64 copy to pinned memory), so the GPU never waits for Python as long as the host's
+[b, a + 5] int64 copy to pinned memory), so the GPU never waits for Python as long as the host's
 work per round is shorter than the round.  Finished requests are frozen on the device, so the one
 extra round launched after the last token is harmless.
+
+Budget auto (spec.auto, runtime/decode/budget.py): the session holds the buckets' device state
+(BucketChoice) and, per way of running (graph replays or eager rounds), a cost curve: the spec's, else
+one stored beside the artifact under `autotune_dir`, else measured by the session itself before its
+first generation (runtime/decode/autotune.py).  The bucket of each round is recorded in the out row.
 
 This is the one decode loop: the Engine (runtime/engine/) keeps sessions per bucket, on one rank
 or on every rank of a TP group, and replays their graphs or runs the same step eagerly.
@@ -19,20 +24,27 @@ or on every rank of a TP group, and replays their graphs or runs the same step e
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections import deque
+from collections import Counter, deque
+from pathlib import Path
 from typing import Iterator
 
 import torch
 
 from core.errors import NonFiniteLogits
 from plugins.tree_build import TreeBuildWorkspace
+from runtime.decode.autotune import SessionCurves
+from runtime.decode.budget import BucketChoice, default_buckets
 from runtime.decode.clock import StageClock
-from runtime.decode.graphs import CapturedStep, GraphPool, GraphUnavailable, missing_cuda_kernels
+from build_pipeline.artifact_cache import cache_root
+from plugins.graph_conditional import SetterUnavailable, setter_cubin
+from runtime.decode.conditional import ConditionalRound, HostChoiceRound
+from runtime.decode.graphs import CapturedStep, GraphPool, GraphUnavailable, capture_graph, missing_cuda_kernels
 from runtime.decode.memory import check_fits, session_bytes
 from runtime.decode.params import SamplingParams, SpecConfig
 from runtime.decode.prefill import prefill_requests
-from runtime.decode.round import RoundBuffers, ar_step, one_token_mask, pick, spec_round
+from runtime.decode.round import RoundBuffers, ar_step, draft_tree, one_token_mask, pick, spec_round, verify_bucket
 from runtime.decode.stats import DecodeStats
 from runtime.model.target import TargetModel
 
@@ -42,9 +54,12 @@ PREFILL_CHUNK = 256  # prompt tokens per target forward in prefill
 
 class DecodeSession:
     def __init__(self, target: TargetModel, drafter, spec: SpecConfig, batch: int, capacity: int,
-                 pool: GraphPool | None = None, prefill_chunk: int = PREFILL_CHUNK, max_stops: int = 16):
-        """spec: the mode (none = AR, chain, ddtree) and budget; capacity: committed tokens per request
-        (prompt + new tokens); pool: share graphs' memory (None: never capture)."""
+                 pool: GraphPool | None = None, prefill_chunk: int = PREFILL_CHUNK, max_stops: int = 16,
+                 autotune_dir: str | Path | None = None):
+        """spec: the mode (none = AR, chain, ddtree) and budget (fixed, or auto with its curve); capacity:
+        committed tokens per request (prompt + new tokens); pool: share graphs' memory (None: never
+        capture); autotune_dir: where measured cost curves are stored and found (ART/autotune; None: kept
+        in memory)."""
         mode = spec.mode
         prefill_chunk = max(1, min(prefill_chunk, capacity))
         self.target, self.drafter, self.mode, self.batch, self.capacity = target, drafter, mode, batch, capacity
@@ -71,6 +86,10 @@ class DecodeSession:
         self.tree_ws = (TreeBuildWorkspace.allocate(batch, a - 1, target.cfg.vocab_size, self.budget, self.topk,
                                                     dev).buffer if mode != "none" and dev.type == "cuda" else None)
         self.one = one_token_mask(batch, dev)
+        self.choice = BucketChoice(default_buckets(self.budget), dev) if spec.auto and mode == "ddtree" else None
+        self.curves = SessionCurves(spec.curve, autotune_dir)
+        # the artifact's compiled kernels sit beside its autotune folder (ART/kernels, ART/autotune)
+        self.kernels_dir = Path(autotune_dir).parent / "kernels" if autotune_dir is not None else None
         self.pool = pool
         self.graphs: dict[bool, CapturedStep] = {}
         self.graph_note = ""
@@ -86,16 +105,25 @@ class DecodeSession:
 
     # ---- the step, eager or captured
     def step(self, greedy: bool, clock=None) -> None:
+        """One round (AR step) of every request, eagerly (with budget auto: on the eager cost curve)."""
+        if self.choice is not None:
+            self.curves.use(self, None)
+        self.raw_step(greedy, clock)
+
+    def raw_step(self, greedy: bool, clock=None) -> None:
+        """The step itself: what capture records and what the curve measurement times."""
         if self.mode == "none":
             ar_step(self.target, self.cache, self.buf, self.one, greedy, clock)
         else:
             spec_round(self.target, self.drafter, self.cache, self.dcache, self.buf, self.topk, greedy, self.tree_ws,
-                       clock)
+                       clock, self.choice)
 
-    def capture(self, greedy: bool) -> CapturedStep:
-        """Capture the step (once per greedy/sampled).  Warm-up calls run with every request frozen
-        (live = 0, nothing committed, the drafter ingests nothing) and all small state is restored
-        afterwards, so capturing between generations changes nothing."""
+    def capture(self, greedy: bool):
+        """Capture the step (once per greedy/sampled): a CapturedStep, or with budget auto a ConditionalRound
+        (runtime/decode/conditional.py; HostChoiceRound where that is unavailable).  Warm-up calls run with
+        every request frozen (live = 0, nothing committed, the drafter ingests nothing) and all small state
+        is restored afterwards, so capturing between generations changes nothing.  With budget auto the
+        graph-replay cost curve is found or measured (through the new graph) right after."""
         if greedy in self.graphs:
             return self.graphs[greedy]
         if self.pool is None or not self.cuda:
@@ -104,19 +132,53 @@ class DecodeSession:
         if missing:
             raise GraphUnavailable(f"no CUDA kernel registered for {', '.join(missing)} (the references "
                                    f"synchronise with the host)")
+        with self.frozen():
+            name = f"{self.mode}-b{self.batch}-B{self.budget}{'-auto' if self.choice else ''}-" \
+                   f"{'greedy' if greedy else 'sampled'}"
+            if self.choice is None:
+                step = CapturedStep(lambda: self.raw_step(greedy), self.pool, name=name)
+            else:
+                step = self._capture_auto(greedy, name)
+                self.curves.use(self, step)
+            self.graphs[greedy] = step
+        return step
+
+    def _capture_auto(self, greedy: bool, name: str):
+        """Budget auto: the head and each bucket's body captured apart, then composed (module doc)."""
+        buf, choice = self.buf, self.choice
+        head = capture_graph(lambda: draft_tree(self.drafter, self.cache, self.dcache, buf, self.topk, self.tree_ws,
+                                                None, choice), self.pool, f"{name}-head", keep_graph=True)
+        bodies = [capture_graph(lambda b=b: verify_bucket(self.target, self.cache, buf, greedy, b + 1, None, choice),
+                                self.pool, f"{name}-b{b}", keep_graph=True) for b in choice.buckets]
+        arch = "sm_{}{}".format(*torch.cuda.get_device_capability(self.target.device))
+        try:
+            cubin, _ = setter_cubin(arch, cache_root(), self.kernels_dir)
+            return ConditionalRound(head, bodies, choice.hot, cubin, name)
+        except (SetterUnavailable, GraphUnavailable) as exc:
+            return HostChoiceRound(head, bodies, choice.pick, f"budget auto without IF nodes ({exc}): the host "
+                                                              f"reads each round's bucket (one sync per round)")
+
+    @contextlib.contextmanager
+    def frozen(self):
+        """Every request frozen while inside (live 0: nothing committed, the drafter ingests nothing); the
+        round buffers, cache lengths, the forced bucket and the calibration are restored on the way out."""
         saved = {k: t.clone() for k, t in self.buf.tensors().items()}
-        lens = [c.lens.clone() for c in (self.cache, self.dcache) if c is not None]
+        caches = [c for c in (self.cache, self.dcache) if c is not None]
+        lens = [c.lens.clone() for c in caches]
+        seen = (self.choice.seen.clone(), self.choice.covered.clone()) if self.choice is not None else None
         try:
             self.buf.live.zero_()
             self.buf.accept_len.zero_()
-            name = f"{self.mode}-b{self.batch}-B{self.budget}-{'greedy' if greedy else 'sampled'}"
-            self.graphs[greedy] = CapturedStep(lambda: self.step(greedy), self.pool, name=name)
+            yield
         finally:
             for k, t in self.buf.tensors().items():
                 t.copy_(saved[k])
-            for c, n in zip([c for c in (self.cache, self.dcache) if c is not None], lens):
+            for c, n in zip(caches, lens):
                 c.lens.copy_(n)
-        return self.graphs[greedy]
+            if self.choice is not None:
+                self.choice.force.fill_(-1)
+                self.choice.seen.copy_(seen[0])
+                self.choice.covered.copy_(seen[1])
 
     # ---- one generation
     def rounds(self, prompts: list[list[int]], req: SamplingParams, graphs: bool, stats: DecodeStats
@@ -137,6 +199,9 @@ class DecodeSession:
         stats.prompt_tokens = sum(len(p) for p in prompts)
         stats.extra.update(graphs=graph is not None, graph_via=graph.via if graph else None,
                            graph_note=(graph.note if graph else self.graph_note) or None)
+        budgets: Counter[int] = Counter()  # rounds per verified budget (budget auto)
+        if self.choice is not None:
+            stats.extra.update(budget_curve=self.curves.use(self, graph), budget_buckets=list(self.choice.buckets))
 
         t0 = time.perf_counter()
         first = self._start(prompts, req, greedy)
@@ -179,6 +244,7 @@ class DecodeSession:
                 rows = self.pinned[slot].tolist()
             else:
                 rows = buf.out.tolist()
+            budgets[rows[0][a + 4]] += 1
             emitted = []
             for r, row in enumerate(rows):
                 count, alive, acc_len = row[a], row[a + 1], row[a + 2]
@@ -201,6 +267,10 @@ class DecodeSession:
         stats.decode_s = time.perf_counter() - t_dec
         if clock is not None:
             stats.stage_s = clock.totals_s()
+        if self.choice is not None:
+            stats.extra.update(budget_histogram=dict(sorted(budgets.items())),
+                               mean_budget=round(sum(b * k for b, k in budgets.items()) / processed, 2),
+                               budget_scale=[round(x, 4) for x in self.choice.scale().tolist()])
         stats.extra.update(
             decode_rounds=processed,
             host_us_per_round=round(1e6 * (host_s - wait_s) / processed, 2),

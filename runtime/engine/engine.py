@@ -2,6 +2,7 @@
 
     from runtime import Engine
     eng = Engine.load("ART or MODEL_DIR", device="cuda", drafter="DRAFTER_DIR", spec="ddtree", budget=16)
+    # budget="auto" (or "auto:64"): the tree size chosen per round on the device (runtime/decode/budget.py)
     for piece in eng.generate("The quick brown fox", max_new_tokens=64):
         print(piece, end="")
     eng.last_stats   # tokens/s, tau, rounds, host overhead per round, graphs used or why not
@@ -25,7 +26,8 @@ import torch
 from core.config import ModelConfig
 from core.plan import ParallelPlan
 from core.tokenizer import StreamDecoder, Tokenizer
-from runtime.decode.params import InvalidParam, SamplingParams, SpecConfig
+from runtime.decode.budget import AUTOTUNE_DIR, CostCurve
+from runtime.decode.params import InvalidParam, SamplingParams, SpecConfig, parse_budget
 from runtime.engine.local import LocalRunner
 from runtime.engine.ranks import RanksRunner
 from runtime.load.artifact import read_manifest
@@ -44,54 +46,69 @@ class Engine:
     # ---- construction
     @classmethod
     def load(cls, path: str | Path, device: str = "cpu", drafter: str | Path | None = None, spec: str | None = None,
-             budget: int = 16, graphs: bool = True, tp: int = 1, ep: bool = False, dtype: torch.dtype | None = None,
-             progress: bool = False) -> "Engine":
+             budget: int | str = 16, graphs: bool = True, tp: int = 1, ep: bool = False,
+             dtype: torch.dtype | None = None, progress: bool = False,
+             budget_curve: str | Path | CostCurve | None = None) -> "Engine":
         """path: a `kdtree build` artifact or a checkpoint dir (always taken through the build cache:
         runtime/load/models.py).  spec: "ddtree" | "chain" | "none"; None picks ddtree when a drafter
         is given (or stored in the artifact), else none.  graphs: capture and replay CUDA graphs on
         CUDA (ignored on CPU).  tp > 1: one process per rank (or, under torchrun, this process is one
         rank: `rank` says which).  ep: with tp > 1, routed experts whole per rank instead of
         TP-sliced (an artifact keeps the plan it was built with).  dtype: fp32 on CPU, bf16 on CUDA
-        by default."""
+        by default.  budget: B, or "auto" / "auto:B_MAX" (chosen per round); budget_curve: with auto, the
+        cost curve to choose with (a CostCurve or its JSON file; default: stored beside the artifact under
+        autotune/, else measured by the session and stored there)."""
         if device not in ("cpu", "cuda") and not str(device).startswith("cuda:"):
             raise ValueError(f"device must be cpu or cuda, got {device!r}")
         if str(device).startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("device cuda: no CUDA device is available")
         if tp < 1:
             raise ValueError(f"tp must be >= 1, got {tp}")
-        want = _spec(spec, budget)
+        curve = CostCurve.load(budget_curve) if isinstance(budget_curve, (str, Path)) else budget_curve
+        want = _spec(spec, budget, curve)
         plan = ParallelPlan(tp=tp, ep=ep) if tp > 1 else None  # None: an artifact's own plan, or one rank
         if tp > 1 and under_torchrun():
             comm = comm_from_env(device)
             if comm.world != tp:
                 raise ValueError(f"--tp {tp}: torchrun started {comm.world} ranks (WORLD_SIZE)")
-            return cls.on_rank(comm, path, drafter, spec, budget, graphs, plan, dtype, progress)
+            return cls.on_rank(comm, path, drafter, spec, budget, graphs, plan, dtype, progress, curve)
         if tp > 1:
             art, plan = resolve_artifact(path, plan, drafter, progress)
             cfg = ModelConfig.from_dict(read_manifest(art)["model"])
             return cls(RanksRunner.start(art, cfg, plan, device, drafter, want, graphs, dtype), load_tokenizer(art))
         m = load_models(path, None, plan, drafter, device, dtype, progress)
-        return cls.from_models(m.target, m.drafter, m.tokenizer, spec, budget, graphs)
+        return cls.from_models(m.target, m.drafter, m.tokenizer, spec, budget, graphs, 0, curve,
+                               m.art_dir / AUTOTUNE_DIR)
 
     @classmethod
     def from_models(cls, target: TargetModel, drafter: DFlashDrafter | None = None, tokenizer: Tokenizer | None = None,
-                    spec: str | None = None, budget: int = 16, graphs: bool = True, rank: int = 0) -> "Engine":
-        """An Engine over models already loaded in this process (a rank's shard, or a test's models)."""
-        want = _spec(spec, budget) or SpecConfig("ddtree" if drafter is not None else "none", budget)
-        return cls(LocalRunner(target, drafter, want, graphs), tokenizer, rank)
+                    spec: str | None = None, budget: int | str = 16, graphs: bool = True, rank: int = 0,
+                    budget_curve: CostCurve | None = None, autotune_dir: str | Path | None = None) -> "Engine":
+        """An Engine over models already loaded in this process (a rank's shard, or a test's models).
+        autotune_dir: where budget-auto sessions store measured cost curves (None: kept in memory)."""
+        want = _spec(spec or ("ddtree" if drafter is not None else "none"), budget, budget_curve)
+        return cls(LocalRunner(target, drafter, want, graphs, autotune_dir=autotune_dir), tokenizer, rank)
 
     @classmethod
     def on_rank(cls, comm: Comm, path: str | Path, drafter: str | Path | None = None, spec: str | None = None,
-                budget: int = 16, graphs: bool = True, plan: ParallelPlan | None = None,
-                dtype: torch.dtype | None = None, progress: bool = False) -> "Engine":
+                budget: int | str = 16, graphs: bool = True, plan: ParallelPlan | None = None,
+                dtype: torch.dtype | None = None, progress: bool = False,
+                budget_curve: CostCurve | None = None) -> "Engine":
         """This process as rank comm.rank of a group (torchrun, or a test's launch): its shard's Engine.
         Every rank must make the same calls; each returns the same tokens."""
         m = load_models(path, comm, plan, drafter, dtype=dtype, progress=progress)
-        return cls.from_models(m.target, m.drafter, m.tokenizer, spec, budget, graphs, comm.rank)
+        return cls.from_models(m.target, m.drafter, m.tokenizer, spec, budget, graphs, comm.rank, budget_curve,
+                               m.art_dir / AUTOTUNE_DIR)
 
-    def configure(self, spec: str | None = None, budget: int | None = None, graphs: bool | None = None) -> "Engine":
-        """The same loaded model with other decoding options (sessions and graph pool shared)."""
-        want = SpecConfig(spec or self.spec, budget if budget is not None else self.budget)
+    def configure(self, spec: str | None = None, budget: int | str | None = None, graphs: bool | None = None,
+                  budget_curve: CostCurve | None = None) -> "Engine":
+        """The same loaded model with other decoding options (sessions and graph pool shared).  The budget
+        stays as it was unless given (auto stays auto for ddtree, with the same cost curve unless given)."""
+        cur = self.runner.spec
+        mode = spec or cur.mode
+        size, auto = (cur.budget, cur.auto) if budget is None else parse_budget(budget)
+        auto = auto and mode == "ddtree"
+        want = SpecConfig(mode, size, auto, (budget_curve or cur.curve) if auto else None)
         runner = self.runner.configure(want, self.runner.graphs if graphs is None else graphs)
         return Engine(runner, self.tokenizer, self.rank)
 
@@ -102,7 +119,13 @@ class Engine:
 
     @property
     def budget(self) -> int:
+        """The tree budget (with auto: the largest bucket)."""
         return self.runner.spec.budget
+
+    @property
+    def spec_config(self) -> SpecConfig:
+        """The whole decoding mode: spec, budget, whether auto, the cost curve given."""
+        return self.runner.spec
 
     @property
     def device(self) -> torch.device:
@@ -237,6 +260,8 @@ class Engine:
         self.close()
 
 
-def _spec(spec: str | None, budget: int) -> SpecConfig | None:
+def _spec(spec: str | None, budget: int | str, curve: CostCurve | None = None) -> SpecConfig | None:
     """The asked-for mode, validated (None: decided by whether a drafter is loaded)."""
-    return SpecConfig(spec, budget) if spec is not None else None
+    if spec is None:
+        return None
+    return SpecConfig.of(spec, budget, curve) if spec == "ddtree" else SpecConfig(spec, parse_budget(budget)[0])

@@ -16,6 +16,7 @@ from typing import Iterator
 import torch
 
 from core.plan import ParallelPlan
+from runtime.decode.budget import AUTOTUNE_DIR
 from runtime.decode.params import SamplingParams, SpecConfig
 from runtime.engine.local import LocalRunner
 from runtime.load.models import load_models
@@ -28,7 +29,7 @@ def _serve(comm: Comm, conn, art_dir: str, plan: ParallelPlan, drafter, spec: Sp
     """Rank body: load this rank's models, report ready, then run requests until the front sends None."""
     models = load_models(art_dir, comm, plan, drafter, dtype=dtype)
     spec = spec or SpecConfig("ddtree" if models.drafter is not None else "none")
-    runner = LocalRunner(models.target, models.drafter, spec, graphs)
+    runner = LocalRunner(models.target, models.drafter, spec, graphs, autotune_dir=Path(art_dir) / AUTOTUNE_DIR)
     conn.send(("ready", (spec, models.drafter is not None)))
     while True:
         req = conn.recv()

@@ -1,0 +1,149 @@
+"""How a budget-auto session gets its cost curve (runtime/decode/budget.py): stored, else measured by itself.
+
+`kdtree build` cannot time a GPU it does not run on, so the session measures T(b) the first time it
+needs a curve for one way of running (replaying its captured graph, or eager rounds), with every
+request frozen (runtime/decode/session.DecodeSession.frozen: nothing is committed, all state restored):
+
+  R(b)  the whole round with the bucket forced to b (BucketChoice.force), for each bucket;
+  C     the round with no bucket forced on (draft, tree_build at B_max, the choice: no verify);
+  T(b)  = max(R(b) - C, 0), then made non-decreasing in b (T(b) = min over b' >= b of T(b'): a timing
+        that a larger tree beats is noise, and a curve that dips would misplace the choice).
+
+With graphs: replays of the captured round itself (REPLAYS per timing, between CUDA events), so T and C
+are exactly what a replay costs.  Eager (the CPU reference, CUDA without graphs): one eager round per
+timing, by the host clock (CUDA: synchronised).  Each is the fastest of REPS timings taken in turn over
+the buckets, after a warm-up pass.
+The cache holds what it holds at that moment (nothing, for a fresh session): attention's growth with
+the context is not in T.
+
+Stored: ART/autotune/<curve_name>/curve.json, written atomically by rank 0 when the artifact folder
+is writable, else kept in memory (the note says why).  Under tensor parallelism every rank must pick
+the same bucket: rank 0 alone reads the file and broadcasts whether it had one, the ranks measure
+together if not (their rounds hold collectives), and rank 0's curve is broadcast to every rank.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from runtime.decode.budget import CURVE_FILE, CostCurve, curve_name, device_label
+
+REPS = 3  # timings per bucket after a warm-up one; the fastest counts
+REPLAYS = 4  # replays per timing (CUDA graphs)
+
+
+class SessionCurves:
+    """A session's cost curves, one per way of running (graph replays, eager rounds), found once each."""
+
+    def __init__(self, given: CostCurve | None, autotune_dir: str | Path | None):
+        """given: the spec's curve (used for both ways); autotune_dir: ART/autotune, or None."""
+        self.given, self.autotune_dir = given, autotune_dir
+        self.found: dict[bool, tuple[CostCurve, str]] = {}  # graphs? -> (curve, where it came from)
+        self.on: bool | None = None  # which one session.choice.cost_us holds
+
+    def use(self, session, graph) -> str:
+        """Put the curve of running `session` through `graph` (a CapturedStep; None: eager) on the device:
+        the given one, else a stored one, else measured now; returns where it came from."""
+        way = graph is not None
+        if way not in self.found:
+            self.found[way] = (self.given, "given") if self.given is not None else session_curve(session, graph)
+        if self.on != way:
+            session.choice.set_curve(self.found[way][0])
+            self.on = way
+        return self.found[way][1]
+
+
+def session_curve(session, graph) -> tuple[CostCurve, str]:
+    """(the curve, where it came from) for `session` run through `graph` (a CapturedStep; None: eager).
+    Every rank of a TP group must call it at the same point."""
+    target, choice = session.target, session.choice
+    comm = target.comm
+    rank0 = comm is None or comm.rank == 0
+    buckets = choice.buckets
+    name = curve_name(target.device, target.dtype, graph is not None, session.batch, buckets[-1])
+    folder = Path(session.curves.autotune_dir) / name if session.curves.autotune_dir is not None else None
+    stored = None
+    if rank0 and folder is not None and (folder / CURVE_FILE).is_file():
+        stored = CostCurve.load(folder / CURVE_FILE)
+    if _share(comm, [1.0 if stored is not None else 0.0], target.device)[0] > 0:
+        where = str(folder / CURVE_FILE) if folder is not None else "rank 0's stored curve"
+        verify, fixed = [0.0] * len(buckets), 0.0
+        if stored is not None:
+            fixed = stored.fixed_us
+            verify = [c - fixed for c in stored.cost_at(buckets, where)]
+        values = _share(comm, verify + [fixed], target.device)
+        return CostCurve(buckets, tuple(values[:-1]), values[-1], stored.source if stored else where), \
+            f"stored: {where}"
+    verify, fixed = measure(session, graph)
+    values = _share(comm, verify + [fixed], target.device)  # rank 0's measurement on every rank
+    how = "graph replays" if graph is not None else "eager rounds"
+    curve = CostCurve(buckets, tuple(values[:-1]), values[-1],
+                      f"measured by the session: {device_label(target.device)}, {target.dtype}, {how}, "
+                      f"batch {session.batch}, cache length {int(session.cache.lens.max())}, "
+                      f"{_dt.datetime.now(_dt.timezone.utc).isoformat(timespec='seconds')}")
+    if not rank0 or folder is None:
+        return curve, "measured (kept in memory: no artifact folder)" if rank0 else "measured on rank 0"
+    try:
+        path = curve.save(folder)
+    except OSError as exc:
+        return curve, f"measured (kept in memory: {folder}: {exc.strerror or exc})"
+    return curve, f"measured, stored: {path}"
+
+
+def measure(session, graph) -> tuple[list[float], float]:
+    """(T(b) per bucket, C) in µs for `session` run through `graph` (None: eager); see the module doc.
+    The buckets are timed in turn, REPS times over, and the fastest of each counts (noise from other
+    work on the machine spreads over all buckets instead of landing on one)."""
+    choice, cuda = session.choice, session.cuda
+    launch: Callable[[], None] = graph.launch if graph is not None else (lambda: session.raw_step(True))
+    nb = len(choice.buckets)
+    best = [math.inf] * (nb + 1)
+    with session.frozen():
+        for rep in range(REPS + 1):  # rep 0: warm-up (first calls, caches)
+            for forced in range(nb + 1):  # each bucket, then none (C)
+                choice.force.fill_(forced)
+                us = _time_graph(launch) if graph is not None else _time_eager(launch, cuda)
+                if rep:
+                    best[forced] = min(best[forced], us)
+    fixed = best[-1]
+    verify = [max(r - fixed, 0.0) for r in best[:-1]]
+    for i in reversed(range(nb - 1)):  # a smaller tree costs no more than a larger one: drop the slow outliers
+        verify[i] = min(verify[i], verify[i + 1])
+    return verify, fixed
+
+
+def _time_graph(launch: Callable[[], None]) -> float:
+    """µs per replay: REPLAYS replays between two CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(REPLAYS):
+        launch()
+    end.record()
+    end.synchronize()
+    return 1e3 * start.elapsed_time(end) / REPLAYS
+
+
+def _time_eager(launch: Callable[[], None], cuda: bool) -> float:
+    """µs of one eager round (synchronised on CUDA)."""
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    launch()
+    if cuda:
+        torch.cuda.synchronize()
+    return 1e6 * (time.perf_counter() - t0)
+
+
+def _share(comm, values: list[float], device) -> list[float]:
+    """Rank 0's `values` on every rank (unchanged without a group)."""
+    if comm is None:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    comm.broadcast(t, src=0)
+    return t.tolist()
