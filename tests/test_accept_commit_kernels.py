@@ -172,14 +172,16 @@ def _interpreter_checks() -> dict:
     many = _many_requests("cpu")  # cache_lens of > ADVANCE_BLOCK requests: several advance programs
     out["kv_commit"].append(dict(case="300 requests", ok=run_kv_commit_case(kv_commit_triton, many)))
     out["posterior"] = _posterior_checks("cpu", rows=100, block_v=32)
+    out["posterior"] += _posterior_request_sweep("cpu", 10, 1234, block_v=32, max_elements=20_000)
     return out
 
 
 def _posterior_checks(device: str, rows: int, block_v: int) -> list[dict]:
     """greedy against torch.argmax (ties included, odd V, several blocks; state untouched); sampled, a
     chi-square goodness of fit of rows samples of one distribution against softmax(logits * inv_temp) in
-    float64, fresh draws per call, and the same draws as plugins.common.rng.choose on the CPU (the op's CPU
-    path) from the same (seed, counter) on fresh random logits, with inv_temp read from device memory."""
+    float64, fresh draws per call, the same draws as plugins.common.rng.choose on the CPU (the op's CPU
+    path) from the same per-request (seed, counter) on fresh random logits, with inv_temp read from device
+    memory, and each request's draws in a batch equal to its draws alone."""
     from scipy.stats import chisquare
 
     from plugins.tree_accept.posterior import posterior_reference, posterior_triton
@@ -189,39 +191,87 @@ def _posterior_checks(device: str, rows: int, block_v: int) -> list[dict]:
                            (2, 5, 163840 if device == "cuda" else 100, torch.bfloat16)):
         logits = torch.randint(-3, 3, (b, n, v), generator=g, device=device).to(dtype)  # many exact ties
         got = torch.full((b, n), -1, dtype=torch.long, device=device)
-        state = torch.tensor([3, 8], dtype=torch.long, device=device)
-        posterior_triton(logits, True, state, torch.ones(1, device=device), got, block_v=block_v)
+        state = torch.tensor([[3, 8]] * b, dtype=torch.long, device=device)
+        posterior_triton(logits, True, state, torch.ones(b, device=device), got, block_v=block_v)
         out.append(dict(case=f"greedy {b}x{n}x{v} {dtype}", ok=torch.equal(got, logits.argmax(-1))
-                        and state.tolist() == [3, 8]))
+                        and state.tolist() == [[3, 8]] * b))
     for v, temp in ((6, 1.0), (17, 0.7)):
         logits = torch.randn(v, generator=g, device=device) * 1.5
-        state = torch.tensor([1234, 0], dtype=torch.long, device=device)
+        state = torch.tensor([[1234, 0]], dtype=torch.long, device=device)  # one request of `rows` rows
         inv_temp = torch.tensor([1 / temp], dtype=torch.float32, device=device)
-        got = torch.full((rows,), -1, dtype=torch.long, device=device)
-        posterior_triton(logits.expand(rows, v), False, state, inv_temp, got, block_v=block_v)
+        got = torch.full((1, rows), -1, dtype=torch.long, device=device)
+        posterior_triton(logits.expand(1, rows, v), False, state, inv_temp, got, block_v=block_v)
         again = got.clone()
-        posterior_triton(logits.expand(rows, v), False, state, inv_temp, again, block_v=block_v)
+        posterior_triton(logits.expand(1, rows, v), False, state, inv_temp, again, block_v=block_v)
         probs = torch.softmax(logits.double().cpu() / temp, -1)
-        counts = torch.bincount(torch.cat([got, again]).cpu(), minlength=v).double()
+        counts = torch.bincount(torch.cat([got[0], again[0]]).cpu(), minlength=v).double()
         p_value = float(chisquare(counts.numpy(), (probs * 2 * rows).numpy()).pvalue)
         out.append(dict(case=f"sample V={v} T={temp}", p_value=p_value, ok=p_value > 1e-4
-                        and int(state[1]) == 2 and not torch.equal(got, again)))
+                        and state.tolist() == [[1234, 2]] and not torch.equal(got, again)))
     # the same samples as the CPU path: uniforms bit-identical, race values equal up to log's last bits; one
-    # inv_temp tensor rewritten in place between calls (as the round does for a new T)
-    inv_temp = torch.ones(1, dtype=torch.float32, device=device)
+    # inv_temp tensor rewritten in place between calls (as the round does for a new T); requests of one batch
+    # with their own seeds, counters and temperatures, each drawing as it would alone
     for b, n, v, dtype, temp, seed in ((3, 5, 7, torch.float32, 1.0, 5), (2, 9, 300, torch.bfloat16, 0.6, -3),
                                        (4, 17, 163840 if device == "cuda" else 1000, torch.bfloat16, 1.0, 2 ** 62),
                                        (5, 3, 50, torch.float16, 2.5, 77)):
         logits = (torch.randn(b, n, v, generator=g, device=device) * 3).to(dtype)
-        inv_temp.fill_(1 / temp)
-        state = torch.tensor([seed, 41], dtype=torch.long, device=device)
+        inv_temp = torch.tensor([1 / (temp * (1 + 0.25 * r)) for r in range(b)], dtype=torch.float32, device=device)
+        start = [[seed - r, 41 + 3 * r] for r in range(b)]
+        state = torch.tensor(start, dtype=torch.long, device=device)
         got = torch.full((b, n), -1, dtype=torch.long, device=device)
         posterior_triton(logits, False, state, inv_temp, got, block_v=block_v)
-        cpu_state = torch.tensor([seed, 41], dtype=torch.long)
+        cpu_state = torch.tensor(start, dtype=torch.long)
         want = posterior_reference(logits.cpu(), False, cpu_state, inv_temp.cpu())
         same = float((got.cpu() == want).double().mean())
         out.append(dict(case=f"same draws as CPU {b}x{n}x{v} T={temp}", agreement=same,
-                        ok=same >= 0.95 and int(state[1]) == int(cpu_state[1]) == 42))
+                        ok=same >= 0.95 and state.tolist() == cpu_state.tolist() == [[s, c + 1] for s, c in start]))
+        alone = torch.full((b, n), -1, dtype=torch.long, device=device)
+        for r in range(b):
+            one = torch.tensor([start[r]], dtype=torch.long, device=device)
+            posterior_triton(logits[r:r + 1], False, one, inv_temp[r:r + 1], alone[r:r + 1], block_v=block_v)
+        out.append(dict(case=f"each request draws as alone {b}x{n}x{v}", ok=torch.equal(alone, got)))
+    return out
+
+
+def _posterior_request_sweep(device: str, cases: int, seed: int, block_v: int, max_elements: int) -> list[dict]:
+    """Random batches of requests, each with its own (seed, counter) (any int64) and temperature: logits
+    [b, N, V] (the verify) or [b, V] (an AR step), b, N and V awkward, fp32/bf16/fp16.  The kernel's draws
+    agree with the CPU path's (>= 95 %: log's last bits may flip a near-tie), every request's counter
+    advances by one and its seed stays, and each request's draws in the batch equal its draws launched
+    alone (bit for bit: the same kernel on the same row)."""
+    from plugins.tree_accept.posterior import posterior_reference, posterior_triton
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def pick(xs: list):
+        return xs[int(torch.randint(len(xs), (1,), generator=g))]
+
+    out = []
+    for _ in range(cases):
+        b = pick([1, 2, 3, 5, 8, 13])
+        n = pick([None, 1, 2, 9, 17, 61])
+        v = pick([1, 7, 100, 1000, 4097, 32003, 163840])
+        while b * (n or 1) * v > max_elements and v > 1:
+            v = max(1, v // 3)
+        dtype = pick([torch.float32, torch.bfloat16, torch.float16])
+        shape = (b, v) if n is None else (b, n, v)
+        logits = (torch.randn(shape, generator=g) * 4).to(dtype).to(device)
+        start = torch.randint(-2 ** 63, 2 ** 63 - 1, (b, 2), generator=g)  # any seed, any counter
+        start[:, 1] = start[:, 1].clamp(max=2 ** 62)  # far from the counter's wrap
+        inv_temp = (1 / (0.2 + 4 * torch.rand(b, generator=g))).to(device)  # T in (0.2, 4.2)
+        state = start.clone().to(device)  # (a copy: on the CPU .to would alias start)
+        got = torch.full(shape[:-1], -1, dtype=torch.long, device=device)
+        posterior_triton(logits, False, state, inv_temp, got, block_v=block_v)
+        cpu_state = start.clone()
+        want = posterior_reference(logits.cpu(), False, cpu_state, inv_temp.cpu())
+        advanced = start + torch.tensor([0, 1])
+        alone = torch.full_like(got, -1)
+        for r in range(b):
+            posterior_triton(logits[r:r + 1], False, start[r:r + 1].clone().to(device), inv_temp[r:r + 1],
+                             alone[r:r + 1], block_v=block_v)
+        same = float((got.cpu() == want).double().mean())
+        out.append(dict(case=f"per-request {list(shape)} {dtype}", agreement=same, alone=torch.equal(alone, got),
+                        ok=same >= 0.95 and torch.equal(alone, got) and torch.equal(state.cpu(), advanced)
+                        and torch.equal(cpu_state, advanced)))
     return out
 
 
@@ -292,15 +342,17 @@ def test_posterior_cpu_op_is_choose():
     from plugins.tree_accept.posterior import posterior
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(3, 4, 50, generator=g)  # [b, N, V]
-    inv_temp = torch.tensor([1 / 0.7])
+    inv_temp = torch.tensor([1 / 0.7, 1.0, 2.0])
     for greedy in (True, False):
-        state, want_state = torch.tensor([9, 2]), torch.tensor([9, 2])
+        state, want_state = torch.tensor([[9, 2], [9, 5], [-4, 0]]), torch.tensor([[9, 2], [9, 5], [-4, 0]])
         out = torch.full((3, 4), -1, dtype=torch.long)
         posterior(logits, greedy, state, inv_temp, out)
         assert torch.equal(out, choose(logits, greedy, want_state, inv_temp)) and torch.equal(state, want_state)
-        assert int(state[1]) == (2 if greedy else 3)
-    with pytest.raises(ValueError, match="inv_temp must be torch.float32 \\[1\\]"):
-        posterior(logits, False, torch.tensor([9, 2]), torch.tensor([1.0, 2.0]), torch.zeros(3, 4, dtype=torch.long))
+        assert state[:, 1].tolist() == ([2, 5, 0] if greedy else [3, 6, 1])
+    with pytest.raises(ValueError, match="inv_temp must be contiguous torch.float32 \\[3\\]"):
+        posterior(logits, False, state, torch.tensor([1.0, 2.0]), torch.zeros(3, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="state must be contiguous torch.int64 \\[3, 2\\]"):
+        posterior(logits, False, torch.tensor([9, 2]), inv_temp, torch.zeros(3, 4, dtype=torch.long))
 
 
 @pytest.mark.slow
@@ -389,10 +441,13 @@ def test_posterior_kernel_on_gpu_argmax_and_distribution():
     from plugins.tree_accept.posterior import posterior, posterior_reference
     t0 = time.time()
     cases = _posterior_checks("cuda", rows=400_000, block_v=4096)
-    # the registered op in a CUDA graph: every replay draws fresh samples
+    sweep_seed = int.from_bytes(os.urandom(4), "little")  # fresh inputs every run; the summary names the seed
+    cases += _posterior_request_sweep("cuda", 60, sweep_seed, block_v=4096, max_elements=8_000_000)
+    # the registered op in a CUDA graph: every replay draws fresh samples, each request from its own row
     logits = torch.randn(4, 9, 1000, device="cuda")
-    state = torch.tensor([5, 0], dtype=torch.long, device="cuda")
-    inv_temp = torch.ones(1, dtype=torch.float32, device="cuda")
+    start = torch.tensor([[5, 0], [-9, 3], [5, 40], [2 ** 62, 1]], dtype=torch.long)
+    state = start.to("cuda")  # a copy: start keeps the rows' first states
+    inv_temp = torch.tensor([1.0, 0.5, 2.0, 1.3], dtype=torch.float32, device="cuda")
     out = torch.zeros(4, 9, dtype=torch.long, device="cuda")
     posterior(logits, False, state, inv_temp, out)
     torch.cuda.synchronize()
@@ -404,16 +459,22 @@ def test_posterior_kernel_on_gpu_argmax_and_distribution():
         graph.replay()
         draws.append(out.clone())
     fresh = not torch.equal(draws[0], draws[1]) and not torch.equal(draws[1], draws[2])
-    cases.append(dict(case="graph replay draws fresh samples", ok=fresh and int(state[1]) == 4))
-    inv_temp.fill_(1 / 0.3)  # a new T into the captured graph: the replay samples softmax(logits / 0.3)
+    cases.append(dict(case="graph replay draws fresh samples",
+                      ok=fresh and torch.equal(state.cpu(), start + torch.tensor([0, 4]))))
+    inv_temp[2] = 1 / 0.3  # a new T for one request into the captured graph: its row samples softmax(logits / 0.3)
+    state[1] = torch.tensor([77, 0])  # and a new request in row 1
     graph.replay()
-    want = posterior_reference(logits.cpu(), False, torch.tensor([5, 4]), inv_temp.cpu())
-    cases.append(dict(case="graph replay reads inv_temp", ok=float((out.cpu() == want).double().mean()) >= 0.95))
+    now = start + torch.tensor([0, 4])
+    now[1] = torch.tensor([77, 0])
+    want = posterior_reference(logits.cpu(), False, now.clone(), inv_temp.cpu())  # (the reference advances it)
+    cases.append(dict(case="graph replay reads each row's state and inv_temp",
+                      ok=float((out.cpu() == want).double().mean()) >= 0.95))
     posterior(logits, True, state, inv_temp, out)
-    cases.append(dict(case="registered op greedy", ok=torch.equal(out, logits.argmax(-1)) and int(state[1]) == 5))
+    cases.append(dict(case="registered op greedy", ok=torch.equal(out, logits.argmax(-1))
+                      and torch.equal(state.cpu(), now + torch.tensor([0, 1]))))
     bad = [c for c in cases if not c["ok"]]
-    _write_summary("posterior", dict(op="posterior", cases=cases, failed=len(bad), passed=not bad,
-                                     seconds=round(time.time() - t0, 1)))
+    _write_summary("posterior", dict(op="posterior", sweep_seed=sweep_seed, cases=cases, failed=len(bad),
+                                     passed=not bad, seconds=round(time.time() - t0, 1)))
     assert not bad, bad
 
 

@@ -93,6 +93,10 @@ def test_sampling_is_seeded_and_reproducible(setup):
     b = list(eng.generate_ids(s.prompts[1], 12, temperature=0.9, seed=5))
     c = list(eng.generate_ids(s.prompts[1], 12, temperature=0.9, seed=6))
     assert a == b and len(a) == 12 and a != c
+    # a batch: request r draws from its own (seed + r, counter) row, so it samples what it samples alone
+    batch = eng.generate_batch_ids(s.prompts, 12, temperature=0.9, seed=5)
+    assert batch == [list(eng.generate_ids(p, 12, temperature=0.9, seed=5 + r)) for r, p in enumerate(s.prompts)]
+    assert batch[1] == c  # prompts[1] in row 1: seed 6
 
 
 def test_counter_sampler_matches_softmax():
@@ -101,16 +105,16 @@ def test_counter_sampler_matches_softmax():
 
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
     rows = 20000
-    rng = torch.tensor([7, 0], dtype=torch.int64)
+    rng = torch.tensor([[7, 0]], dtype=torch.int64)  # one request of `rows` rows
     inv_t = torch.tensor([1 / 0.8])
-    draws = choose(logits.expand(rows, -1), False, rng, inv_t)  # [rows]
-    assert int(rng[1]) == 1  # the counter advanced once
+    draws = choose(logits.expand(1, rows, -1), False, rng, inv_t)[0]  # [rows]
+    assert rng.tolist() == [[7, 1]]  # the counter advanced once
     probs = torch.softmax(logits / 0.8, -1).double()
     observed = torch.bincount(draws, minlength=6).tolist()
     expected = (probs * rows).tolist()
     expected[-1] = rows - sum(expected[:-1])  # sums must agree exactly
     assert chisquare(observed, expected).pvalue > 1e-3
-    again = choose(logits.expand(rows, -1), False, torch.tensor([7, 0]), inv_t)
+    again = choose(logits.expand(1, rows, -1), False, torch.tensor([[7, 0]]), inv_t)[0]
     assert torch.equal(draws, again)
 
 

@@ -1,5 +1,9 @@
 """`kdtree serve` on loopback (CPU, tiny model), driven by the official `openai` client.
 
+KDTREE_TEST_DEVICE=cuda runs the same tests with the servers, `kdtree run` and the in-process engine
+on the GPU (benchmarks/serve_device.sh), all in fp32 there as on the CPU: bf16 rounding alone changes
+greedy tokens between a batch of 4 rows and a batch of 1; the `--tp 2` test needs two GPUs there.
+
 Three real servers (subprocesses started through the CLI, on free ports): a DDTree one with an API
 key and a batch of 4, over a copy of the tiny checkpoint that ships a Jinja chat template; an AR one
 with one slot and a queue of one (429, disconnect; no chat template: Kimi's markers); a `--tp 2` one
@@ -26,14 +30,25 @@ import openai
 import pytest
 import torch
 
-from benchmarks.serve_join import SHORT, join_stall
+from benchmarks.serve_join import SHORT, join_stall, read_events
 from benchmarks.serve_load import ROOT, ServerProcess, drive
 from build_pipeline.tiny_drafter import make_tiny_drafter
+from runtime.decode.params import SamplingParams, SpecConfig
 from runtime.decode.session import PREFILL_CHUNK
 from runtime.engine.engine import Engine
+from runtime.serve.lanes import LocalLanes
+from runtime.serve.metrics import Metrics
+from runtime.serve.protocol import Generation
+from runtime.serve.scheduler import Job, Scheduler
 from runtime.serve.template import ChatTemplate, TemplateFailed
 
 KEY = "sk-test-key"
+DEVICE = os.environ.get("KDTREE_TEST_DEVICE", "cpu")
+if DEVICE not in ("cpu", "cuda"):
+    raise ValueError(f"KDTREE_TEST_DEVICE must be cpu or cuda, got {DEVICE!r}")
+if DEVICE == "cuda" and not torch.cuda.is_available():
+    raise RuntimeError("KDTREE_TEST_DEVICE=cuda: no CUDA device is available")
+ON_DEVICE = ("--device", DEVICE, "--dtype", "float32")  # the servers' and `kdtree run`'s arguments
 PROMPT = "The quick brown fox"
 # one torch thread per process: the servers and this process share the CI's 2 cores, and idle OpenMP
 # threads spinning beside another busy process slow tiny matmuls by orders of magnitude
@@ -82,8 +97,8 @@ def templated(paths, tmp_path_factory) -> str:
 def servers(paths, templated):
     path, dr = paths
     main = ServerProcess(templated, "--drafter", dr, "--budget", "8", "--max-batch", "4", "--max-model-len", "160",
-                         "--api-key", KEY, env=ONE_THREAD)
-    small = ServerProcess(path, "--max-batch", "1", "--max-queue", "1", "--max-model-len", "1024",
+                         "--api-key", KEY, *ON_DEVICE, env=ONE_THREAD)
+    small = ServerProcess(path, "--max-batch", "1", "--max-queue", "1", "--max-model-len", "1024", *ON_DEVICE,
                           env=ONE_THREAD)
     try:
         yield main.wait(), small.wait()
@@ -95,7 +110,7 @@ def servers(paths, templated):
 @pytest.fixture(scope="module")
 def engine(paths):
     path, dr = paths
-    return Engine.load(path, drafter=dr, spec="ddtree", budget=8)
+    return Engine.load(path, device=DEVICE, drafter=dr, spec="ddtree", budget=8, dtype=torch.float32)
 
 
 def _client(server: ServerProcess, key: str = KEY) -> openai.OpenAI:
@@ -120,8 +135,8 @@ def test_completions_equal_kdtree_run(servers, paths):
     main, _ = servers
     path, dr = paths
     run = subprocess.run([sys.executable, "-m", "runtime.cli", "run", path, "--drafter", dr, "--spec", "ddtree",
-                          "--budget", "8", "--prompt", PROMPT, "--max-new-tokens", "40", "--json"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120, check=False,
+                          "--budget", "8", "--prompt", PROMPT, "--max-new-tokens", "40", *ON_DEVICE, "--json"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
                          env={**os.environ, **ONE_THREAD})
     assert run.returncode == 0, run.stderr
     ref = json.loads(run.stdout)
@@ -245,19 +260,62 @@ def test_stop_strings_and_stop_ids(servers, engine):
 
 
 def test_seeded_sampling_is_reproducible(servers, engine):
+    """Sampled requests at once (one batch: each row samples from its own seed and temperature): each
+    equals `kdtree run --seed` alone; the same seed twice, the same tokens; another seed, others."""
     main, _ = servers
     client = _client(main)
+    jobs = [(7, 0.9), (7, 0.9), (8, 0.9), (7, 0.5)]
+    out: dict[int, list[int]] = {}
 
-    def sample(seed: int) -> list[int]:
-        r = client.completions.create(model="kimi-hf", prompt=PROMPT, max_tokens=24, temperature=0.9, seed=seed,
+    def sample(i: int) -> None:
+        seed, temp = jobs[i]
+        r = client.completions.create(model="kimi-hf", prompt=PROMPT, max_tokens=24, temperature=temp, seed=seed,
                                       extra_body={"return_token_ids": True})
-        return r.choices[0].model_extra["token_ids"]
+        out[i] = r.choices[0].model_extra["token_ids"]
 
-    a, b, c = sample(7), sample(7), sample(8)
-    assert a == b == list(engine.generate_ids(PROMPT, 24, temperature=0.9, seed=7))
-    assert a != c
-    greedy = list(engine.generate_ids(PROMPT, 24))
-    assert a != greedy
+    threads = [threading.Thread(target=sample, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for i, (seed, temp) in enumerate(jobs):
+        assert out.get(i) == list(engine.generate_ids(PROMPT, 24, temperature=temp, seed=seed)), i
+    assert out[0] == out[1] and out[0] != out[2] and out[0] != list(engine.generate_ids(PROMPT, 24))
+
+
+def test_sampled_requests_share_one_batch(engine):
+    """In process: three seeded requests (other prompts, seeds, temperatures) are queued before the
+    scheduler starts, so they take rows of one sampled lane at its first boundary; a fourth joins once
+    the first has tokens.  Each samples what it samples alone, and one seed again alone draws the same."""
+    lanes = LocalLanes(engine, 4, 256)
+    sched = Scheduler(lanes, 4, 4, Metrics("m"))
+    reqs = [([5, 6, 7], 3, 0.8), ([9, 10, 11, 12, 13], 4, 1.0), ([5, 6, 7], 11, 0.6), ([20, 21], 3, 0.8)]
+
+    def job(loop, prompt: list[int], seed: int, temp: float) -> Job:
+        params = SamplingParams(20, temp, seed, engine.stop_ids()[0])
+        return Job(Generation(prompt, params, SpecConfig("ddtree", 8), (), False, True, False, True, "m"), loop)
+
+    async def run() -> list[list[int]]:
+        loop = asyncio.get_running_loop()
+        jobs = [job(loop, *r) for r in reqs[:3]]
+        for j in jobs:
+            sched.submit(j)
+        sched.start()
+        times: list[float] = []
+        reading = [asyncio.create_task(read_events(j, times if i == 0 else [])) for i, j in enumerate(jobs)]
+        while len(times) < 2 and not reading[0].done():
+            await asyncio.sleep(0.001)
+        late = job(loop, *reqs[3])
+        sched.submit(late)
+        return await asyncio.gather(*reading, read_events(late, []))
+
+    try:
+        got = asyncio.run(run())
+    finally:
+        sched.close()
+    assert list(lanes.lanes) == [("ddtree", 8, False)] and lanes.lanes[("ddtree", 8, False)].session.batch == 4
+    assert got == [list(engine.generate_ids(p, 20, temperature=temp, seed=seed)) for p, seed, temp in reqs]
+    assert got[0] != got[2] and got[0] != list(engine.generate_ids([5, 6, 7], 20))
 
 
 def test_bad_requests_get_openai_errors(servers):
@@ -344,8 +402,10 @@ def test_short_load_completes_or_errors_cleanly(servers):
 
 
 def test_tp2_serves_the_same_tokens_and_a_dead_rank_gives_503(paths, engine):
+    if DEVICE == "cuda" and torch.cuda.device_count() < 2:
+        pytest.skip(f"--tp 2 on cuda needs two GPUs, this machine has {torch.cuda.device_count()}")
     path, _ = paths
-    srv = ServerProcess(path, "--tp", "2", "--max-model-len", "256",
+    srv = ServerProcess(path, "--tp", "2", "--max-model-len", "256", *ON_DEVICE,
                         env={**ONE_THREAD, "KDTREE_FAULT_RANK": "1", "KDTREE_FAULT_AT": "300"})
     try:
         srv.wait()

@@ -1,14 +1,16 @@
 """posterior: the target's token after every tree node, from the verify logits, in one fused GPU pass.
 
-Shapes: logits [..., V] (e.g. [b, N, V]) fp32/bf16/fp16 -> out [...] int64; state [2] int64 = (seed, counter);
-inv_temp [1] fp32 = 1 / T, on the device, so one captured graph serves every T > 0.
+Shapes: logits [b, ..., V] (e.g. [b, N, V]) fp32/bf16/fp16 -> out [b, ...] int64; state [b, 2] int64 = (seed,
+counter) and inv_temp [b] fp32 = 1 / T per request, on the device, so one captured graph serves every T > 0
+and every mix of requests.
 
   greedy   argmax over V, ties to the lowest id (as torch.argmax); state is left as it is.
   sampled  a sample of softmax(logits * inv_temp) per row by Gumbel-max: argmax_i(logits_i * inv_temp -
-           log(-log u_i)) with plugins/common/rng.py's counter-based uniforms u (splitmix64 of seed, counter and
-           the flat element index).  The kernel reads seed, counter and inv_temp from device memory, and the op
-           then advances state[1] by one (a second, stream-ordered launch), so a captured CUDA graph draws
-           fresh numbers on every replay.
+           log(-log u_i)) with plugins/common/rng.py's counter-based uniforms u (splitmix64 of the request's
+           seed and counter and the element's index within the request's slice, so a request draws the same
+           whatever else is in the batch).  The kernel reads seed, counter and inv_temp from device memory, and
+           the op then advances state[:, 1] by one (a second, stream-ordered launch), so a captured CUDA graph
+           draws fresh numbers on every replay.
 
 The CPU path is plugins.common.rng.choose(logits, greedy, state, inv_temp) itself, and the kernel computes
 the same uniforms bit for bit; the race values agree up to the last bits of log (libdevice vs the CPU's), so
@@ -25,17 +27,17 @@ from plugins.common.rng import choose
 
 def posterior_reference(logits: torch.Tensor, greedy: bool, state: torch.Tensor, inv_temp: torch.Tensor
                         ) -> torch.Tensor:
-    """logits [..., V] -> token ids [...] int64: plugins.common.rng.choose (argmax when greedy, else a sample
-    of softmax(logits * inv_temp) drawn from state (seed, counter), which it advances by one)."""
+    """logits [b, ..., V] -> token ids [b, ...] int64: plugins.common.rng.choose (argmax when greedy, else a
+    sample of softmax(logits * inv_temp) drawn from each request's state (seed, counter), advanced by one)."""
     return choose(logits, greedy, state, inv_temp)
 
 
 @torch.library.custom_op("kdtree::posterior", mutates_args=("state", "out"))
 def posterior(logits: torch.Tensor, greedy: bool, state: torch.Tensor, inv_temp: torch.Tensor,
               out: torch.Tensor) -> None:
-    """Writes out [...] int64 = the token chosen after each row of logits [..., V]: argmax when greedy, else
-    a sample of softmax(logits * inv_temp [1] fp32); state [2] int64 (seed, counter) advances by one when
-    sampling."""
+    """Writes out [b, ...] int64 = the token chosen after each row of logits [b, ..., V]: argmax when greedy,
+    else a sample of softmax(logits * inv_temp [b] fp32); state [b, 2] int64 (seed, counter per request)
+    advances by one when sampling."""
     _check(logits, state, inv_temp, out)
     out.copy_(posterior_reference(logits, greedy, state, inv_temp))
 
@@ -48,17 +50,21 @@ def _posterior_cuda(logits: torch.Tensor, greedy: bool, state: torch.Tensor, inv
 
 
 def _check(logits: torch.Tensor, state: torch.Tensor, inv_temp: torch.Tensor, out: torch.Tensor) -> None:
-    if logits.dim() < 1 or logits.shape[-1] < 1 or not logits.dtype.is_floating_point:
-        raise ValueError(f"posterior: logits must be floating [..., V >= 1], got {logits.dtype} {list(logits.shape)}")
+    if logits.dim() < 2 or logits.shape[-1] < 1 or not logits.dtype.is_floating_point:
+        raise ValueError(f"posterior: logits must be floating [b, ..., V >= 1], got {logits.dtype} "
+                         f"{list(logits.shape)}")
+    b = logits.shape[0]
     if tuple(out.shape) != tuple(logits.shape[:-1]) or out.dtype != torch.int64:
         raise ValueError(f"posterior: out must be torch.int64 {list(logits.shape[:-1])}, got {out.dtype} "
                          f"{list(out.shape)}")
-    if tuple(state.shape) != (2,) or state.dtype != torch.int64 or state.device != logits.device:
-        raise ValueError(f"posterior: state must be torch.int64 [2] (seed, counter) on {logits.device}, got "
-                         f"{state.dtype} {list(state.shape)} on {state.device}")
-    if tuple(inv_temp.shape) != (1,) or inv_temp.dtype != torch.float32 or inv_temp.device != logits.device:
-        raise ValueError(f"posterior: inv_temp must be torch.float32 [1] (1 / T) on {logits.device}, got "
-                         f"{inv_temp.dtype} {list(inv_temp.shape)} on {inv_temp.device}")
+    if tuple(state.shape) != (b, 2) or state.dtype != torch.int64 or state.device != logits.device \
+            or not state.is_contiguous():
+        raise ValueError(f"posterior: state must be contiguous torch.int64 [{b}, 2] (seed, counter per request) on "
+                         f"{logits.device}, got {state.dtype} {list(state.shape)} on {state.device}")
+    if tuple(inv_temp.shape) != (b,) or inv_temp.dtype != torch.float32 or inv_temp.device != logits.device \
+            or not inv_temp.is_contiguous():
+        raise ValueError(f"posterior: inv_temp must be contiguous torch.float32 [{b}] (1 / T per request) on "
+                         f"{logits.device}, got {inv_temp.dtype} {list(inv_temp.shape)} on {inv_temp.device}")
     if out.device != logits.device:
         raise ValueError(f"posterior: out is on {out.device}, logits on {logits.device}")
 
@@ -79,7 +85,7 @@ def posterior_triton(logits: torch.Tensor, greedy: bool, state: torch.Tensor, in
         raise ValueError("posterior: out must be contiguous")
     flat = logits.reshape(rows, v)  # [rows, V]; a view for the usual contiguous [b, N, V]
     block = min(block_v, max(triton.next_power_of_2(v), 16))
-    posterior_kernel[(rows,)](flat, out.view(rows), state, inv_temp, v, flat.stride(0), SAMPLE=not greedy,
-                              BLOCK_V=block, num_warps=num_warps)
+    posterior_kernel[(rows,)](flat, out.view(rows), state, inv_temp, v, flat.stride(0), rows // logits.shape[0],
+                              SAMPLE=not greedy, BLOCK_V=block, num_warps=num_warps)
     if not greedy:
-        state[1:].add_(1)
+        state[:, 1].add_(1)

@@ -1,9 +1,10 @@
 """Triton kernel of the posterior op (see posterior.py): per row, argmax of logits (greedy) or of
 logits * inv_temp + Gumbel noise (SAMPLE; inv_temp read from device memory), ties to the lowest id.
 
-The noise is plugins/common/rng.py's counter-based uniform, bit for bit: with (seed, counter) = state,
-key = mix(seed * G + counter) and u[i] = ((mix(key + (i + 1) * G) >> 40) + 0.5) / 2^24 for the flat
-element index i = row * V + col (mix = the splitmix64 finaliser, G = the golden-ratio increment,
+The noise is plugins/common/rng.py's counter-based uniform, bit for bit: row `row` belongs to request
+q = row // rows_per_req; with (seed, counter) = state[q], key = mix(seed * G + counter) and
+u[i] = ((mix(key + (i + 1) * G) >> 40) + 0.5) / 2^24 for the element's index within the request,
+i = (row - q * rows_per_req) * V + col (mix = the splitmix64 finaliser, G = the golden-ratio increment,
 all arithmetic modulo 2^64).  So the GPU draws the same samples as plugins.common.rng.choose on the CPU.
 """
 
@@ -22,25 +23,27 @@ def _mix(z):
 
 
 @triton.jit
-def posterior_kernel(logits_ptr, out_ptr, state_ptr, inv_temp_ptr, v, s_row, SAMPLE: tl.constexpr,
+def posterior_kernel(logits_ptr, out_ptr, state_ptr, inv_temp_ptr, v, s_row, rows_per_req, SAMPLE: tl.constexpr,
                      BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    req = row // rows_per_req
     base = logits_ptr + row * s_row
     lane = tl.arange(0, BLOCK_V).to(tl.int64)
     best = tl.full((BLOCK_V,), float("-inf"), dtype=tl.float32)  # per-lane running max
     best_i = lane  # and the lowest column reaching it
     if SAMPLE:
-        seed = tl.load(state_ptr).to(tl.uint64, bitcast=True)
-        counter = tl.load(state_ptr + 1).to(tl.uint64, bitcast=True)
+        seed = tl.load(state_ptr + 2 * req).to(tl.uint64, bitcast=True)
+        counter = tl.load(state_ptr + 2 * req + 1).to(tl.uint64, bitcast=True)
         key = _mix(seed * 0x9E3779B97F4A7C15 + counter)
-        inv_t = tl.load(inv_temp_ptr)
+        inv_t = tl.load(inv_temp_ptr + req)
     start = row * 0  # int64; a while loop (a runtime trip count) also runs in the interpreter
     while start < v:
         cols = start + lane  # [BLOCK_V]
         inside = cols < v
         x = tl.load(base + cols, mask=inside, other=float("-inf")).to(tl.float32)  # [BLOCK_V]
         if SAMPLE:
-            flat = (row * v + cols + 1).to(tl.uint64, bitcast=True)  # [BLOCK_V] element index + 1
+            inside_req = (row - req * rows_per_req) * v + cols  # [BLOCK_V] element index within the request
+            flat = (inside_req + 1).to(tl.uint64, bitcast=True)
             bits = _mix(key + flat * 0x9E3779B97F4A7C15)  # [BLOCK_V]
             u = ((bits >> 40).to(tl.float32) + 0.5) * 5.9604644775390625e-08  # 24 bits, strictly inside (0, 1)
             x = tl.where(inside, x * inv_t - tl.log(-tl.log(u)), float("-inf"))

@@ -64,8 +64,8 @@ class RoundBuffers:
     produced: torch.Tensor  # [b] int32 tokens emitted so far
     max_new: torch.Tensor  # [b] int32
     stop_ids: torch.Tensor  # [b, S] int64, padded with -1
-    rng: torch.Tensor  # [2] int64 (seed, counter)
-    inv_temp: torch.Tensor  # [1] fp32 1 / temperature (unused when greedy)
+    rng: torch.Tensor  # [b, 2] int64 (seed, counter) per request
+    inv_temp: torch.Tensor  # [b] fp32 1 / temperature per request (unused when greedy)
     nonfinite: torch.Tensor  # [b] int64 1 when the request's last logits held a NaN or Inf (set by `pick`)
 
     @classmethod
@@ -83,32 +83,35 @@ class RoundBuffers:
                    out=z(b, a + 5), live=z(b, dt=torch.int32),
                    produced=z(b, dt=torch.int32), max_new=z(b, dt=torch.int32),
                    stop_ids=torch.full((b, max_stops), -1, dtype=torch.int64, device=device),
-                   rng=z(2), inv_temp=torch.ones(1, dtype=torch.float32, device=device), nonfinite=z(b))
+                   rng=z(b, 2), inv_temp=torch.ones(b, dtype=torch.float32, device=device), nonfinite=z(b))
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def pick(target: TargetModel, hidden: torch.Tensor, greedy: bool, buf: RoundBuffers) -> torch.Tensor:
-    """hidden [..., d] -> token ids [...] int64: under TP at T = 0 target.greedy (a distributed argmax,
-    no vocabulary gather); else the kdtree::posterior op over the full logits: the argmax at T = 0, a
-    counter-based sample of softmax(logits / T) drawn from buf.rng at T > 0 (the same draws on every
-    rank: the logits are gathered to every rank)."""
+def pick(target: TargetModel, hidden: torch.Tensor, greedy: bool, buf: RoundBuffers, rows: slice = slice(None)
+         ) -> torch.Tensor:
+    """hidden [b', ..., d] of the requests buf[rows] (b' of them; all b by default) -> token ids [b', ...]
+    int64: under TP at T = 0 target.greedy (a distributed argmax, no vocabulary gather); else the
+    kdtree::posterior op over the full logits: the argmax at T = 0, a counter-based sample of
+    softmax(logits / T) at T > 0, request r drawn from its own buf.rng[r] and buf.inv_temp[r] (the same
+    draws on every rank: the logits are gathered to every rank)."""
     if greedy and target.comm is not None:
         ids, best = target.greedy(hidden)  # best [...]: the max logit, NaN / Inf when any logit was
-        _flag_nonfinite(buf, best)
+        _flag_nonfinite(buf, best, rows)
         return ids
-    logits = target.logits(hidden)  # [..., v]
-    _flag_nonfinite(buf, logits)
+    logits = target.logits(hidden)  # [b', ..., v]
+    _flag_nonfinite(buf, logits, rows)
     out = torch.empty(logits.shape[:-1], dtype=torch.int64, device=logits.device)
-    posterior(logits, greedy, buf.rng, buf.inv_temp, out)
+    posterior(logits, greedy, buf.rng[rows], buf.inv_temp[rows], out)
     return out
 
 
-def _flag_nonfinite(buf: RoundBuffers, x: torch.Tensor) -> None:
-    """x [b, ...] logits (or their maxima): buf.nonfinite[r] = 1 when request r's hold a NaN or Inf.  One
-    reduction on the device; the host reads the flag with the round's tokens (out[:, a + 3]), no sync."""
-    buf.nonfinite.copy_((~torch.isfinite(x)).reshape(x.shape[0], -1).any(1))
+def _flag_nonfinite(buf: RoundBuffers, x: torch.Tensor, rows: slice) -> None:
+    """x [b', ...] logits (or their maxima) of the requests buf[rows]: buf.nonfinite[r] = 1 when request r's
+    hold a NaN or Inf.  One reduction on the device; the host reads the flag with the round's tokens
+    (out[:, a + 3]), no sync."""
+    buf.nonfinite[rows].copy_((~torch.isfinite(x)).reshape(x.shape[0], -1).any(1))
 
 
 def spec_round(target: TargetModel, drafter, cache: LatentCache, dcache, buf: RoundBuffers, topk: int, greedy: bool,

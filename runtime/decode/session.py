@@ -288,7 +288,9 @@ class DecodeSession:
                              f"capacity {self.capacity}")
         dev = target.device
         self.cache.lens.zero_()
-        buf.rng.copy_(torch.tensor([req.seed, 0], dtype=torch.int64))
+        # request r samples as a lone request seeded seed + r would (its own (seed, counter) row)
+        buf.rng.copy_(torch.tensor([[(req.seed + r + 2**63) % 2**64 - 2**63, 0] for r in range(self.batch)],
+                                   dtype=torch.int64))
         buf.inv_temp.fill_(1.0 / req.temperature if req.temperature > 0 else 1.0)
         buf.stop_ids.fill_(-1)
         if req.stop_ids:

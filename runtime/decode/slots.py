@@ -20,10 +20,9 @@ between its chunks: a long prompt never stalls the batch for more than one chunk
 round writes past its committed cache length (tree scratch, drafter block rows) is overwritten by its
 next chunk before it becomes visible.
 
-Rows are independent at T = 0, so a request's tokens do not depend on its neighbours.  At T > 0 the
-session's counter-based generator (buf.rng, one (seed, counter) per session) is shared by the
-rows, so a seeded request is reproducible only alone: the caller keeps sampled requests in
-batch-1 slot batches, where the last prefill chunk sets (seed, 0) and 1 / T as DecodeSession.rounds does.
+Rows are independent: at T = 0 trivially, at T > 0 because each row draws from its own counter-based
+generator state (buf.rng[r] = (seed, counter), buf.inv_temp[r] = 1 / T, set by the last prefill
+chunk), so a seeded request samples the same tokens in any batch as `kdtree run --seed` alone.
 """
 
 from __future__ import annotations
@@ -135,9 +134,9 @@ class SlotBatch:
         del self.joining[r]
         params = j.params
         if not self.greedy:
-            buf.rng.copy_(torch.tensor([params.seed, 0], dtype=torch.int64))
-            buf.inv_temp.fill_(1.0 / params.temperature)
-        first = int(pick(s.target, hidden[-1][None], self.greedy, buf)[0])
+            buf.rng[r] = torch.tensor([params.seed, 0], dtype=torch.int64)
+            buf.inv_temp[r] = 1.0 / params.temperature
+        first = int(pick(s.target, hidden[-1][None], self.greedy, buf, slice(r, r + 1))[0])
         if buf.nonfinite[r]:
             self.free.append(r)
             raise NonFiniteLogits(f"non-finite logits (NaN or Inf) in the prefill of a {p}-token prompt: "

@@ -1,9 +1,10 @@
 """Lanes: the slot batches (runtime/decode/slots.py) the scheduler fills, one per kind of request.
 
-A lane is keyed by (spec mode, budget, greedy, index).  Greedy requests of one spec share one lane
-of `max_batch` rows (rows are independent at T = 0).  Sampled requests each get a batch-1 lane, so
-that a seed draws the same numbers as `kdtree run --seed` whatever else is running (the session's
-generator is shared by its rows); a sampled lane is reused once its request has left.
+A lane is keyed by (spec mode, budget, greedy): `max_batch` rows of one decode session, whose step is
+captured once per greedy / sampled.  Requests of one spec share a lane, greedy ones one and sampled ones
+another (each row samples from its own seed and temperature, so a seeded request draws the same numbers
+as `kdtree run --seed` whatever else is running).  At most max_batch requests hold rows, so a lane
+always has one free for the next.
 
 LocalLanes builds them over the models of this process (Engine.load with tp 1).  RankLanes
 (runtime/serve/ranks.py) keeps the same lanes inside `tp` rank processes.
@@ -17,20 +18,19 @@ from runtime.decode.session import DecodeSession
 from runtime.decode.slots import SlotBatch
 from runtime.engine.engine import Engine
 
-LaneKey = tuple[str, int, bool, int]  # (mode, budget, greedy, index)
+LaneKey = tuple[str, int, bool]  # (mode, budget, greedy)
 
 
-def lane_key(spec: SpecConfig, greedy: bool, index: int) -> LaneKey:
+def lane_key(spec: SpecConfig, greedy: bool) -> LaneKey:
     mode, budget = spec.bucket
-    return mode, budget, greedy, index
+    return mode, budget, greedy
 
 
 def new_slot_batch(target, drafter, key: LaneKey, max_batch: int, capacity: int, pool: GraphPool | None,
                    graphs: bool) -> SlotBatch:
     """The slot batch of a lane (a decode session of its own: caches and buffers)."""
-    mode, budget, greedy, _ = key
-    batch = max_batch if greedy else 1
-    session = DecodeSession(target, drafter, SpecConfig(mode, max(budget, 1)), batch, capacity, pool)
+    mode, budget, greedy = key
+    session = DecodeSession(target, drafter, SpecConfig(mode, max(budget, 1)), max_batch, capacity, pool)
     return SlotBatch(session, greedy, graphs)
 
 

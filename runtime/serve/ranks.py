@@ -122,7 +122,7 @@ class RankLanes:
 
     def get(self, key: LaneKey) -> RankLane:
         if key not in self.lanes:
-            self.lanes[key] = RankLane(self.group, key, self.max_batch if key[2] else 1)
+            self.lanes[key] = RankLane(self.group, key, self.max_batch)
         return self.lanes[key]
 
     def check(self) -> None:

@@ -141,11 +141,7 @@ class Scheduler:
     def _admit(self, job: Job) -> None:
         """A free row of the request's lane; its prompt goes in by _prefill."""
         g = job.gen
-        greedy = g.params.temperature <= 0
-        index = 0
-        while not self.lanes.get(lane_key(g.spec, greedy, index)).free:  # greedy lanes have max_batch rows
-            index += 1
-        key = lane_key(g.spec, greedy, index)
+        key = lane_key(g.spec, g.params.temperature <= 0)
         try:
             row = self.lanes.get(key).admit(g.prompt_ids, g.params)
         except ValueError as exc:  # the request itself is at fault (the engine is fine)
