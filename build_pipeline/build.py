@@ -2,7 +2,8 @@
 
 Steps (each with a progress bar where long): validate (config, plan, options) -> hash inputs -> cache
 lookup (verified) -> on a miss, in a private staging folder: shard weights per rank, export ONNX graphs
-per rank, compile kernels per arch, copy tokenizer files and the drafter, [TensorRT engines] ->
+per rank, compile kernels per arch, copy tokenizer files and the drafter, [TensorRT engines], [on a
+GPU with warm: decode in every mode and keep Triton's compiled kernels, build_pipeline/kernel_cache.py] ->
 manifest (written last) -> atomic rename into the cache -> optional copy to --out.
 """
 
@@ -20,6 +21,8 @@ from build_pipeline import artifact_cache as cache
 from build_pipeline.artifact_cache import FORMAT
 from build_pipeline.compile_kernels import compile_all, parse_archs
 from build_pipeline.export_onnx import export_rank
+from build_pipeline.integrity import sha256_file
+from build_pipeline.kernel_cache import UNWARMED, arch_of, not_warmed
 from build_pipeline.shard import GLOBALS_FILE, layer_file, write_rank_shards
 from core.checkpoint import INDEX_NAME, Checkpoint
 from core.config import ModelConfig, load_config
@@ -55,13 +58,19 @@ class BuildResult:
                 "seconds": round(self.seconds, 3), "plan": m["plan"], "backend": m["options"]["backend"],
                 "ranks": {r: len(v["files"]) for r, v in m["ranks"].items()},
                 "kernels": len(m["kernels"]), "graphs": sum(len(v["graphs"]) for v in m["ranks"].values()),
+                "triton_cache": m.get("triton_cache"),
                 "bytes": sum(f["bytes"] for f in m["files"].values()), "steps_s": m.get("steps_s", {})}
 
 
 def build(model_dir: str | Path, out: str | Path | None = None, drafter_dir: str | Path | None = None, tp: int = 1,
           ep: bool = False, backend: str = "native", archs=DEFAULT_ARCHS, budgets=DEFAULT_BUDGETS,
-          progress: bool = True, force: bool = False) -> BuildResult:
-    """Build (or fetch from the cache) the artifact of `model_dir` for the given plan and options."""
+          progress: bool = True, force: bool = False, warm: bool = False) -> BuildResult:
+    """Build (or fetch from the cache) the artifact of `model_dir` for the given plan and options.
+
+    warm: on a machine with a CUDA device, decode the new artifact in every mode and keep the Triton
+    kernels that compiled in ART/kernels/triton-<arch>/ (build_pipeline/kernel_cache.py), so a run on a
+    GPU of that arch compiles nothing; without a CUDA device (or with backend tensorrt) nothing is warmed
+    and the manifest's triton_cache says why."""
     t0 = time.perf_counter()
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -86,6 +95,10 @@ def build(model_dir: str | Path, out: str | Path | None = None, drafter_dir: str
     if out is not None:
         refuse_foreign_out(Path(out), force)  # before the build, not after it
     options = {"tp": tp, "ep": ep, "backend": backend, "archs": list(archs), "budgets": list(budgets)}
+    warm_arch = arch_of(torch.cuda.get_device_capability()) if warm and backend == "native" \
+        and torch.cuda.is_available() else None
+    if warm_arch is not None:  # only then: the key of an unwarmed build stays what it was
+        options["warm"] = warm_arch
 
     root = cache.cache_root()
     memo = cache.HashMemo(root)
@@ -100,6 +113,7 @@ def build(model_dir: str | Path, out: str | Path | None = None, drafter_dir: str
             manifest = _build_into(stage, model_dir, drafter_dir, cfg, plan, archs, budgets, backend, progress)
             manifest.update(format=FORMAT, format_version=cache.FORMAT_VERSION, key=key, options=options,
                             toolchain=tools, inputs=inputs, budgets=list(budgets))
+            manifest["triton_cache"] = _warm(stage, manifest, budgets, warm_arch, progress)
             entry = cache.commit(stage, root, key, manifest)
     manifest = json.loads((entry / cache.MANIFEST).read_text())
     art = _place(entry, Path(out), key, force) if out is not None else entry
@@ -161,6 +175,20 @@ def _build_into(stage: Path, model_dir: Path, drafter_dir: Path | None, cfg: Mod
         "layout": LAYOUT, "collectives": COLLECTIVES,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+def _warm(stage: Path, manifest: dict, budgets: tuple[int, ...], warm_arch: str | None, progress: bool) -> dict:
+    """manifest["triton_cache"]; when warm_arch is set, the warmed kernels are added to manifest["files"]."""
+    if warm_arch is None:  # one reason for every unwarmed build: they share a key, so whichever built it first
+        return not_warmed(UNWARMED)
+    from build_pipeline.kernel_cache import warm as warm_kernels
+
+    record, folder = warm_kernels(stage, manifest, budgets, progress)
+    for p in sorted(folder.rglob("*")):
+        if p.is_file():
+            manifest["files"][p.relative_to(stage).as_posix()] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+    manifest["steps_s"]["warm_triton"] = record["seconds"]
+    return record
 
 
 def tokenizer_files(model_dir: Path) -> list[Path]:

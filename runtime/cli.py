@@ -5,17 +5,47 @@ Every command prints one line `error: ...` and exits 1 on bad input; `--json` pr
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
 from pathlib import Path
 from typing import Optional
 
-import typer
-from typer._click.exceptions import UsageError
-from typer.core import TyperGroup
 
-from core.errors import KdtreeError
+def bytecode_prefix(package_dir: Path | None, env: dict[str, str]) -> str | None:
+    """Where this process should keep Python bytecode, or None to leave Python's default.
+
+    Where site-packages has no writable __pycache__ (a read-only image: the H200's), Python compiles the
+    bytecode of every module it imports at every start and cannot keep it (6 s of a 12 s `kdtree run` on the
+    tiny model there); then $XDG_CACHE_HOME/kdtree/pycache (~/.cache/kdtree/pycache) keeps it, unless
+    PYTHONPYCACHEPREFIX (or -X pycache_prefix) already chose a place.  package_dir: torch's package folder."""
+    if sys.pycache_prefix is not None or env.get("PYTHONPYCACHEPREFIX") or package_dir is None:
+        return None
+    cache = package_dir / "__pycache__"
+    if os.access(cache if cache.is_dir() else package_dir, os.W_OK):
+        return None
+    base = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return str(Path(base) / "kdtree" / "pycache")
+
+
+def _keep_bytecode() -> None:
+    """Applies bytecode_prefix before torch is imported (sys.pycache_prefix is read at every import; the
+    environment variable carries it to rank and build subprocesses)."""
+    spec = importlib.util.find_spec("torch")
+    prefix = bytecode_prefix(Path(spec.origin).parent if spec and spec.origin else None, dict(os.environ))
+    if prefix is not None and not sys.dont_write_bytecode:
+        sys.pycache_prefix = prefix
+        os.environ["PYTHONPYCACHEPREFIX"] = prefix
+
+
+_keep_bytecode()
+
+import typer  # noqa: E402  (after the bytecode prefix: typer imports a few hundred modules)
+from typer._click.exceptions import UsageError  # noqa: E402
+from typer.core import TyperGroup  # noqa: E402
+
+from core.errors import KdtreeError  # noqa: E402
 
 
 class _OneErrorPath(TyperGroup):
@@ -296,6 +326,9 @@ def build_cmd(
     backend: str = typer.Option("native", "--backend", help="native | tensorrt"),
     arch: str = typer.Option("sm_90", "--arch", help="CUDA archs to compile for, e.g. sm_90,sm_120 (or none)"),
     budgets: str = typer.Option("16,32,64", "--budgets", help="tree budgets to specialise kernels for"),
+    warm: bool = typer.Option(True, "--warm/--no-warm", help="on a CUDA machine: decode the artifact in every "
+                              "mode (AR, chain, DDTree at each budget) and ship the Triton kernels that compiled, "
+                              "so `kdtree run` on a GPU of this arch compiles none (no effect without CUDA)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON summary"),
     force: bool = typer.Option(False, "--force", help="rebuild even on a cache hit; replace a non-artifact --out"),
     synthetic: Optional[str] = typer.Option(None, "--synthetic", help="no checkpoint: one rank with random weights "
@@ -328,7 +361,7 @@ def build_cmd(
             if model_dir is None:
                 raise ValueError("give MODEL_DIR (or --synthetic PRESET)")
             res = build(model_dir, out=out, drafter_dir=drafter, tp=tp, ep=ep, backend=backend, archs=arch,
-                        budgets=budgets, progress=not as_json, force=force)
+                        budgets=budgets, progress=not as_json, force=force, warm=warm)
             s = res.summary()
             hit, detail = "cache hit", f"tp {tp}{' ep' if ep else ''}, {s['graphs']} graphs, {s['kernels']} kernels"
         if as_json:

@@ -82,3 +82,22 @@ def test_run_speculative_modes_agree_with_ar(tiny, tmp_path):
     assert r.exit_code == 1 and "--drafter" in r.stderr
     r = CliRunner().invoke(app, base + ["--drafter", str(drafter), "--spec", "beam"])
     assert r.exit_code == 1 and "--spec" in r.stderr
+
+
+def test_bytecode_prefix_only_for_a_read_only_site_packages(tmp_path, monkeypatch):
+    import os
+
+    from runtime.cli import bytecode_prefix
+
+    pkg = tmp_path / "torch"
+    (pkg / "__pycache__").mkdir(parents=True)
+    env = {"XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    monkeypatch.setattr(sys, "pycache_prefix", None)
+    assert bytecode_prefix(pkg, env) is None  # writable: Python's own __pycache__
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p).startswith(str(pkg)) else real_access(p, mode))
+    assert bytecode_prefix(pkg, env) == str(tmp_path / "xdg" / "kdtree" / "pycache")
+    assert bytecode_prefix(pkg, {**env, "PYTHONPYCACHEPREFIX": "/elsewhere"}) is None  # the user's choice stands
+    assert bytecode_prefix(None, env) is None
+    monkeypatch.setattr(sys, "pycache_prefix", "/set/by/-X")
+    assert bytecode_prefix(pkg, env) is None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from plugins.common.op import kdtree_op
 from plugins.kv_commit.reference import kv_commit_reference
 
 __all__ = ["kv_commit", "kv_commit_op"]
@@ -20,7 +21,7 @@ def kv_commit(cache: torch.Tensor, cache_lens: torch.Tensor, scratch: torch.Tens
     kv_commit_op(cache, cache_lens, scratch, accept_idx, accept_len, feats, ctx_feats)
 
 
-@torch.library.custom_op("kdtree::kv_commit", mutates_args=("cache", "cache_lens", "ctx_feats"))
+@kdtree_op("kv_commit", mutates_args=("cache", "cache_lens", "ctx_feats"))
 def kv_commit_op(cache: torch.Tensor, cache_lens: torch.Tensor, scratch: torch.Tensor, accept_idx: torch.Tensor,
                  accept_len: torch.Tensor, feats: torch.Tensor | None, ctx_feats: torch.Tensor | None) -> None:
     """The registered op (no defaults: call kv_commit()).  Appends scratch[:, r, accept_idx[r, :accept_len[r]]] to cache[:, r], advances cache_lens and,

@@ -13,6 +13,7 @@ import os
 
 import torch
 
+from plugins.common.op import kdtree_op
 from plugins.layer_fusion.reference import (
     add_rms_norm_reference,
     mla_rope_kv_reference,
@@ -51,7 +52,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_op(x, weight, eps)
 
 
-@torch.library.custom_op("kdtree::rms_norm", mutates_args=())
+@kdtree_op("rms_norm", mutates_args=())
 def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_reference(x, weight, eps)
 
@@ -82,7 +83,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     return add_rms_norm_op(x, delta, delta2, weight, eps)
 
 
-@torch.library.custom_op("kdtree::add_rms_norm", mutates_args=())
+@kdtree_op("add_rms_norm", mutates_args=())
 def add_rms_norm_op(x: torch.Tensor, delta: torch.Tensor, delta2: torch.Tensor | None, weight: torch.Tensor,
                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     return add_rms_norm_reference(x, delta, delta2, weight, eps)
@@ -118,7 +119,7 @@ def mla_rope_q(q: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor, sin: tor
     return mla_rope_q_op(q, q_lat, cos, sin, interleave)
 
 
-@torch.library.custom_op("kdtree::mla_rope_q", mutates_args=())
+@kdtree_op("mla_rope_q", mutates_args=())
 def mla_rope_q_op(q: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   interleave: bool) -> torch.Tensor:
     return mla_rope_q_reference(q, q_lat, cos, sin, interleave)
@@ -158,7 +159,7 @@ def mla_rope_kv(latent: torch.Tensor, weight: torch.Tensor, eps: float, cos: tor
     mla_rope_kv_op(latent, weight, eps, cos, sin, interleave, out)
 
 
-@torch.library.custom_op("kdtree::mla_rope_kv", mutates_args=("out",))
+@kdtree_op("mla_rope_kv", mutates_args=("out",))
 def mla_rope_kv_op(latent: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                    interleave: bool, out: torch.Tensor) -> None:
     mla_rope_kv_reference(latent, weight, eps, cos, sin, interleave, out)
@@ -190,7 +191,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return silu_mul_op(gate_up)
 
 
-@torch.library.custom_op("kdtree::silu_mul", mutates_args=())
+@kdtree_op("silu_mul", mutates_args=())
 def silu_mul_op(gate_up: torch.Tensor) -> torch.Tensor:
     return silu_mul_reference(gate_up)
 

@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from plugins.common.op import kdtree_op
 from plugins.common.precision import acc
 from plugins.moe_w4a16.layout import dequantize_kernel_layout
 from plugins.moe_w4a16.plan import launch_plan
@@ -50,7 +51,7 @@ def moe_w4a16(x: torch.Tensor, logits: torch.Tensor | None, gate: torch.Tensor |
                         norm_topk_prob, scaling, e_start, workspace)
 
 
-@torch.library.custom_op("kdtree::moe_w4a16", mutates_args=("workspace",))
+@kdtree_op("moe_w4a16", mutates_args=("workspace",))
 def moe_w4a16_op(x: torch.Tensor, logits: Optional[torch.Tensor], gate: Optional[torch.Tensor], bias: torch.Tensor,
                  w13: torch.Tensor, w13_scale: Optional[torch.Tensor], w2: torch.Tensor,
                  w2_scale: Optional[torch.Tensor], top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool,

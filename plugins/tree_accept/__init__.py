@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from plugins.common.op import kdtree_op
 from plugins.tree_accept.reference import tree_accept_reference
 
 __all__ = ["tree_accept"]
@@ -11,7 +12,7 @@ __all__ = ["tree_accept"]
 # The CUDA path is the Triton kernel in kernel.py (imported lazily: CPU installs need no Triton).
 
 
-@torch.library.custom_op("kdtree::tree_accept", mutates_args=("accept_idx", "accept_len", "bonus"))
+@kdtree_op("tree_accept", mutates_args=("accept_idx", "accept_len", "bonus"))
 def tree_accept(posterior: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, accept_idx: torch.Tensor,
                 accept_len: torch.Tensor, bonus: torch.Tensor) -> None:
     """Writes accept_idx [b, a], accept_len [b] and bonus [b] from posterior/tokens/parents [b, N]."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from plugins.common.op import kdtree_op
 from plugins.common.rng import choose
 
 
@@ -32,7 +33,7 @@ def posterior_reference(logits: torch.Tensor, greedy: bool, state: torch.Tensor,
     return choose(logits, greedy, state, inv_temp)
 
 
-@torch.library.custom_op("kdtree::posterior", mutates_args=("state", "out"))
+@kdtree_op("posterior", mutates_args=("state", "out"))
 def posterior(logits: torch.Tensor, greedy: bool, state: torch.Tensor, inv_temp: torch.Tensor,
               out: torch.Tensor) -> None:
     """Writes out [b, ...] int64 = the token chosen after each row of logits [b, ..., V]: argmax when greedy,

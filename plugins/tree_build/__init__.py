@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from plugins.common.bitmask import mask_words
+from plugins.common.op import kdtree_op
 from plugins.tree_build.reference import build_from_topk_reference, topk_logprobs_reference
 from plugins.tree_build.workspace import TreeBuildWorkspace
 
@@ -26,8 +27,7 @@ def tree_build(logits: torch.Tensor, root: torch.Tensor, start: torch.Tensor, to
     tree_build_op(logits, root, start, topk, tokens, parents, depth, positions, mask, workspace, scores)
 
 
-@torch.library.custom_op("kdtree::tree_build",
-                         mutates_args=("tokens", "parents", "depth", "positions", "mask", "workspace", "scores"))
+@kdtree_op("tree_build", mutates_args=("tokens", "parents", "depth", "positions", "mask", "workspace", "scores"))
 def tree_build_op(logits: torch.Tensor, root: torch.Tensor, start: torch.Tensor, topk: int, tokens: torch.Tensor,
                   parents: torch.Tensor, depth: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                   workspace: Optional[torch.Tensor], scores: Optional[torch.Tensor]) -> None:

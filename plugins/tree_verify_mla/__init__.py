@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from plugins.common.op import kdtree_op
 from plugins.tree_verify_mla.reference import tree_verify_mla_reference
 
 __all__ = ["tree_verify_mla", "check_inputs"]
@@ -43,7 +44,7 @@ def tree_verify_mla(q: torch.Tensor, cache: torch.Tensor, cache_lens: torch.Tens
     tree_verify_mla_op(q, cache, cache_lens, tree_kv, tree_mask, scale, out, lse, workspace)
 
 
-@torch.library.custom_op("kdtree::tree_verify_mla", mutates_args=("out", "lse", "workspace"))
+@kdtree_op("tree_verify_mla", mutates_args=("out", "lse", "workspace"))
 def tree_verify_mla_op(q: torch.Tensor, cache: torch.Tensor, cache_lens: torch.Tensor, tree_kv: torch.Tensor,
                        tree_mask: torch.Tensor, scale: float, out: torch.Tensor, lse: torch.Tensor,
                        workspace: Optional[torch.Tensor]) -> None:

@@ -6,7 +6,9 @@
 
 A checkpoint dir is always taken through the build, so the weights are cut once, by
 build_pipeline/shard.py, for every plan (tp 1 included); a second load is a cache hit.  The build
-the runtime asks for compiles no kernels (archs none): the runtime does not load cubins yet.  Under
+the runtime asks for compiles no kernels (archs none) and warms none: the runtime does not load cubins yet,
+and Triton kernels come from an artifact's kernels/triton-<arch>/ only when `kdtree build` warmed them on a
+GPU (runtime/load/kernel_cache.py), else they compile at first use.  Under
 tensor parallelism the caller resolves the artifact once before starting ranks (`resolve_artifact`);
 ranks that meet a checkpoint dir themselves (torchrun) let rank 0 build while the others wait.
 """
@@ -25,6 +27,7 @@ from core.plan import ParallelPlan
 from core.tokenizer import Tokenizer
 from runtime.load.artifact import is_artifact, read_manifest, read_rank
 from runtime.load.drafter import load_drafter
+from runtime.load.kernel_cache import install_for_device
 from runtime.model.drafter import DFlashDrafter
 from runtime.model.target import TargetModel
 from runtime.parallel.comm import Comm
@@ -87,6 +90,7 @@ def load_models(path: str | Path, comm: Comm | None = None, plan: ParallelPlan |
     if plan.tp != world:
         raise ValueError(f"--tp {world}: the artifact {art} was built with {plan.flag()}")
     bundle = read_rank(art, rank, device, dtype)
+    install_for_device(art, bundle.manifest, device)  # the artifact's Triton kernels, before any launch
     drafter_dir = drafter_dir or bundle.drafter_dir
     features = load_drafter_config(drafter_dir).target_layer_ids if drafter_dir is not None else ()
     target = TargetModel(bundle.cfg, bundle.weights, features, comm, plan)

@@ -1,0 +1,78 @@
+"""At load on CUDA: the artifact's Triton kernels into the user's Triton cache, or one clear message.
+
+`kdtree build` on a GPU ships the Triton cache of a warm-up decode in ART/kernels/triton-<arch>/
+(build_pipeline/kernel_cache.py says what and how).  When the manifest's triton_cache was made for this
+GPU's arch with this process's Triton version, its files are checked against the manifest's sha256
+(build_pipeline/integrity.py) and the entries the user's cache (triton.knobs.cache.dir: TRITON_CACHE_DIR,
+else ~/.triton/cache) lacks are copied there, so Triton finds every variant the warm-up compiled and compiles
+none.  The artifact is only read.  Otherwise a KernelCacheWarning says why, and Triton compiles at first use
+as it would without an artifact cache.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+from build_pipeline.integrity import check_files, member
+from build_pipeline.kernel_cache import arch_of, unpack
+from core.errors import CheckpointError
+
+
+class KernelCacheWarning(UserWarning):
+    """The artifact has no Triton kernels usable here: they compile at first use (JIT)."""
+
+
+def why_not(record: dict | None, arch: str, triton_version: str, manifest_path: Path) -> str | None:
+    """None when the manifest's triton_cache record serves a GPU of `arch` under `triton_version`, else why
+    not (one line naming the manifest).  A malformed record is a CheckpointError naming the key."""
+    if record is None:
+        return f"{manifest_path}: no triton_cache record (built before kernel caches were shipped)"
+    if not isinstance(record, dict) or not isinstance(record.get("warmed"), bool):
+        raise CheckpointError(f"{manifest_path}: triton_cache must be an object with a boolean \"warmed\", "
+                              f"got {record!r}")
+    if not record["warmed"]:
+        return f"{manifest_path}: triton_cache not warmed ({record.get('reason', 'no reason given')})"
+    for key in ("dir", "arch", "triton"):
+        if not isinstance(record.get(key), str):
+            raise CheckpointError(f"{manifest_path}: triton_cache.{key} must be a string, got {record.get(key)!r}")
+    if record["arch"] != arch or record["triton"] != triton_version:
+        return (f"{manifest_path}: triton_cache holds kernels for {record['arch']} with Triton {record['triton']}; "
+                f"this GPU is {arch} with Triton {triton_version}")
+    return None
+
+
+def install(art_dir: str | Path, manifest: dict, arch: str, triton_version: str, triton_dir: str | Path) -> dict | None:
+    """Copy the artifact's kernel cache into triton_dir when it serves (arch, triton_version); returns
+    kernel_cache.unpack's {entries, copied}, or None after a KernelCacheWarning (the JIT path)."""
+    art_dir = Path(art_dir)
+    record = manifest.get("triton_cache")
+    why = why_not(record, arch, triton_version, art_dir / "manifest.json")
+    if why is not None:
+        warnings.warn(f"{why}: Triton kernels compile at first use", KernelCacheWarning, stacklevel=2)
+        return None
+    prefix = record["dir"].rstrip("/") + "/"
+    src = member(art_dir, record["dir"])
+    listed = {rel: info for rel, info in manifest.get("files", {}).items() if rel.startswith(prefix)}
+    if not listed or not src.is_dir():
+        raise CheckpointError(f"{art_dir / 'manifest.json'}: triton_cache.dir {record['dir']!r} lists no files "
+                              f"in the artifact (rebuild with `kdtree build --force`)")
+    on_disk = {p.relative_to(art_dir).as_posix() for p in src.rglob("*") if p.is_file()}
+    extra = sorted(on_disk - set(listed))
+    if extra:  # copied into a cache Triton trusts: nothing the manifest does not vouch for
+        raise CheckpointError(f"{art_dir / extra[0]}: not listed in the manifest (rebuild with `kdtree build "
+                              f"--force`)")
+    check_files(art_dir, listed)
+    return unpack(src, Path(triton_dir))
+
+
+def install_for_device(art_dir: str | Path, manifest: dict, device) -> dict | None:
+    """install() for a CUDA device with this process's Triton and its cache dir; None off CUDA."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return None
+    import triton
+
+    arch = arch_of(torch.cuda.get_device_capability(torch.device(device)))
+    return install(art_dir, manifest, arch, triton.__version__, triton.knobs.cache.dir)
