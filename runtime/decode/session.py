@@ -32,13 +32,13 @@ from typing import Iterator
 
 import torch
 
+from build_pipeline.artifact_cache import cache_root
 from core.errors import NonFiniteLogits
+from plugins.graph_conditional import SetterUnavailable, setter_cubin
 from plugins.tree_build import TreeBuildWorkspace
 from runtime.decode.autotune import SessionCurves
 from runtime.decode.budget import BucketChoice, default_buckets
 from runtime.decode.clock import StageClock
-from build_pipeline.artifact_cache import cache_root
-from plugins.graph_conditional import SetterUnavailable, setter_cubin
 from runtime.decode.conditional import ConditionalRound, HostChoiceRound
 from runtime.decode.graphs import CapturedStep, GraphPool, GraphUnavailable, capture_graph, missing_cuda_kernels
 from runtime.decode.memory import check_fits, session_bytes
@@ -91,7 +91,7 @@ class DecodeSession:
         # the artifact's compiled kernels sit beside its autotune folder (ART/kernels, ART/autotune)
         self.kernels_dir = Path(autotune_dir).parent / "kernels" if autotune_dir is not None else None
         self.pool = pool
-        self.graphs: dict[bool, CapturedStep] = {}
+        self.graphs: dict[bool, CapturedStep | ConditionalRound | HostChoiceRound] = {}
         self.graph_note = ""
         self.cuda = dev.type == "cuda"
         inflight = 2 if self.cuda else 1
