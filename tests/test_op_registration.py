@@ -19,7 +19,7 @@ x, w = torch.randn(3, 8), torch.rand(8)
 torch.ops.kdtree.rms_norm(x, w, 1e-6)
 plugins.layer_fusion.silu_mul_op(torch.randn(2, 8))
 logits, out = torch.randn(3, 11), torch.empty(3, dtype=torch.int64)
-torch.ops.kdtree.posterior(logits, True, torch.zeros(2, dtype=torch.int64), torch.ones(1), out)
+torch.ops.kdtree.posterior(logits, True, torch.zeros(3, 2, dtype=torch.int64), torch.ones(3), out)
 assert out.tolist() == logits.argmax(-1).tolist()
 print("torch._dynamo" in sys.modules)
 """
