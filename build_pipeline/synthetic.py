@@ -43,6 +43,7 @@ import torch
 
 from build_pipeline import artifact_cache as cache
 from build_pipeline.build import COLLECTIVES, LAYOUT, BuildResult, holds_key, refuse_foreign_out
+from build_pipeline.kernel_cache import UNWARMED, not_warmed
 from build_pipeline.shard import GLOBALS_FILE, layer_file, save_rank_file
 from core.config import ModelConfig, parse_config
 from core.errors import KdtreeError
@@ -170,7 +171,7 @@ def _write(stage: Path, cfg: ModelConfig, depth: int, plan: ParallelPlan, rank: 
         "ranks": {str(rank): {"files": [{"path": p, **files[p]} for p in paths], "graphs": [], "engines": [],
                               "vocab_range": list(plan.vocab_range(cfg, rank)),
                               "experts": list(plan.local_experts(cfg, rank)), "heads": plan.local_heads(cfg)}},
-        "kernels": [], "drafter": None, "tokenizer": None,
+        "kernels": [], "triton_cache": not_warmed(UNWARMED), "drafter": None, "tokenizer": None,
         "synthetic": {"seed": seed, "rank": rank, "preset_layers": depth,
                       "init": "build_pipeline/synthetic.py (N(0, 1/fan_in), residual writers / sqrt(2 L))"},
         "layout": LAYOUT, "collectives": COLLECTIVES,

@@ -225,7 +225,7 @@ class BucketChoice:
     def select(self, scores: torch.Tensor, live: torch.Tensor) -> None:
         """pick = choose(...) unless force >= 0 (then force), hot = one-hot of pick (all false for nb);
         extra = every bucket's predicted extra tokens, kept for observe."""
-        torch.mul(extra_tokens(scores, live, self.sizes), 1.0, out=self.extra)  # [nb]
+        self.extra.copy_(extra_tokens(scores, live, self.sizes))  # [nb]
         f = self.force[0]
         self.pick.copy_(torch.where(f >= 0, f, choose(self.extra, live, self.cost_us, self.scale())))
         torch.eq(self.index, self.pick, out=self.hot)
