@@ -22,7 +22,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from benchmarks.common import print_table, write_result  # noqa: E402
-from runtime.decode.autotune import REPS, _time_graph  # noqa: E402
+from runtime.decode.autotune import REPLAYS, REPS  # noqa: E402
+from runtime.decode.clock import time_launches  # noqa: E402
 from runtime.decode.conditional import HostChoiceRound  # noqa: E402
 
 B_MAX = 256
@@ -41,7 +42,7 @@ def time_forced(session, launch, index: int | None) -> float:
         if index is not None:
             session.choice.force.fill_(index)
         for rep in range(REPS + 1):
-            us = _time_graph(launch)
+            us = time_launches(launch, REPLAYS)
             if rep:
                 best = min(best, us)
     return best

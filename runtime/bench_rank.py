@@ -39,6 +39,7 @@ from plugins.kv_commit import kv_commit
 from plugins.moe_w4a16.reference import route_reference
 from plugins.tree_accept import tree_accept
 from plugins.tree_build import tree_build
+from runtime.decode.clock import time_launches
 from runtime.decode.graphs import CapturedStep, GraphPool
 from runtime.decode.params import SpecConfig
 from runtime.decode.round import pick
@@ -221,13 +222,7 @@ def _time(launch: Callable[[], None], iters: int, reset: Callable[[], None]) -> 
     reset()
     launch()
     reset()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        launch()
-    end.record()
-    end.synchronize()
-    return round(1e3 * start.elapsed_time(end) / iters, 1)
+    return round(time_launches(launch, iters), 1)
 
 
 def _profile(launch: Callable[[], None], reset: Callable[[], None], target, row: dict) -> dict:

@@ -105,12 +105,12 @@ def test_bucket_choice_force_and_one_hot():
     assert int(ch.pick) == 3 and ch.extra.tolist() == [0.5, 1.0, 2.0, 4.0] and ch.scale().tolist() == [1.0] * 4
     path = torch.tensor([[0, 1, 2, 0, 0, 0, 0, 0]], dtype=torch.int32)  # accept_idx: root, node 1, node 2
     frozen = torch.tensor([0], dtype=torch.int32)
-    ch.observe(frozen, path)  # a frozen round measures nothing
+    ch.observe(frozen, path, 8)  # a frozen round measures nothing
     assert not ch.covered.any() and ch.seen.tolist() == [[1.0] * 4] * 2
     for _ in range(60):  # bucket 8 verified every round, two nodes accepted: buckets 1, 2 see all, 4, 8 half
         ch.force.fill_(3)
         ch.select(half, live)
-        ch.observe(torch.tensor([3], dtype=torch.int32), path)
+        ch.observe(torch.tensor([3], dtype=torch.int32), path, 8)
     s = ch.scale().tolist()
     assert ch.covered.all() and abs(s[0] - 2) < 0.01 and abs(s[1] - 2) < 0.01 and abs(s[2] - 1) < 0.01 \
         and abs(s[3] - 0.5) < 0.01, s
@@ -127,7 +127,7 @@ def test_a_bucket_never_verified_borrows_the_calibration_below():
     for _ in range(60):  # only bucket 2 is ever verified; both its nodes are accepted: s -> 2 on buckets 1, 2
         ch.force.fill_(1)
         ch.select(half, live)
-        ch.observe(torch.tensor([3], dtype=torch.int32), path)
+        ch.observe(torch.tensor([3], dtype=torch.int32), path, 2)
     assert ch.covered.tolist() == [True, True, False, False]
     s = ch.scale().tolist()
     assert all(abs(x - 2) < 0.01 for x in s), s  # 4 and 8 take bucket 2's

@@ -33,6 +33,7 @@ from typing import Callable
 import torch
 
 from runtime.decode.budget import CURVE_FILE, CostCurve, curve_name, device_label
+from runtime.decode.clock import time_launches
 
 REPS = 3  # timings per bucket after a warm-up one; the fastest counts
 REPLAYS = 4  # replays per timing (CUDA graphs)
@@ -108,7 +109,7 @@ def measure(session, graph) -> tuple[list[float], float]:
         for rep in range(REPS + 1):  # rep 0: warm-up (first calls, caches)
             for forced in range(nb + 1):  # each bucket, then none (C)
                 choice.force.fill_(forced)
-                us = _time_graph(launch) if graph is not None else _time_eager(launch, cuda)
+                us = time_launches(launch, REPLAYS) if graph is not None else _time_eager(launch, cuda)
                 if rep:
                     best[forced] = min(best[forced], us)
     fixed = best[-1]
@@ -116,17 +117,6 @@ def measure(session, graph) -> tuple[list[float], float]:
     for i in reversed(range(nb - 1)):  # a smaller tree costs no more than a larger one: drop the slow outliers
         verify[i] = min(verify[i], verify[i + 1])
     return verify, fixed
-
-
-def _time_graph(launch: Callable[[], None]) -> float:
-    """µs per replay: REPLAYS replays between two CUDA events."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        launch()
-    end.record()
-    end.synchronize()
-    return 1e3 * start.elapsed_time(end) / REPLAYS
 
 
 def _time_eager(launch: Callable[[], None], cuda: bool) -> float:

@@ -205,9 +205,17 @@ class BucketChoice:
         self.seen = torch.ones(2, nb, dtype=torch.float32, device=device)
         self.covered = torch.zeros(nb, dtype=torch.bool, device=device)  # [nb] ever measured
         self.extra = torch.zeros(nb, dtype=torch.float32, device=device)  # [nb] this round's predictions
-        self.sizes_or_none = torch.cat([self.sizes, self.sizes.new_zeros(1)])  # [nb + 1] size of pick (nb: none)
-        # (read with index_select: indexing by a 0-d tensor would read it on the host, which a capture refuses)
         self.curve: CostCurve | None = None
+
+    def snapshot(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the calibration state, for `restore` (a session's frozen warm-up and measurement)."""
+        return self.seen.clone(), self.covered.clone()
+
+    def restore(self, snapshot: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """The calibration state of `snapshot` back, and the choice no longer forced."""
+        self.seen.copy_(snapshot[0])
+        self.covered.copy_(snapshot[1])
+        self.force.fill_(-1)
 
     def set_curve(self, curve: CostCurve) -> None:
         """Copy T(b) + C of this session's buckets to the device (outside any capture: a host copy)."""
@@ -230,9 +238,9 @@ class BucketChoice:
         self.pick.copy_(torch.where(f >= 0, f, choose(self.extra, live, self.cost_us, self.scale())))
         torch.eq(self.index, self.pick, out=self.hot)
 
-    def observe(self, accept_len: torch.Tensor, accept_idx: torch.Tensor) -> None:
+    def observe(self, accept_len: torch.Tensor, accept_idx: torch.Tensor, verified: int) -> None:
         """After the round's accept: accept_len [b] int32 (0 for frozen requests), accept_idx [b, a] int32 (the
-        accepted path's node indices, root first).  Nodes come in score order with parents first, so the
+        accepted path's node indices, root first), verified the bucket size the round verified.  Nodes come in score order with parents first, so the
         path's nodes with index <= b are what a tree of b nodes would have accepted (at T = 0 exactly): each
         bucket no larger than the verified one is measured by this round."""
         a = accept_idx.shape[1]
@@ -241,7 +249,7 @@ class BucketChoice:
         within = accept_idx[:, :, None].long() <= self.sizes[None, None, :]  # [b, a, nb]
         got = (within & on_path[:, :, None]).sum((0, 1)).to(torch.float32)  # [nb]
         # [nb] buckets inside the verified tree, when a request was live (frozen rounds measure nothing)
-        cover = (self.sizes <= self.sizes_or_none.index_select(0, self.pick.view(1))) & (accept_len.sum() > 0)
+        cover = (self.sizes <= verified) & (accept_len.sum() > 0)
         self.covered |= cover
         w = cover.to(torch.float32)  # [nb]
         self.seen.mul_(1 - w * (1 - DECAY)).add_(torch.stack([got, self.extra]) * w)

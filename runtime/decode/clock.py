@@ -1,4 +1,5 @@
-"""Per-stage timing of eager decode steps (a captured graph is timed as a whole by the session)."""
+"""Per-stage timing of eager decode steps (a captured graph is timed as a whole by the session), and the
+timing of back-to-back CUDA launches between two events (cost curves, benchmarks)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,17 @@ import time
 import torch
 
 from runtime.decode.stats import STAGES
+
+
+def time_launches(launch, n: int) -> float:
+    """µs per call of `launch` (a graph replay, usually) over n back-to-back calls between two CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        launch()
+    end.record()
+    end.synchronize()
+    return 1e3 * start.elapsed_time(end) / n
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ writes the same buffers, so the rest of the session does not depend on the bucke
 Emission (both): this step's candidate tokens (the accepted path's tokens after the root, then
 the new bonus; for AR the one new token) are cut at the first stop token or at max_new, and
 written to out [b, a + 5] = tokens | count | live | accept_len | nonfinite (the logits held a NaN
-or Inf) | budget (the tree nodes verified besides the root; 0 for AR), the one buffer the host reads
+or Inf) | budget (with budget auto: the tree nodes verified besides the root), the one buffer the host reads
 back per round.  A request that has finished (live 0) is frozen: it commits and emits nothing.
 """
 
@@ -149,15 +149,9 @@ def draft_tree(drafter, cache: LatentCache, dcache, buf: RoundBuffers, topk: int
 def verify_bucket(target: TargetModel, cache: LatentCache, buf: RoundBuffers, greedy: bool, n: int, clock=None,
                   choice: BucketChoice | None = None) -> None:
     """The round's body: verify, accept, commit and emit the tree's first n nodes (n = N: all of it), into
-    buf; with budget auto, the accepted lengths then calibrate the next rounds' estimates."""
-    _verify_commit(target, cache, buf, greedy, n, clock or no_clock)
-    if choice is not None:
-        with (clock or no_clock)("accept"):
-            choice.observe(buf.accept_len, buf.accept_idx)
-
-
-def _verify_commit(target: TargetModel, cache: LatentCache, buf: RoundBuffers, greedy: bool, n: int, clock) -> None:
-    """Verify, accept, commit and emit the tree's first n nodes (n = N: all of it), into buf."""
+    buf; with budget auto, the out row records the bucket and the accepted path calibrates the next
+    rounds' estimates."""
+    clock = clock or no_clock
     tokens, parents, positions, mask = _tree_prefix(buf, n)
     with clock("verify"):
         hidden, feats = target.forward(tokens, positions, cache, mask)  # [b, n, d], [b, n, F] | None
@@ -175,7 +169,11 @@ def _verify_commit(target: TargetModel, cache: LatentCache, buf: RoundBuffers, g
         last = (buf.accept_len.long() - 1)[:, None]  # [b, 1]
         shifted = torch.cat([path[:, 1:], path[:, :1]], dim=1)  # [b, a] path tokens after the root
         cand = torch.where(slot[None, :] == last, buf.bonus[:, None], shifted)  # [b, a]
-        _emit(buf, cand, buf.accept_len, n - 1)
+        _emit(buf, cand, buf.accept_len)
+    if choice is not None:
+        with clock("accept"):
+            buf.out[:, a + 4].fill_(n - 1)  # the budget column (fixed sessions leave it unread)
+            choice.observe(buf.accept_len, buf.accept_idx, n - 1)
 
 
 def _tree_prefix(buf: RoundBuffers, n: int) -> tuple[torch.Tensor, ...]:
@@ -199,13 +197,12 @@ def ar_step(target: TargetModel, cache: LatentCache, buf: RoundBuffers, one: tor
         kv_commit(cache.kv, cache.lens, cache.scratch, buf.accept_idx, buf.live)
         buf.accept_len.copy_(buf.live)
         buf.bonus.copy_(torch.where(buf.live.bool(), nxt, buf.bonus))
-        _emit(buf, nxt[:, None], buf.accept_len, 0)
+        _emit(buf, nxt[:, None], buf.accept_len)
 
 
-def _emit(buf: RoundBuffers, cand: torch.Tensor, count: torch.Tensor, budget: int) -> None:
+def _emit(buf: RoundBuffers, cand: torch.Tensor, count: torch.Tensor) -> None:
     """cand [b, a] candidate tokens in order, the first count[r] real (0 for frozen requests):
-    keep them up to and including the first stop token or the max_new-th token.  budget: the tree nodes
-    this round verified besides the root (0 for AR), recorded in the out row."""
+    keep them up to and including the first stop token or the max_new-th token."""
     b, a = cand.shape
     slot = torch.arange(a, device=cand.device)[None, :]  # [1, a]
     valid = slot < count[:, None]  # [b, a]
@@ -221,7 +218,6 @@ def _emit(buf: RoundBuffers, cand: torch.Tensor, count: torch.Tensor, budget: in
     buf.out[:, a + 1].copy_(buf.live)
     buf.out[:, a + 2].copy_(count)
     buf.out[:, a + 3].copy_(buf.nonfinite)
-    buf.out[:, a + 4].fill_(budget)
 
 
 def one_token_mask(b: int, device) -> torch.Tensor:

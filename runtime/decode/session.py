@@ -165,7 +165,7 @@ class DecodeSession:
         saved = {k: t.clone() for k, t in self.buf.tensors().items()}
         caches = [c for c in (self.cache, self.dcache) if c is not None]
         lens = [c.lens.clone() for c in caches]
-        seen = (self.choice.seen.clone(), self.choice.covered.clone()) if self.choice is not None else None
+        calibration = self.choice.snapshot() if self.choice is not None else None
         try:
             self.buf.live.zero_()
             self.buf.accept_len.zero_()
@@ -176,9 +176,7 @@ class DecodeSession:
             for c, n in zip(caches, lens):
                 c.lens.copy_(n)
             if self.choice is not None:
-                self.choice.force.fill_(-1)
-                self.choice.seen.copy_(seen[0])
-                self.choice.covered.copy_(seen[1])
+                self.choice.restore(calibration)
 
     # ---- one generation
     def rounds(self, prompts: list[list[int]], req: SamplingParams, graphs: bool, stats: DecodeStats
@@ -244,7 +242,8 @@ class DecodeSession:
                 rows = self.pinned[slot].tolist()
             else:
                 rows = buf.out.tolist()
-            budgets[rows[0][a + 4]] += 1
+            if self.choice is not None:
+                budgets[rows[0][a + 4]] += 1
             emitted = []
             for r, row in enumerate(rows):
                 count, alive, acc_len = row[a], row[a + 1], row[a + 2]

@@ -193,7 +193,7 @@ class SlotBatch:
             self.graph.launch()
         else:
             s.step(self.greedy)
-        rows = s.buf.out.tolist()  # [b, a + 4]: tokens | count | live | accept_len | nonfinite
+        rows = s.buf.out.tolist()  # [b, a + 5]: tokens | count | live | accept_len | nonfinite | budget
         a, out = s.a, []
         for r in sorted(self.active):
             row = rows[r]
