@@ -32,6 +32,7 @@ from pathlib import Path
 
 from build_pipeline.integrity import check_files, sha256_file
 from core.errors import CheckpointError
+from core.cache_dir import cache_root  # noqa: F401  (re-exported: the cache root of builds)
 
 log = logging.getLogger("kdtree.cache")
 
@@ -41,15 +42,6 @@ FORMAT_VERSION = 1
 _REPO = Path(__file__).resolve().parent.parent
 _CODE_DIRS = ("core", "build_pipeline", "plugins")
 _CODE_SUFFIXES = (".py", ".cu", ".cuh", ".h")
-
-
-def cache_root() -> Path:
-    """KDTREE_CACHE, else $XDG_CACHE_HOME/kdtree, else ~/.cache/kdtree."""
-    env = os.environ.get("KDTREE_CACHE")
-    if env:
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "kdtree"
 
 
 def sha256_json(obj) -> str:

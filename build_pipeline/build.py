@@ -34,8 +34,8 @@ from core.tokenizer import Tokenizer
 
 DEFAULT_BUDGETS = (16, 32, 64)
 # what a manifest says of its rank files (every artifact, built or synthetic)
-LAYOUT = {"weights": "build_pipeline/shard.py", "moe_int4": "moe_w4a16 planar blocks of 256 "
-          "(plugins/moe_w4a16/layout.py)", "graph_activations": "float32"}
+LAYOUT = {"weights": "build_pipeline/shard.py", "moe_int4": "moe_w4a16 fragment order "
+          "(plugins/moe_w4a16/fragment_layout.py)", "graph_activations": "float32"}
 COLLECTIVES = {"all_reduce": ["attn_part", "mlp_part", "moe_part", "x_part"], "gather": ["logits_part"]}
 DEFAULT_ARCHS = ("sm_90",)
 # what core/tokenizer.Tokenizer reads (and the chat template a server will): nothing else of a model

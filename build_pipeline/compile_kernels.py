@@ -60,8 +60,8 @@ def compile_all(out: Path, archs: tuple[str, ...], budgets: tuple[int, ...], pro
     records: list[dict] = []
     sources = cuda_sources()
     if sources and shutil.which("nvcc") is None:
-        # the only CUDA C today is budget auto's setter kernel, which the runtime also compiles itself
-        # (NVRTC or nvcc, plugins/graph_conditional): a build without nvcc ships Triton's cubins only
+        # the CUDA C kernels (budget auto's setter, moe_w4a16 v3) are also compiled by the runtime itself at
+        # first use (NVRTC or nvcc, plugins/common/cubin.py): a build without nvcc ships Triton's cubins only
         print(f"kdtree build: nvcc not on PATH: {len(sources)} CUDA C kernel(s) not compiled "
               f"({', '.join(s.name for s in sources)}); the runtime compiles them at first use", file=sys.stderr)
         sources = []

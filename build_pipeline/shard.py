@@ -12,11 +12,12 @@ Files per rank (rank{r}/, safetensors, our names):
                              .attn.o [d, h_l*u],
                              dense: .mlp.gate_up [2*i_l, d] (gate rows | up rows), .mlp.down [d, i_l];
                              MoE:   .moe.gate [e, d], .moe.gate_bias [e], .moe.shared.gate_up, .moe.shared.down,
-                                    INT4 experts kept packed, in the moe_w4a16 kernel layout
-                                    (plugins/moe_w4a16/layout.py; k padded to kp = ceil(k/256)*256, scales
-                                    group-major):
-                                    .moe.w13_packed [e_l, 2*i_l, dp/8] int32, .moe.w13_scale [e_l, dp/g, 2*i_l],
-                                    .moe.w2_packed [e_l, d, i_lp/8] int32,    .moe.w2_scale [e_l, i_lp/g, d];
+                                    INT4 experts kept packed, in the moe_w4a16 v3 kernel layout (fragment order,
+                                    plugins/moe_w4a16/fragment_layout.py; k padded to kp = ceil(k/256)*256):
+                                    .moe.w13_packed [e_l, 2*i_l/32, dp/32, 32, 4] int32,
+                                    .moe.w13_scale [e_l, 2*i_l/32, dp/32, 8, 4],
+                                    .moe.w2_packed [e_l, d/32, i_lp/32, 32, 4] int32, .moe.w2_scale [e_l, d/32, i_lp/32, 8, 4]
+                                    (artifacts built before hold the planar layout, layout.py, also read);
                                     or dense experts .moe.w13 [e_l, 2*i_l, d], .moe.w2 [e_l, d, i_l].
 Float tensors are stored bf16 when that is exact, else fp32 (lossless either way).  The input is read
 one layer at a time, so peak memory is one layer of the checkpoint plus its tp slices.
@@ -38,7 +39,7 @@ from core.loader import WeightLoader
 from core.plan import ParallelPlan
 from core.progress import Progress
 from core.weight_map import TensorSpec, target_specs
-from plugins.moe_w4a16.layout import pack_experts
+from plugins.moe_w4a16 import pack_int4_experts
 
 GLOBALS_FILE = "globals.safetensors"
 _LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")  # a checkpoint tensor of decoder layer N
@@ -150,8 +151,7 @@ def _stack_experts(stem: str, experts: list[dict[str, torch.Tensor | Int4]]) -> 
         w13_s = torch.stack([torch.cat([x["gate"].scale, x["up"].scale]) for x in experts])  # [e_l, 2*i_l, d/g]
         w2_q = torch.stack([x["down"].q for x in experts])  # [e_l, d, i_l]
         w2_s = torch.stack([x["down"].scale for x in experts])  # [e_l, d, i_l/g]
-        w13_p, w13_s = pack_experts(w13_q, w13_s)  # [e_l, 2*i_l, dp/8], [e_l, dp/g, 2*i_l]
-        w2_p, w2_s = pack_experts(w2_q, w2_s)  # [e_l, d, i_lp/8], [e_l, i_lp/g, d]
+        w13_p, w13_s, w2_p, w2_s = pack_int4_experts(w13_q, w13_s, w2_q, w2_s)  # fragment order
         return {stem + ".w13_packed": w13_p, stem + ".w13_scale": w13_s,
                 stem + ".w2_packed": w2_p, stem + ".w2_scale": w2_s}
     return {stem + ".w13": torch.stack([torch.cat([x["gate"], x["up"]]) for x in experts]),  # [e_l, 2*i_l, d]

@@ -14,7 +14,7 @@ Init (why activations stay finite over 61 layers): every linear weight ~ N(0, 1/
 the full (uncut) input width, so each projection keeps unit scale; the residual writers (attn.o, the
 dense and shared MLP down, the routed experts' down) are scaled further by 1/sqrt(2 * L_preset), so
 the residual stream (embed ~ N(0, 1)) grows by O(1) over the whole depth; norms are 1.  INT4 experts:
-values uniform in [-8, 7] (uniform random words in the kernel layout, padding q = 0), per-group
+values uniform in [-8, 7] (uniform random words in fragment order, padding q = 0), per-group
 scales s = +-u * base with u ~ U(0.5, 1.5) and a random sign (q's mean -0.5 would otherwise add one
 coherent direction to every expert of every layer: measured, the residual grew to rms 8.6 over 61
 layers with positive scales and stays <= 1.3 with signed ones), base chosen so the dequantised weight
@@ -51,7 +51,7 @@ from core.plan import ParallelPlan
 from core.drafter_config import DrafterConfig, parse_drafter_config
 from core.presets import KIMI_K26_CONFIG, KIMI_K26_DRAFTER
 from core.progress import Progress
-from plugins.moe_w4a16.layout import BLOCK_K, GROUP, PLANES, padded_k
+from plugins.moe_w4a16.layout import GROUP, padded_k
 
 _TINY_TEXT = dict(  # build_pipeline/tiny.py's "kimi" preset widths in K2.6's structure (CPU tests)
     vocab_size=1024, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=4,
@@ -270,30 +270,29 @@ def _experts(cfg: ModelConfig, stem: str, d: int, inter: int, tp: int, draw: Dra
         base = extra * (fan * _Q_SQ * _U_SQ) ** -0.5
         kp = padded_k(kk)
         dev = draw.device
-        packed = torch.empty((e, n, kp // 8), dtype=torch.int32, device=dev)  # [e, n, kp/8]
-        scale = torch.zeros((e, kp // GROUP, n), dtype=torch.bfloat16, device=dev)  # [e, kp/32, n]; padding groups 0
+        # fragment order, as `kdtree build` writes it (plugins/moe_w4a16/fragment_layout.py); padding groups 0
+        packed = torch.empty((e, n // 32, kp // GROUP, 32, 4), dtype=torch.int32, device=dev)
+        scale = torch.zeros((e, n // 32, kp // GROUP, 8, 4), dtype=torch.bfloat16, device=dev)
         for j in range(e):
             g = draw.gen(f"{stem}.{k}", (draw.rank, j))
-            packed[j] = _random_planar_words(g, n, kk)
+            packed[j] = _random_fragment_words(g, n, kk)
             u = 0.5 + torch.rand((kk // GROUP, n), generator=g, device=dev)  # [k/32, n]
             sign = torch.randint(0, 2, (kk // GROUP, n), generator=g, device=dev) * 2 - 1  # cancels q's mean -0.5
-            scale[j, : kk // GROUP] = (u * sign * base).to(torch.bfloat16)
+            s = (u * sign * base).to(torch.bfloat16)  # [k/32, n]
+            # iid draws: any fixed placement of them is as good as the checkpoint's
+            scale[j, :, : kk // GROUP] = s.T.reshape(n // 32, 32, kk // GROUP).transpose(1, 2).reshape(
+                n // 32, kk // GROUP, 8, 4)
         out[f"{stem}.{k}_packed"], out[f"{stem}.{k}_scale"] = packed, scale
     return out
 
 
-def _random_planar_words(g: torch.Generator, n: int, k: int) -> torch.Tensor:
-    """[n, kp/8] int32 words of the moe_w4a16 layout whose values are iid uniform on [-8, 7]: every nibble of a
-    uniform random word is a uniform code, so no packing pass is needed (the planar order of iid values is
-    iid).  Padding (k < kp, always whole planes of the last block: k % 32 == 0) is code 8, i.e. q = 0."""
+def _random_fragment_words(g: torch.Generator, n: int, k: int) -> torch.Tensor:
+    """[n/32, kp/32, 32, 4] int32 words of the fragment order whose values are iid uniform on [-8, 7] (any word
+    is valid; the order of iid values does not matter); padding groups (k..kp) are code 8, i.e. q = 0."""
     kp = padded_k(k)
-    words = torch.randint(-2**31, 2**31, (n, kp // 8), generator=g, dtype=torch.int32, device=g.device)
-    p0 = (k - (kp - BLOCK_K)) // GROUP  # planes of the last block that hold real values
-    if p0 < PLANES:
-        fill = sum(8 << (4 * p) for p in range(p0, PLANES))
-        fill = fill - 2**32 if fill >= 2**31 else fill
-        last = words[:, -GROUP:]  # the last block's 32 words
-        words[:, -GROUP:] = (last & ((1 << (4 * p0)) - 1)) | fill
+    words = torch.randint(-2**31, 2**31, (n // 32, kp // GROUP, 32, 4), generator=g, dtype=torch.int32,
+                          device=g.device)
+    words[:, k // GROUP:] = 0x88888888 - 2**32
     return words
 
 

@@ -20,7 +20,7 @@ from core.errors import KdtreeError
 from core.plan import ParallelPlan
 from core.safetensors_file import SafetensorsFile
 from plugins.common.bitmask import pack_mask
-from plugins.moe_w4a16.layout import dequantize_kernel_layout
+from plugins.moe_w4a16 import dequantize_experts, expert_dims
 from runtime.decode.params import SamplingParams
 from runtime.load.artifact import is_artifact, read_rank
 from runtime.load.models import load_models
@@ -180,10 +180,10 @@ def test_read_rank_equals_plan_sliced_checkpoint(k25, built, tp, ep):
             k = lw.mlp.experts  # the one form held: packed kernel layout, no dequantised copy beside it
             assert k.w13.dtype == torch.int32 and k.w2.dtype == torch.int32
             assert k.w13_scale is not None and k.w2_scale is not None
-            assert k.w13.shape[:2] == w13.shape[:2] and k.w2.shape[:2] == w2.shape[:2]
+            assert (k.count, expert_dims(k.w13)[1]) == (w13.shape[0], w13.shape[1] // 2)
             assert not any(hasattr(lw.mlp, name) for name in ("w13", "w2", "int4"))
-            assert torch.equal(dequantize_kernel_layout(k.w13, k.w13_scale, w13.shape[-1]), w13)
-            assert torch.equal(dequantize_kernel_layout(k.w2, k.w2_scale, w2.shape[-1]), w2)
+            got13, got2 = dequantize_experts(k.w13, k.w13_scale, k.w2, k.w2_scale, w13.shape[-1])
+            assert torch.equal(got13, w13) and torch.equal(got2, w2)
             assert torch.equal(lw.mlp.gate, full[pre + "moe.gate"]) and lw.mlp.gate.dtype == torch.float32
     files = {e["path"] for e in bundle.manifest["ranks"][str(r)]["files"]}
     assert files and all(p.startswith(f"rank{r}/") for p in files)
@@ -284,10 +284,13 @@ def test_kernels_compile_to_cubin_without_a_gpu(tmp_path):
     cubin = (tmp_path / "out" / rec["cubin"]).read_bytes()
     assert cubin[:4] == b"\x7fELF" and b".version" in (tmp_path / "out" / rec["ptx"]).read_bytes()
     recs = compile_all(tmp_path / "tri", ("sm_90",), (16,), progress=False, modules=["tests.aot_demo_kernels"])
-    # the plugins' CUDA C (budget auto's setter kernel, where the runtime looks for it), then the Triton kernel
-    assert [(r["kind"], r["name"]) for r in recs] == [("cuda", "set_conditionals"), ("triton", "add_one_b16")]
+    # the plugins' CUDA C (budget auto's setter kernel and moe_w4a16 v3, where the runtime looks for them), then
+    # the Triton kernel
+    assert [(r["kind"], r["name"]) for r in recs] == [("cuda", "set_conditionals"), ("cuda", "moe_v3"),
+                                                     ("triton", "add_one_b16")]
     assert recs[0]["cubin"] == "kernels/sm_90/graph_conditional/set_conditionals.cubin"
-    tri = recs[1]
+    assert recs[1]["cubin"] == "kernels/sm_90/moe_w4a16/moe_v3.cubin"
+    tri = recs[2]
     meta = json.loads((tmp_path / "tri" / tri["meta"]).read_text())
     assert meta["target"][1] == 90 and (tmp_path / "tri" / tri["cubin"]).read_bytes()[:4] == b"\x7fELF"
 

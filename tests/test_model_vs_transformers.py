@@ -10,7 +10,7 @@ import pytest
 import torch
 from decoding import decode, load_pair
 
-from plugins.moe_w4a16.layout import dequantize_kernel_layout
+from plugins.moe_w4a16 import dequantize_experts
 from runtime.decode.params import SamplingParams
 from runtime.decode.prefill import prefill
 
@@ -67,8 +67,8 @@ def test_int4_model_matches_its_dequantised_bf16_twin(tiny):
     assert packed.w13.dtype == torch.int32 and packed.w13_scale is not None  # held packed only
     assert dense.w13.dtype == torch.float32 and dense.w13_scale is None
     d, i = int4.cfg.hidden_size, int4.cfg.moe_intermediate_size
-    assert torch.equal(dequantize_kernel_layout(packed.w13, packed.w13_scale, d), dense.w13)
-    assert torch.equal(dequantize_kernel_layout(packed.w2, packed.w2_scale, i), dense.w2)
+    got13, got2 = dequantize_experts(packed.w13, packed.w13_scale, packed.w2, packed.w2_scale, d)
+    assert torch.equal(got13, dense.w13) and torch.equal(got2, dense.w2) and got2.shape[-1] == i
     got = _tokens(int4, 64)
     assert got == _tokens(twin, 64) and len(got) == 64
 

@@ -71,13 +71,14 @@ def test_rank_matches_a_real_build_of_the_same_config(tiny, tmp_path, monkeypatc
     w_real = _leaves(read_rank(real.art_dir, 1, "cpu", torch.float32).weights)
     w_syn = _leaves(read_rank(syn.art_dir, 1, "cpu", torch.float32).weights)
     assert w_real == w_syn
-    from plugins.moe_w4a16.layout import repack_int4, unrepack_int4
+    from plugins.moe_w4a16.fragment_layout import from_fragments, to_fragments
 
     f = SafetensorsFile(syn.art_dir / "rank1" / "layer.001.safetensors")
     for w, k in (("w13", cfg.hidden_size), ("w2", cfg.moe_intermediate_size // 2)):  # d = 128 < kp = 256: padded
         packed, scale = f.tensor(f"layers.1.moe.{w}_packed"), f.tensor(f"layers.1.moe.{w}_scale")
-        again = repack_int4(*unrepack_int4(packed, scale, k))  # exact only with padding q = 0, scale 0
-        assert torch.equal(again[0], packed) and torch.equal(again[1], scale), w
+        assert packed.dim() == 5  # d and i_l are multiples of 32: fragment order, as the real build writes
+        again = to_fragments(*from_fragments(packed, scale, k, w == "w13"), w == "w13")  # exact only with
+        assert torch.equal(again[0], packed) and torch.equal(again[1], scale), w          # padding q = 0, scale 0
     with pytest.raises(CheckpointError, match=r"rank 0 is not in this artifact \(it holds ranks \['1'\]\)"):
         read_rank(syn.art_dir, 0, "cpu", torch.float32)  # only rank 1 was made
 

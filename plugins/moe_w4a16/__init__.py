@@ -1,8 +1,11 @@
 """moe_w4a16: the routed-expert block of Kimi K2.x (routing + expert FFNs); see reference.py.
 
 `torch.ops.kdtree.moe_w4a16` is one name on both devices: on CPU it is the reference (route_reference +
-experts_reference, INT4 experts dequantised exactly first), on CUDA the Triton path of launch.py
-(routing, grouping, gate/up, down, combine; no host sync, capturable in a CUDA graph).
+experts_reference, INT4 experts dequantised exactly first), on CUDA a kernel path (no host sync, capturable in
+a CUDA graph).  INT4 experts come in one of two layouts, told apart by their rank:
+  planar (layout.py; w13 [e_l, 2i, kp/8], 3-D): the Triton path of launch.py (v2c);
+  fragment order (fragment_layout.py; w13 [e_l, 2i/32, kp/32, 32, 4], 5-D): v3, launch_v3.py (CUDA C GEMMs),
+    for bf16 tokens and scales; other dtypes run v2c on a planar copy made per call.
 """
 
 from __future__ import annotations
@@ -14,12 +17,23 @@ import torch.nn.functional as F
 
 from plugins.common.op import kdtree_op
 from plugins.common.precision import acc
-from plugins.moe_w4a16.layout import dequantize_kernel_layout
+from plugins.moe_w4a16.fragment_layout import dequantize_fragments, from_fragments, to_fragments
+from plugins.moe_w4a16.layout import dequantize_kernel_layout, pack_experts
 from plugins.moe_w4a16.plan import launch_plan
 from plugins.moe_w4a16.reference import experts_reference, route_reference
 from plugins.moe_w4a16.workspace import MoEWorkspace
 
-__all__ = ["moe_w4a16", "moe_w4a16_op", "MoEWorkspace", "route_reference", "experts_reference", "dense_experts"]
+__all__ = ["moe_w4a16", "moe_w4a16_op", "MoEWorkspace", "route_reference", "experts_reference", "dense_experts",
+           "pack_int4_experts", "expert_dims", "dequantize_experts"]
+
+
+def pack_int4_experts(w13_q: torch.Tensor, w13_s: torch.Tensor, w2_q: torch.Tensor, w2_s: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The build's one repacking of INT4 experts: int8 values w13 [e, 2i, d] (gate rows | up rows), w2 [e, d, i]
+    in [-8, 7] and their group-32 scales [..., k/32] -> (w13, w13_scale, w2, w2_scale) in fragment order
+    (fragment_layout.py).  Group 32 makes d and i multiples of 32, so the rows always come in whole pairs;
+    artifacts built before fragment order hold the planar layout (layout.py), which the op still reads."""
+    return (*to_fragments(w13_q, w13_s, True), *to_fragments(w2_q, w2_s, False))
 
 
 def dense_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None, w2: torch.Tensor,
@@ -27,9 +41,38 @@ def dense_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | 
     """The experts as dense [e, 2i, d] / [e, d, i] in x's dtype (INT4 kernel layout dequantised exactly)."""
     if w13_scale is None:
         return w13.to(x.dtype), w2.to(x.dtype)
-    d, i = x.shape[-1], w13.shape[1] // 2
-    return (dequantize_kernel_layout(w13, w13_scale, d).to(x.dtype),
-            dequantize_kernel_layout(w2, w2_scale, i).to(x.dtype))
+    w13f, w2f = dequantize_experts(w13, w13_scale, w2, w2_scale, x.shape[-1])
+    return w13f.to(x.dtype), w2f.to(x.dtype)
+
+
+def dequantize_experts(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
+                       d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact fp32 experts w13 [e_l, 2i, d], w2 [e_l, d, i] from INT4 in either kernel layout (fragment order,
+    5-D, or planar, 3-D); d: the hidden size (the true k of w13)."""
+    i = expert_dims(w13)[1]
+    if w13.dim() == 5:
+        return dequantize_fragments(w13, w13_scale, d, True), dequantize_fragments(w2, w2_scale, i, False)
+    return dequantize_kernel_layout(w13, w13_scale, d), dequantize_kernel_layout(w2, w2_scale, i)
+
+
+def expert_dims(w13: torch.Tensor) -> tuple[int, int]:
+    """(e_local, i) of w13 in any of its forms: dense or planar [e_l, 2i, .], fragment [e_l, 2i/32, ...]."""
+    return w13.shape[0], (w13.shape[1] * 32 if w13.dim() == 5 else w13.shape[1]) // 2
+
+
+def planar_copy(w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, d: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fragment-order experts -> the planar layout (exact), for the v2c path."""
+    return (*pack_experts(*from_fragments(w13, s13, d, True)),
+            *pack_experts(*from_fragments(w2, s2, expert_dims(w13)[1], False)))
+
+
+def v3_eligible(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None,
+                w2_scale: torch.Tensor | None) -> bool:
+    """Whether launch_v3 serves this call: fragment-order INT4 experts, bf16 tokens and scales, i % 32 == 0."""
+    return (w13.dim() == 5 and w13_scale is not None and x.dtype == torch.bfloat16
+            and w13_scale.dtype == torch.bfloat16 and w2_scale is not None and w2_scale.dtype == torch.bfloat16
+            and expert_dims(w13)[1] % 32 == 0 and x.shape[-1] % 32 == 0)
 
 
 def _logits(x: torch.Tensor, logits: torch.Tensor | None, gate: torch.Tensor | None) -> torch.Tensor:
@@ -70,7 +113,7 @@ def moe_w4a16_op(x: torch.Tensor, logits: Optional[torch.Tensor], gate: Optional
     """
     if workspace is not None:  # the kernel path's capacity check
         t, d = x.shape
-        e_local, i = w13.shape[0], w13.shape[1] // 2
+        e_local, i = expert_dims(w13)
         MoEWorkspace.carve(workspace, t, top_k, e_local, d, i, x.dtype,
                            launch_plan(t, top_k, e_local, d, i, x.device).splits)
     topk_idx, topk_w = route_reference(_logits(x, logits, gate), bias, top_k, n_group, topk_group,
@@ -88,7 +131,13 @@ def _(x, logits, gate, bias, w13, w13_scale, w2, w2_scale, top_k, n_group, topk_
 @moe_w4a16_op.register_kernel("cuda")
 def _(x, logits, gate, bias, w13, w13_scale, w2, w2_scale, top_k, n_group, topk_group, norm_topk_prob, scaling,
       e_start, workspace):
-    from plugins.moe_w4a16.launch import moe_w4a16_triton
     lg = _logits(x, logits, gate).float()
+    if w13.dim() == 5:
+        if v3_eligible(x, w13, w13_scale, w2_scale):
+            from plugins.moe_w4a16.launch_v3 import moe_w4a16_v3
+            return moe_w4a16_v3(x, lg, bias, w13, w13_scale, w2, w2_scale, top_k, n_group, topk_group,
+                                norm_topk_prob, scaling, e_start, workspace)
+        w13, w13_scale, w2, w2_scale = planar_copy(w13, w13_scale, w2, w2_scale, x.shape[-1])
+    from plugins.moe_w4a16.launch import moe_w4a16_triton
     return moe_w4a16_triton(x, lg, bias, w13, w13_scale, w2, w2_scale, top_k, n_group, topk_group,
                             norm_topk_prob, scaling, e_start, workspace)

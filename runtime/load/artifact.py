@@ -24,6 +24,7 @@ from core.config import ModelConfig
 from core.errors import CheckpointError
 from core.plan import ParallelPlan
 from core.safetensors_file import SafetensorsFile
+from plugins.moe_w4a16 import planar_copy
 from runtime.model.weights import (
     AttentionWeights,
     Experts,
@@ -121,6 +122,16 @@ def place(name: str, t: torch.Tensor, device: str | torch.device, dtype: torch.d
     return t.to(device=device)
 
 
+def kernel_form(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
+                dtype: torch.dtype, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """INT4 experts in the layout the op's path for this run reads: as stored, except fragment order on CUDA
+    with tokens or scales other than bf16 (v3 multiplies bf16), which becomes the planar layout of the Triton
+    path, once, here (plugins/moe_w4a16.planar_copy, exact).  The CPU reference reads either."""
+    if w13.dim() == 5 and w13.is_cuda and (dtype != torch.bfloat16 or w13_scale.dtype != torch.bfloat16):
+        return planar_copy(w13, w13_scale, w2, w2_scale, d)
+    return w13, w13_scale, w2, w2_scale
+
+
 def stack_rows(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """a [m, d], b [k, d] -> the same values as row views of one [m + k, d] tensor (copied once, the originals
     freed with their last reference), so the forward multiplies both in one GEMM (AttentionWeights.latent_inputs)."""
@@ -146,9 +157,10 @@ def assemble_weights(cfg: ModelConfig, flat: dict[str, torch.Tensor]) -> TargetW
             kv_a=kv_a, kv_a_norm=get(p + "attn.kv_a_norm"),
             w_uk=get(p + "attn.w_uk"), w_uv=get(p + "attn.w_uv"), o=get(p + "attn.o"))
         if cfg.is_moe_layer(li):
-            if p + "moe.w13_packed" in flat:  # INT4, in plugins/moe_w4a16/layout.py's kernel layout
-                experts = Experts(get(p + "moe.w13_packed"), get(p + "moe.w13_scale"), get(p + "moe.w2_packed"),
-                                  get(p + "moe.w2_scale"))
+            if p + "moe.w13_packed" in flat:  # INT4, in a moe_w4a16 kernel layout (fragment order or planar)
+                experts = Experts(*kernel_form(get(p + "moe.w13_packed"), get(p + "moe.w13_scale"),
+                                               get(p + "moe.w2_packed"), get(p + "moe.w2_scale"),
+                                               flat[p + "attn_norm"].dtype, cfg.hidden_size))
             else:
                 experts = Experts(get(p + "moe.w13"), None, get(p + "moe.w2"), None)
             shared = (MLPWeights(get(p + "moe.shared.gate_up"), get(p + "moe.shared.down"))

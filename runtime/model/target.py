@@ -31,7 +31,7 @@ from core.config import ModelConfig
 from core.plan import ParallelPlan
 from plugins.common.precision import acc
 from plugins.layer_fusion import add_rms_norm
-from plugins.moe_w4a16 import MoEWorkspace
+from plugins.moe_w4a16 import MoEWorkspace, expert_dims
 from runtime.model.attention import mla_forward
 from runtime.model.cache import LatentCache
 from runtime.model.layers import linear, rms_norm, swiglu_mlp
@@ -78,7 +78,7 @@ class TargetModel:
             return None
         ex = moe.experts
         return MoEWorkspace.allocate(tokens, self.cfg.num_experts_per_tok, ex.count, self.cfg.hidden_size,
-                                     ex.w13.shape[1] // 2, self.dtype, self.device).buffer
+                                     expert_dims(ex.w13)[1], self.dtype, self.device).buffer
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: LatentCache,
                 tree_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -46,15 +46,16 @@ class MLPWeights:
 
 @dataclass
 class Experts:
-    """The routed experts a rank holds, once, in the form the kdtree::moe_w4a16 op reads: INT4 in the
-    op's kernel layout (plugins/moe_w4a16/layout.py; kp_x = x rounded up to 256) with scales, or dense
-    (scales None: bf16 / FP8-dequantised checkpoints).  The CPU reference dequantises INT4 per call;
-    no dequantised copy is ever held (at K2.6 TP8 it would be ~250 GB per rank)."""
+    """The routed experts a rank holds, once, in the form the kdtree::moe_w4a16 op reads: INT4 in one of the
+    op's kernel layouts with scales (fragment order, plugins/moe_w4a16/fragment_layout.py, for v3; planar,
+    layout.py, for the Triton path; kp_x = x rounded up to 256), or dense (scales None: bf16 /
+    FP8-dequantised checkpoints).  The CPU reference dequantises INT4 per call; no dequantised copy is ever
+    held (at K2.6 TP8 it would be ~250 GB per rank)."""
 
-    w13: torch.Tensor  # INT4 [e_l, 2i, kp_d/8] int32 | dense [e_l, 2i, d]  gate rows then up rows
-    w13_scale: torch.Tensor | None  # [e_l, kp_d/32, 2i]
-    w2: torch.Tensor  # INT4 [e_l, d, kp_i/8] int32 | dense [e_l, d, i]
-    w2_scale: torch.Tensor | None  # [e_l, kp_i/32, d]
+    w13: torch.Tensor  # INT4 [e_l, 2i/32, kp_d/32, 32, 4] | [e_l, 2i, kp_d/8] int32 | dense [e_l, 2i, d]
+    w13_scale: torch.Tensor | None  # [e_l, 2i/32, kp_d/32, 8, 4] | [e_l, kp_d/32, 2i]
+    w2: torch.Tensor  # INT4 [e_l, d/32, kp_i/32, 32, 4] | [e_l, d, kp_i/8] int32 | dense [e_l, d, i]
+    w2_scale: torch.Tensor | None  # [e_l, d/32, kp_i/32, 8, 4] | [e_l, kp_i/32, d]
 
     @property
     def count(self) -> int:

@@ -1,0 +1,114 @@
+"""A plugin's CUDA C kernels as a cubin for one GPU arch, without compiling at run where the artifact has them.
+
+Found in order:
+  1. an artifact's kernels/<arch>/<op>/<stem>.cubin (`kdtree build` compiles plugins/**/*.cu with nvcc,
+     build_pipeline/compile_kernels.py); the runtime registers a loaded artifact's kernels/ folder
+     (register_kernel_dir) so ops called deep inside a model find it;
+  2. the kdtree cache: <cache>/kernels/<arch>/<stem>-<source sha>.cubin;
+  3. compiled now by NVRTC (cuda.bindings.nvrtc), else nvcc, and stored in the cache (once per machine and
+     source).  The sources take no headers, so NVRTC needs no include path.
+
+CubinUnavailable names what is missing when none of them gives one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+_KERNEL_DIRS: list[Path] = []
+
+
+class CubinUnavailable(RuntimeError):
+    """No cubin of a kernel source for this arch could be found or compiled."""
+
+
+def register_kernel_dir(path: Path) -> None:
+    """An artifact's kernels/ folder, searched first by cubin() (most recent registration first)."""
+    path = Path(path)
+    if path in _KERNEL_DIRS:
+        _KERNEL_DIRS.remove(path)
+    _KERNEL_DIRS.insert(0, path)
+
+
+def cubin(source: Path, arch: str, cache: Path, artifact_kernels: Path | None = None) -> tuple[bytes, str]:
+    """(cubin bytes, where it came from) of plugins/<op>/.../<stem>.cu for arch "sm_90" etc.; cache: the kdtree
+    cache root; artifact_kernels: an artifact's kernels/ folder (else the registered ones)."""
+    op = source.parent.name
+    dirs = [artifact_kernels] if artifact_kernels is not None else list(_KERNEL_DIRS)
+    for kernels in dirs:
+        built = kernels / arch / op / (source.stem + ".cubin")
+        if built.is_file():
+            return built.read_bytes(), str(built)
+    text = source.read_bytes()
+    cached = cache / "kernels" / arch / f"{source.stem}-{hashlib.sha256(text).hexdigest()[:16]}.cubin"
+    if cached.is_file():
+        return cached.read_bytes(), str(cached)
+    errors = []
+    for compile_with in (_nvrtc, _nvcc):
+        try:
+            out = compile_with(text, source.name, arch)
+        except CubinUnavailable as exc:
+            errors.append(str(exc))
+            continue
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=cached.parent, suffix=".part")
+        with os.fdopen(fd, "wb") as f:
+            f.write(out)
+        os.replace(tmp, cached)
+        return out, f"compiled by {compile_with.__name__.strip('_')} into {cached}"
+    raise CubinUnavailable(f"{source.name} for {arch}: " + "; ".join(errors))
+
+
+def _nvrtc(text: bytes, name: str, arch: str) -> bytes:
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError:
+        raise CubinUnavailable("NVRTC: cuda.bindings.nvrtc not importable") from None
+    try:
+        err, prog = nvrtc.nvrtcCreateProgram(text, name.encode(), 0, [], [])
+    except RuntimeError as exc:  # libnvrtc not found
+        raise CubinUnavailable(f"NVRTC: {exc}") from None
+    _nvrtc_ok(nvrtc, err, prog, "nvrtcCreateProgram")
+    try:
+        opts = [f"--gpu-architecture={arch}".encode(), b"-default-device", b"-std=c++17"]
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        _nvrtc_ok(nvrtc, err, prog, "nvrtcCompileProgram")
+        err, size = nvrtc.nvrtcGetCUBINSize(prog)
+        _nvrtc_ok(nvrtc, err, prog, "nvrtcGetCUBINSize")
+        out = b" " * size
+        (err,) = nvrtc.nvrtcGetCUBIN(prog, out)
+        _nvrtc_ok(nvrtc, err, prog, "nvrtcGetCUBIN")
+        return out
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def _nvrtc_ok(nvrtc, err, prog, what: str) -> None:
+    if err == nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        return
+    log = ""
+    res = nvrtc.nvrtcGetProgramLogSize(prog)
+    if res[0] == nvrtc.nvrtcResult.NVRTC_SUCCESS and res[1] > 1:
+        buf = b" " * res[1]
+        nvrtc.nvrtcGetProgramLog(prog, buf)
+        log = next((ln for ln in buf.decode(errors="replace").splitlines() if "error" in ln), "")
+    raise CubinUnavailable(f"NVRTC: {what}: {err.name}{': ' + log.strip() if log else ''}")
+
+
+def _nvcc(text: bytes, name: str, arch: str) -> bytes:
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        raise CubinUnavailable("nvcc: not on PATH")
+    with tempfile.TemporaryDirectory() as tmp:
+        src, out = Path(tmp) / name, Path(tmp) / "out.cubin"
+        src.write_bytes(text)
+        res = subprocess.run([nvcc, "-O3", "-std=c++17", "-cubin", f"-arch={arch}", "-o", str(out), str(src)],
+                             capture_output=True, text=True, check=False)
+        if res.returncode:
+            raise CubinUnavailable(f"nvcc: {(res.stderr.strip().splitlines() or ['failed'])[0]}")
+        return out.read_bytes()

@@ -1,0 +1,169 @@
+"""Launcher of moe_w4a16 v3: experts in fragment order (fragment_layout.py), the GEMMs in CUDA C (moe_v3.cu).
+
+memset(counts) -> route_kernel (Triton, as v2) -> gate_up (v3: h = silu(gate) * up per slot) -> down (v3: the
+weighted expert output per slot) -> combine_kernel (Triton, as v2: y[tok] = sum of its local slots, in slot
+order).  Five launches, no host sync, capturable in a CUDA graph (the CUDA C kernels go through the driver API
+onto torch's current stream).  The cubin comes from the artifact, the kdtree cache or NVRTC/nvcc
+(plugins/common/cubin.py).  CUDA, bf16 tokens and bf16 scales only (the op falls back elsewhere).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from core.cache_dir import cache_root
+from plugins.common.cubin import cubin
+from plugins.moe_w4a16.expert_kernels import combine_kernel
+from plugins.moe_w4a16.fragment_layout import ROWS
+from plugins.moe_w4a16.layout import GROUP
+from plugins.moe_w4a16.plan import cdiv, launch_plan
+from plugins.moe_w4a16.route_kernel import next_pow2, route_kernel
+from plugins.moe_w4a16.workspace import MoEWorkspace
+
+SOURCE = Path(__file__).with_name("moe_v3.cu")
+WARPS = 8  # moe_v3.cu's WARPS: every k group count is a multiple (k padded to 256)
+
+
+def token_tile(t: int) -> int:
+    """NT: n tiles of 8 token slots per gate_up tile, from t (tree routing sends most tokens to a few experts)."""
+    return 1 if t <= 8 else 2 if t <= 16 else 4
+
+
+def down_tile(t: int) -> int:
+    return min(token_tile(t), 2)
+
+
+GATE_UP_P = {1: (7, 4, 2, 1), 2: (4, 2, 1), 4: (2, 1)}  # ring depths compiled per NT (moe_v3.cu's variants)
+GATE_UP_CTAS_PER_SM = {1: 2, 2: 2, 4: 1}
+DOWN_P = {1: 8, 2: 4}
+
+
+def gate_up_variant(nt: int, n_groups: int) -> str:
+    """The kernel for NT token tiles and n_groups k groups (kp_d / 32): the deepest ring P dividing the groups
+    each warp takes (n_groups / 8), so that a chunk of P groups never straddles two items."""
+    per_warp = n_groups // WARPS
+    p = next(p for p in GATE_UP_P[nt] if per_warp % p == 0)
+    return f"kdtree_moe_v3_gate_up_nt{nt}_p{p}"
+
+
+def max_entries(t: int, top_k: int, e_local: int, nt: int) -> int:
+    """Bound on (expert, token tile) entries: each active expert's last tile may be partial."""
+    return min(e_local, t * top_k) + cdiv(t * top_k, 8 * nt)
+
+
+def gate_up_smem(t: int, top_k: int, e_local: int, nt: int) -> int:
+    """reduction [2][8 warps][2][nt][4][32] fp32 + h rows staged [8 nt][16] bf16 + entry list."""
+    return 2 * WARPS * (2 * nt * 4 * 32) * 4 + 8 * nt * 16 * 2 + (WARPS + e_local + max_entries(t, top_k, e_local, nt)) * 4
+
+
+def down_smem(t: int, top_k: int, e_local: int, nt: int) -> int:
+    """out rows staged [8 warps][8 nt][32] bf16 + entry list."""
+    return WARPS * 8 * nt * 32 * 2 + (WARPS + e_local + max_entries(t, top_k, e_local, nt)) * 4
+
+
+@dataclass
+class _Module:
+    cu: object
+    module: object
+    funcs: dict
+    smem_set: dict
+    where: str
+
+
+_MODULES: dict[int, _Module] = {}
+
+
+def _ok(cu, res, what: str):
+    err, *rest = res if isinstance(res, tuple) else (res,)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"moe_w4a16 v3: {what} failed: {getattr(err, 'name', err)}")
+    return rest[0] if len(rest) == 1 else tuple(rest) if rest else None
+
+
+def kernels(device: torch.device) -> _Module:
+    """The loaded moe_v3 module of `device` (loaded once per device)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    mod = _MODULES.get(index)
+    if mod is None:
+        from cuda.bindings import driver as cu
+        major, minor = torch.cuda.get_device_capability(index)
+        data, where = cubin(SOURCE, f"sm_{major}{minor}", cache_root())
+        with torch.cuda.device(index):
+            torch.cuda.init()
+            module = _ok(cu, cu.cuModuleLoadData(data), f"cuModuleLoadData ({where})")
+        mod = _MODULES[index] = _Module(cu, module, {}, {}, where)
+    return mod
+
+
+def _func(mod: _Module, name: str, smem: int):
+    cu = mod.cu
+    func = mod.funcs.get(name)
+    if func is None:
+        func = mod.funcs[name] = _ok(cu, cu.cuModuleGetFunction(mod.module, name.encode()), f"cuModuleGetFunction {name}")
+    if smem > 48 * 1024 and mod.smem_set.get(name, 0) < smem:
+        _ok(cu, cu.cuFuncSetAttribute(func, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                      smem), f"cuFuncSetAttribute {name}")
+        mod.smem_set[name] = smem
+    return func
+
+
+def _launch(mod: _Module, name: str, grid: int, smem: int, args: tuple, types: tuple) -> None:
+    cu = mod.cu
+    func = _func(mod, name, smem)
+    stream = cu.CUstream(torch.cuda.current_stream().cuda_stream)
+    _ok(cu, cu.cuLaunchKernel(func, grid, 1, 1, 32 * WARPS, 1, 1, smem, stream, (args, types), 0), f"launch {name}")
+
+
+def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13: torch.Tensor,
+                 w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, top_k: int, n_group: int,
+                 topk_group: int, norm_topk_prob: bool, scaling: float, e_start: int = 0,
+                 workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed experts of one MoE layer: x [t, d] bf16, logits [t, e] fp32 -> y [t, d] bf16.
+
+    Experts in fragment order: w13 int32 [e_l, 2i/32, kp_d/32, 32, 4], w13_scale bf16 [e_l, 2i/32, kp_d/32, 8, 4],
+    w2 int32 [e_l, d/32, kp_i/32, 32, 4], w2_scale bf16 [e_l, d/32, kp_i/32, 8, 4].  workspace: as v2 (a
+    MoEWorkspace's .buffer sized by launch_plan), or None to allocate the scratch per call.
+    """
+    x, logits = x.contiguous(), logits.contiguous()
+    t, d = x.shape
+    e = logits.shape[1]
+    e_local, pairs13, c1 = w13.shape[:3]
+    pairs2, c2 = w2.shape[1:3]
+    i = pairs13 * ROWS // 2
+    y = torch.empty_like(x)
+    if t == 0:
+        return y
+    if workspace is None:
+        workspace = torch.empty(MoEWorkspace.nbytes(t, top_k, e_local, d, i, x.dtype, x.device),
+                                dtype=torch.uint8, device=x.device)
+    ws = MoEWorkspace.carve(workspace, t, top_k, e_local, d, i, x.dtype,
+                            launch_plan(t, top_k, e_local, d, i, x.device).splits)
+    ws.counts.zero_()  # [e_local + 1]: the route kernel counts into it
+    route_kernel[(t,)](logits, bias, ws.topk_idx, ws.topk_w, ws.counts, ws.active, ws.lists, t, e, e_start, e_local,
+                       float(scaling), K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group, NORM=bool(norm_topk_prob),
+                       BT=1, BE=next_pow2(e), BKK=next_pow2(top_k), BG=next_pow2(n_group), num_warps=1)
+
+    mod = kernels(x.device)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    i32, ptr = ctypes.c_int, ctypes.c_void_p
+    nt = token_tile(t)
+    n_items = max_entries(t, top_k, e_local, nt) * pairs13
+    smem = gate_up_smem(t, top_k, e_local, nt)
+    _launch(mod, gate_up_variant(nt, c1), min(n_items, GATE_UP_CTAS_PER_SM[nt] * sms), smem,
+            (w13.data_ptr(), w13_scale.data_ptr(), x.data_ptr(), ws.counts.data_ptr(), ws.lists.data_ptr(),
+             ws.h.data_ptr(), t, top_k, e_local, d // GROUP, c1, pairs13, i),
+            (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32))
+    nt2 = down_tile(t)
+    n_items = max_entries(t, top_k, e_local, nt2) * pairs2
+    smem = down_smem(t, top_k, e_local, nt2)
+    _launch(mod, f"kdtree_moe_v3_down_nt{nt2}_p{DOWN_P[nt2]}", min(cdiv(n_items, WARPS), 2 * sms), smem,
+            (w2.data_ptr(), w2_scale.data_ptr(), ws.h.data_ptr(), ws.topk_w.data_ptr(), ws.counts.data_ptr(),
+             ws.lists.data_ptr(), ws.out.data_ptr(), t, e_local, i // GROUP, c2, pairs2, d),
+            (ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32))
+    combine_kernel[(t, cdiv(d, min(1024, next_pow2(d))))](ws.out, ws.topk_idx, y, d, e_start, e_local, K=top_k,
+                                                          BD=min(1024, next_pow2(d)), num_warps=4)
+    return y

@@ -1,0 +1,403 @@
+// moe_w4a16 v3: the expert GEMMs of the routed MoE on INT4 weights in fragment order
+// (plugins/moe_w4a16/fragment_layout.py), mma.sync m16n8k16 bf16 with fp32 accumulation (sm_80 and up:
+// the same source is the sm_90 and the sm_120 kernel).
+//
+// Inputs come from the route kernel (route_kernel.py): counts [e_local + 1] tokens per local expert,
+// lists [e_local, t] slot ids (token * top_k + j) per expert, topk_w [t * top_k] routing weights.
+//
+//   gate_up:  h[slot, :] = silu(W1_e x[tok]) * (W3_e x[tok])        h [t * top_k, i] bf16
+//   down:     out[slot, :] = topk_w[slot] * (W2_e h[slot])          out [t * top_k, d] bf16
+// and the combine (y[tok] = sum over the token's local slots, in slot order) stays the Triton kernel.
+//
+// Work.  Each CTA first turns counts into the list of (expert, token tile) entries, in expert order
+// (a tile is 8 * NT token slots of one expert).  gate_up: a work item is (entry, row pair p of 32 w13 rows
+// = 16 gate + 16 up rows); the CTA's 8 warps split its k groups (warp w takes groups w, w + 8, ...), and a
+// shared-memory reduction in warp order (deterministic) ends the item with silu(gate) * up.  down: a work
+// item is (entry, row pair of 32 w2 rows), done by one warp over the whole k (i is short), no barrier.
+// Each warp streams its items' 16-byte fragment words, scales and token vectors through a ring of P
+// register slots (loads P groups ahead of the math).  Grids are persistent: items are strided over
+// gridDim.x CTAs (gate_up) or over all warps (down).
+//
+// No headers: NVRTC compiles this file as it stands (bf16 through PTX on raw 32-bit registers).
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+#define WARPS 8
+#define THREADS (WARPS * 32)
+
+__device__ __forceinline__ uint4 ld_weights(const uint4* p) {  // streamed once: no L1 allocation
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ uint2 ld_scales(const uint2* p) {
+    uint2 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ uint4 ld_tokens(const uint4* p) {  // token rows: re-read by other items, keep
+    uint4 r;
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+// A register r of a fragment word: nibbles r and r + 4 -> bf16 pair (q_lo, q_hi), q = stored - 8, exact.
+__device__ __forceinline__ u32 dequant_pair(u32 w) {
+    u32 biased, q;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(biased) : "r"(w), "r"(0x000F000Fu), "r"(0x43004300u));  // 128 + v
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(q) : "r"(biased), "r"(0x3F803F80u), "r"(0xC308C308u));  // - 136
+    return q;
+}
+
+__device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float bf16_lo(u32 v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf16_hi(u32 v) { return __uint_as_float(v & 0xFFFF0000u); }
+
+__device__ __forceinline__ u16 to_bf16(float f) {
+    u16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+}
+
+__device__ __forceinline__ u32 word(const uint4& v, int k) { return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w; }
+
+// One k group (two mma k steps) of one lane: acc[m][j] += scale(m, row) * (Q_m . X_j) over the group's 32 k.
+template <int NT>
+__device__ __forceinline__ void group_mma(float (&acc)[2][NT][4], const uint4& w, const uint2& s, const uint4 (&x)[NT]) {
+    float part[2][NT][4];
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) part[m][j][r] = 0.f;
+#pragma unroll
+    for (int st = 0; st < 2; ++st) {
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+            const u32 q = word(w, 2 * m + st);
+            const u32 a0 = dequant_pair(q), a1 = dequant_pair(q >> 4), a2 = dequant_pair(q >> 8),
+                      a3 = dequant_pair(q >> 12);
+#pragma unroll
+            for (int j = 0; j < NT; ++j) mma_bf16(part[m][j], a0, a1, a2, a3, word(x[j], 2 * st), word(x[j], 2 * st + 1));
+        }
+    }
+    const float sc[2][2] = {{bf16_lo(s.x), bf16_hi(s.x)}, {bf16_lo(s.y), bf16_hi(s.y)}};  // [tile][row g | g + 8]
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) acc[m][j][r] += sc[m][r >> 1] * part[m][j][r];
+}
+
+// counts [e_local] -> entries (expert << 16 | tile) in expert order; returns how many (every thread).
+__device__ int build_entries(const int* __restrict__ counts, int e_local, int tile_tokens, int* s_cnt, int* s_ent,
+                             int* s_ws) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int base = 0;
+    for (int e0 = 0; e0 < e_local; e0 += THREADS) {
+        const int e = e0 + threadIdx.x;
+        const int c = e < e_local ? counts[e] : 0;
+        if (e < e_local) s_cnt[e] = c;
+        const int nt = (c + tile_tokens - 1) / tile_tokens;
+        int v = nt;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int y = __shfl_up_sync(0xFFFFFFFFu, v, o);
+            if (lane >= o) v += y;
+        }
+        if (lane == 31) s_ws[warp] = v;
+        __syncthreads();
+        int before = 0, total = 0;
+#pragma unroll
+        for (int k = 0; k < WARPS; ++k) {
+            const int sv = s_ws[k];
+            before += k < warp ? sv : 0;
+            total += sv;
+        }
+        const int first = base + before + v - nt;
+        for (int j = 0; j < nt; ++j) s_ent[first + j] = (e << 16) | j;
+        base += total;
+        __syncthreads();
+    }
+    return base;
+}
+
+// The load side of a warp: walks the CTA's (or warp's) items in chunks of P groups and fills the ring.
+// Within a chunk nothing branches: a chunk's P groups are consumed and the next chunk's P groups loaded in
+// one straight-line block (past the last chunk the cursor stays put and the loads re-read it, harmlessly).
+template <int NT, int P>
+struct Ring {
+    uint4 w[P], x[P][NT];
+    uint2 s[P];
+    const uint4* pw;      // this lane's fragment words of the item's first group
+    const uint2* ps;      // this lane's scales
+    const uint4* px[NT];  // this lane's token row per n tile (at its 16-byte column), or nullptr
+    int chunk;            // chunk of the item the next loads read
+
+    // group c of the current item (c: the warp's k group index within the row pair's groups)
+    __device__ __forceinline__ void load(int k, int c, int c_real) {
+        w[k] = ld_weights(pw + (long)c * 32);
+        s[k] = ld_scales(ps + (long)c * 8);
+#pragma unroll
+        for (int j = 0; j < NT; ++j) x[k][j] = (px[j] != nullptr && c < c_real) ? ld_tokens(px[j] + 4 * c) : make_uint4(0, 0, 0, 0);
+    }
+};
+
+// ---------------------------------------------------------------------------------------------------------
+// gate_up: item = (entry, row pair); the CTA's warps split the item's k groups (warp w: groups w + 8 m)
+// ---------------------------------------------------------------------------------------------------------
+template <int NT, int P>
+__device__ void gate_up(const uint4* __restrict__ w13, const uint2* __restrict__ s13, const uint4* __restrict__ x,
+                        const int* __restrict__ counts, const int* __restrict__ lists, u16* __restrict__ h,
+                        int t, int top_k, int e_local, int c_real, int n_groups, int n_pairs, int inter) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    constexpr int TT = 8 * NT;            // token slots per tile
+    constexpr int RED = 2 * NT * 4 * 32;  // floats one warp leaves per item
+    float* s_red = reinterpret_cast<float*>(smem);                  // [2 parity][WARPS][2 m][NT][4][32]
+    u16* s_h = reinterpret_cast<u16*>(s_red + 2 * WARPS * RED);     // [TT tokens][16 rows] bf16
+    int* s_ws = reinterpret_cast<int*>(s_h + TT * 16);
+    int* s_cnt = s_ws + WARPS;
+    int* s_ent = s_cnt + e_local;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, u = lane & 3;
+
+    const int n_ent = build_entries(counts, e_local, TT, s_cnt, s_ent, s_ws);
+    const int n_work = n_ent * n_pairs;
+    const int chunks = n_groups / (WARPS * P);  // chunks per item (the host picks P dividing n_groups / WARPS)
+    const int mine = (int)blockIdx.x < n_work ? (n_work - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
+    const int total = mine * chunks;
+    if (total == 0) return;  // uniform over the CTA
+    const int x_row = c_real * 4;  // uint4 per token row (d / 8)
+
+    Ring<NT, P> ring;
+    int l_wi = blockIdx.x;
+    auto l_setup = [&](int wi) {
+        const int ent = s_ent[wi / n_pairs], p = wi % n_pairs, e = ent >> 16, tile = ent & 0xFFFF;
+        const long blk = ((long)e * n_pairs + p) * n_groups;
+        ring.pw = w13 + blk * 32 + lane;
+        ring.ps = s13 + blk * 8 + g;
+        ring.chunk = 0;
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            const int pos = tile * TT + 8 * j + g;
+            ring.px[j] = pos < s_cnt[e] ? x + (long)(lists[(long)e * t + pos] / top_k) * x_row + u : nullptr;
+        }
+    };
+    auto l_next = [&]() {  // advance the load cursor by one chunk (stays on the last one)
+        if (ring.chunk + 1 < chunks) {
+            ++ring.chunk;
+        } else if (l_wi + (int)gridDim.x < n_work) {
+            l_wi += gridDim.x;
+            l_setup(l_wi);
+        }
+    };
+    l_setup(l_wi);
+#pragma unroll
+    for (int k = 0; k < P; ++k) ring.load(k, warp + WARPS * k, c_real);
+    l_next();
+
+    // the writer threads (tid < 2 * TT) of the item's h rows: token tid / 2, rows 8 (tid % 2) ..
+    int c_wi = blockIdx.x, c_chunk = 0, parity = 0, w_slot = -1;
+    auto w_prefetch = [&](int wi) {
+        const int ent = s_ent[wi / n_pairs], e = ent >> 16, tile = ent & 0xFFFF;
+        const int pos = tile * TT + (threadIdx.x >> 1);
+        w_slot = (threadIdx.x < 2 * TT && pos < s_cnt[e]) ? lists[(long)e * t + pos] : -1;
+    };
+    w_prefetch(c_wi);
+    float acc[2][NT][4];
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) acc[m][j][r] = 0.f;
+
+    for (int ch = 0; ch < total; ++ch) {
+        const int base = warp + WARPS * P * ring.chunk;
+#pragma unroll
+        for (int k = 0; k < P; ++k) {
+            group_mma<NT>(acc, ring.w[k], ring.s[k], ring.x[k]);
+            ring.load(k, base + WARPS * k, c_real);
+        }
+        l_next();
+        if (++c_chunk < chunks) continue;
+        // end of the item: reduce over the warps (in warp order), silu(gate) * up, 16-byte stores of h
+        float* red = s_red + parity * WARPS * RED;
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    red[(warp * 2 + m) * NT * 128 + (j * 4 + r) * 32 + lane] = acc[m][j][r];
+                    acc[m][j][r] = 0.f;
+                }
+        __syncthreads();
+        for (int q = threadIdx.x; q < NT * 128; q += THREADS) {
+            float gs = 0.f, us = 0.f;
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) {
+                gs += red[(w * 2) * NT * 128 + q];
+                us += red[(w * 2 + 1) * NT * 128 + q];
+            }
+            const int lq = q & 31, r = (q >> 5) & 3, j = q >> 7;
+            const int row = (lq >> 2) + 8 * (r >> 1), col = 8 * j + 2 * (lq & 3) + (r & 1);
+            s_h[col * 16 + row] = to_bf16(gs / (1.f + __expf(-gs)) * us);
+        }
+        __syncthreads();
+        if (w_slot >= 0) {
+            const int p = c_wi % n_pairs;
+            *reinterpret_cast<uint4*>(h + (long)w_slot * inter + p * 16 + 8 * (threadIdx.x & 1)) =
+                *reinterpret_cast<const uint4*>(s_h + (threadIdx.x >> 1) * 16 + 8 * (threadIdx.x & 1));
+        }
+        parity ^= 1;
+        c_chunk = 0;
+        c_wi += gridDim.x;
+        if (c_wi < n_work) w_prefetch(c_wi);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// down: item = (entry, row pair), one warp over the whole k (warps of all CTAs stride over the items)
+// ---------------------------------------------------------------------------------------------------------
+template <int NT, int P>
+__device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2, const uint4* __restrict__ h,
+                     const float* __restrict__ topk_w, const int* __restrict__ counts, const int* __restrict__ lists,
+                     u16* __restrict__ out, int t, int e_local, int c_real, int n_groups, int n_pairs, int d) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    constexpr int TT = 8 * NT;
+    u16* s_o = reinterpret_cast<u16*>(smem);  // [WARPS][TT tokens][32 rows] bf16: the warp's item, staged
+    int* s_ws = reinterpret_cast<int*>(s_o + WARPS * TT * 32);
+    int* s_cnt = s_ws + WARPS;
+    int* s_ent = s_cnt + e_local;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, u = lane & 3;
+    u16* stage = s_o + warp * TT * 32;
+
+    const int n_ent = build_entries(counts, e_local, TT, s_cnt, s_ent, s_ws);
+    const int n_work = n_ent * n_pairs;
+    const int gw = blockIdx.x * WARPS + warp, n_warps = gridDim.x * WARPS;
+    const int chunks = n_groups / P;  // chunks per item (P divides n_groups: a multiple of 8)
+    const int mine = gw < n_work ? (n_work - 1 - gw) / n_warps + 1 : 0;
+    const int total = mine * chunks;
+    if (total == 0) return;  // uniform over the warp; no CTA barrier follows
+    const int h_row = c_real * 4;  // uint4 per h row (i / 8)
+
+    Ring<NT, P> ring;
+    int l_wi = gw;
+    auto l_setup = [&](int wi) {
+        const int ent = s_ent[wi / n_pairs], p = wi % n_pairs, e = ent >> 16, tile = ent & 0xFFFF;
+        const long blk = ((long)e * n_pairs + p) * n_groups;
+        ring.pw = w2 + blk * 32 + lane;
+        ring.ps = s2 + blk * 8 + g;
+        ring.chunk = 0;
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            const int pos = tile * TT + 8 * j + g;
+            ring.px[j] = pos < s_cnt[e] ? h + (long)lists[(long)e * t + pos] * h_row + u : nullptr;
+        }
+    };
+    auto l_next = [&]() {
+        if (ring.chunk + 1 < chunks) {
+            ++ring.chunk;
+        } else if (l_wi + n_warps < n_work) {
+            l_wi += n_warps;
+            l_setup(l_wi);
+        }
+    };
+    l_setup(l_wi);
+#pragma unroll
+    for (int k = 0; k < P; ++k) ring.load(k, k, c_real);
+    l_next();
+
+    int c_wi = gw, c_chunk = 0;
+    int my_slot[NT];  // slot of token column g of each n tile (lane g's B operand; 4 lanes hold each)
+    float my_w[NT];
+    auto prefetch_slots = [&](int wi) {
+        const int ent = s_ent[wi / n_pairs], e = ent >> 16, tile = ent & 0xFFFF;
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            const int pos = tile * TT + 8 * j + g;
+            my_slot[j] = pos < s_cnt[e] ? lists[(long)e * t + pos] : -1;
+            my_w[j] = my_slot[j] >= 0 ? topk_w[my_slot[j]] : 0.f;
+        }
+    };
+    prefetch_slots(c_wi);
+    float acc[2][NT][4];
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) acc[m][j][r] = 0.f;
+
+    for (int ch = 0; ch < total; ++ch) {
+        const int base = P * ring.chunk;
+#pragma unroll
+        for (int k = 0; k < P; ++k) {
+            group_mma<NT>(acc, ring.w[k], ring.s[k], ring.x[k]);
+            ring.load(k, base + k, c_real);
+        }
+        l_next();
+        if (++c_chunk < chunks) continue;
+        // end of the item: weight each token column, stage [token][32 rows], 16-byte stores of out rows
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+#pragma unroll
+            for (int hi = 0; hi < 2; ++hi) {
+                const int col = 2 * u + hi;
+                const float wt = __shfl_sync(0xFFFFFFFFu, my_w[j], col * 4);
+                u16* o = stage + (8 * j + col) * 32 + g;
+#pragma unroll
+                for (int m = 0; m < 2; ++m) {
+                    o[16 * m] = to_bf16(wt * acc[m][j][hi]);
+                    o[16 * m + 8] = to_bf16(wt * acc[m][j][2 + hi]);
+                    acc[m][j][hi] = acc[m][j][2 + hi] = 0.f;
+                }
+            }
+        }
+        __syncwarp();
+        const int p = c_wi % n_pairs;
+#pragma unroll
+        for (int j = 0; j < NT; ++j)  // lane (g, u): token column g of tile j, rows 8u .. 8u + 7
+            if (my_slot[j] >= 0)
+                *reinterpret_cast<uint4*>(out + (long)my_slot[j] * d + p * 32 + 8 * u) =
+                    *reinterpret_cast<const uint4*>(stage + (8 * j + g) * 32 + 8 * u);
+        __syncwarp();
+        c_chunk = 0;
+        c_wi += n_warps;
+        if (c_wi < n_work) prefetch_slots(c_wi);
+    }
+}
+
+#define GATE_UP(NT, P, MINB)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(THREADS, MINB) kdtree_moe_v3_gate_up_nt##NT##_p##P(         \
+        const uint4* w13, const uint2* s13, const uint4* x, const int* counts, const int* lists, u16* h, int t, \
+        int top_k, int e_local, int c_real, int n_groups, int n_pairs, int inter) {                          \
+        gate_up<NT, P>(w13, s13, x, counts, lists, h, t, top_k, e_local, c_real, n_groups, n_pairs, inter);   \
+    }
+#define DOWN(NT, P, MINB)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(THREADS, MINB) kdtree_moe_v3_down_nt##NT##_p##P(            \
+        const uint4* w2, const uint2* s2, const uint4* h, const float* topk_w, const int* counts,             \
+        const int* lists, u16* out, int t, int e_local, int c_real, int n_groups, int n_pairs, int d) {       \
+        down<NT, P>(w2, s2, h, topk_w, counts, lists, out, t, e_local, c_real, n_groups, n_pairs, d);         \
+    }
+
+// Variants (launch_v3.py picks): NT token tiles of 8; gate_up's P divides its groups per warp (kp_d / 256: 28 at
+// d = 7168), down's P divides kp_i / 32 (a multiple of 8).  MINB 2: two CTAs per SM (<= 128 registers).
+GATE_UP(1, 7, 2) GATE_UP(1, 4, 2) GATE_UP(1, 2, 2) GATE_UP(1, 1, 2)
+GATE_UP(2, 4, 2) GATE_UP(2, 2, 2) GATE_UP(2, 1, 2)
+GATE_UP(4, 2, 1) GATE_UP(4, 1, 1)
+DOWN(1, 8, 2)
+DOWN(2, 4, 2)

@@ -1,0 +1,118 @@
+"""moe_w4a16 v3's fragment layout (plugins/moe_w4a16/fragment_layout.py): exact round trips, and a CPU model
+of what moe_v3.cu does with it, lane by lane, following PTX's m16n8k16 fragment definitions: A register r
+of lane (g, u) holds rows g + 8 (r % 2), logical k 2u + 8 (r // 2) + (0, 1); B register b holds logical
+k 2u + 8 b + (0, 1) of token column g; C element r is row g + 8 (r // 2), column 2u + r % 2.  If the layout
+and the kernel's reading of it disagree, this model's product differs from the dense one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plugins.moe_w4a16.fragment_layout import (dequantize_fragments, from_fragments, planar_to_fragments,
+                                               to_fragments)
+from plugins.moe_w4a16.layout import pack_experts
+
+
+def _draw(e, n, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-8, 8, (e, n, k), generator=g, dtype=torch.int8)
+    s = (torch.rand(e, n, k // 32, generator=g) + 0.5).to(torch.bfloat16)
+    return q, s
+
+
+@pytest.mark.parametrize("gate_up,n,k", [(True, 64, 96), (False, 64, 256), (True, 128, 7168 // 4), (False, 32, 32)])
+def test_round_trip_is_exact(gate_up, n, k):
+    q, s = _draw(2, n, k, n + k)
+    packed, scale = to_fragments(q, s, gate_up)
+    kp = -(-k // 256) * 256
+    assert packed.shape == (2, n // 32, kp // 32, 32, 4) and scale.shape == (2, n // 32, kp // 32, 8, 4)
+    q2, s2 = from_fragments(packed, scale, k, gate_up)
+    assert torch.equal(q2, q) and torch.equal(s2, s)
+    dense = (q.float().unflatten(-1, (-1, 32)) * s.float().unsqueeze(-1)).flatten(-2)
+    assert torch.equal(dequantize_fragments(packed, scale, k, gate_up), dense)
+    pp, ps = planar_to_fragments(*pack_experts(q, s), k, gate_up)  # from the v2 (planar) kernel layout
+    assert torch.equal(pp, packed) and torch.equal(ps, scale)
+
+
+def test_rejects_rows_not_in_pairs():
+    q, s = _draw(1, 48, 64, 0)
+    with pytest.raises(ValueError, match="32-row pairs"):
+        to_fragments(q, s, False)
+    with pytest.raises(ValueError, match="i % 16"):
+        to_fragments(*_draw(1, 40, 64, 1), True)
+
+
+def _lane_model(packed: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """One expert, one row pair, all groups: the kernel's per-lane arithmetic -> C [2 tiles, 16 rows, 8 tokens].
+    packed [C, 32, 4] int32, scale [C, 8, 4], x [8, kp] (token rows)."""
+    n_groups = packed.shape[0]
+    acc = torch.zeros(2, 16, 8, dtype=torch.float64)
+    for c in range(n_groups):
+        part = torch.zeros(2, 16, 8, dtype=torch.float64)
+        for st in range(2):
+            for m in range(2):
+                a = torch.zeros(16, 16, dtype=torch.float64)  # A [rows, logical k]
+                bmat = torch.zeros(16, 8, dtype=torch.float64)  # B [logical k, token]
+                for lane in range(32):
+                    g, u = lane // 4, lane % 4
+                    w = int(packed[c, lane, 2 * m + st]) & 0xFFFFFFFF
+                    for r in range(4):
+                        lo, hi = ((w >> (4 * r)) & 0xF) - 8, ((w >> (4 * r + 16)) & 0xF) - 8
+                        row, col = g + 8 * (r % 2), 2 * u + 8 * (r // 2)
+                        a[row, col], a[row, col + 1] = lo, hi
+                    xv = x[g, 32 * c + 8 * u: 32 * c + 8 * u + 8].double()  # the lane's 16-byte token vector
+                    for b in range(2):
+                        bmat[2 * u + 8 * b, g], bmat[2 * u + 8 * b + 1, g] = xv[4 * st + 2 * b], xv[4 * st + 2 * b + 1]
+                part[m] += a @ bmat
+        for lane in range(32):  # the lane's scales: (tile 0 row g, tile 0 row g+8, tile 1 row g, tile 1 row g+8)
+            g = lane // 4
+            sv = scale[c, g].double()
+            for m in range(2):
+                acc[m, g] += sv[2 * m] * part[m, g] / 4  # each of the 4 lanes of row g adds a quarter: same sum
+                acc[m, g + 8] += sv[2 * m + 1] * part[m, g + 8] / 4
+    return acc
+
+
+@pytest.mark.parametrize("gate_up", [True, False])
+def test_lane_model_matches_dense(gate_up):
+    n, k = 64, 64
+    q, s = _draw(1, n, k, 7 + gate_up)
+    packed, scale = to_fragments(q, s, gate_up)
+    x = torch.randn(8, 256, dtype=torch.float64)
+    x[:, k:] = 0.0  # the kernel loads no token values past k (c < c_real)
+    dense = (q.double().unflatten(-1, (-1, 32)) * s.double().unsqueeze(-1)).flatten(-2)[0]  # [n, k]
+    for p in range(n // 32):
+        got = _lane_model(packed[0, p], scale[0, p], x)  # [2, 16, 8]
+        if gate_up:  # pair p = gate rows 16p.. and up rows i + 16p..
+            rows = [torch.arange(16 * p, 16 * p + 16), torch.arange(n // 2 + 16 * p, n // 2 + 16 * p + 16)]
+        else:
+            rows = [torch.arange(32 * p, 32 * p + 16), torch.arange(32 * p + 16, 32 * p + 32)]
+        for m in range(2):
+            want = dense[rows[m]] @ x[:, :k].T  # [16, 8]
+            assert torch.allclose(got[m], want, rtol=1e-12, atol=1e-9), (p, m)
+
+
+def test_zero_and_padding_are_nibble_8():
+    """Stored nibbles are q + 8 (the checkpoint's convention): a zero weight, and the k padding, are nibble 8."""
+    packed, scale = to_fragments(torch.zeros(1, 32, 32, dtype=torch.int8), torch.ones(1, 32, 1), False)
+    assert packed.shape == (1, 1, 8, 32, 4)  # k 32 padded to 256
+    assert bool((packed == 0x88888888 - 2**32).all())
+    assert bool((scale[:, :, 1:] == 0).all()) and bool((scale[:, :, 0] == 1).all())
+
+
+def test_cpu_op_reads_both_layouts_alike():
+    """The op's CPU path (the reference) gives the same y for the same experts in fragment order (what the build
+    writes) and planar (artifacts built before)."""
+    from plugins.moe_w4a16 import MoEWorkspace, moe_w4a16, pack_int4_experts, planar_copy
+    e, d, i, t = 6, 64, 64, 5
+    q13, s13 = _draw(e, 2 * i, d, 1)
+    q2, s2 = _draw(e, d, i, 2)
+    frag = pack_int4_experts(q13, s13, q2, s2)
+    planar = tuple(a for pair in (pack_experts(q13, s13), pack_experts(q2, s2)) for a in pair)
+    assert frag[0].dim() == 5 and all(torch.equal(a, b) for a, b in zip(planar_copy(*frag, d), planar))
+    x = torch.randn(t, d).to(torch.bfloat16)
+    logits, bias = torch.randn(t, e), torch.zeros(e)
+    ws = MoEWorkspace.allocate(t, 2, e, d, i, x.dtype, "cpu").buffer
+    y_frag = moe_w4a16(x, logits, None, bias, *frag, 2, 1, 1, True, 1.5, 0, ws)
+    assert torch.equal(y_frag, moe_w4a16(x, logits, None, bias, *planar, 2, 1, 1, True, 1.5))
