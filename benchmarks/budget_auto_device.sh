@@ -13,13 +13,13 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 KDTREE_RESULTS_DIR="$OUT"
 common=(--target "$PAIR/target" --drafter "$PAIR/drafter" --corpus "$PAIR/corpus" --device cuda --no-chain)
 echo "=== bf16, T=0 and 1: fixed budgets against auto:256 (capped) and auto:256 (full tree)"
-timeout "${T_DEMO:-190}" python3 benchmarks/demo_pair.py "${common[@]}" --dtype bfloat16 \
-  --budgets "${BUDGETS:-4,8,16,32,64,128,256}" --auto 256 --out "$OUT/budget-auto-demo-pair.json" 2>&1 \
+timeout "${T_DEMO:-230}" python3 benchmarks/demo_pair.py "${common[@]}" --dtype bfloat16 \
+  --budgets "${BUDGETS:-16,32,64,128,256}" --auto 256 --out "$OUT/budget-auto-demo-pair.json" 2>&1 \
   | grep -v Warning | grep -v "^ddtree\|^mode " | tail -28
 echo "=== round cost: fixed, auto (full tree / capped, IF nodes), auto (host reads the bucket)"
-timeout "${T_ROUNDS:-100}" python3 benchmarks/budget_auto_rounds.py --pair "$PAIR" --from-budget 8 --out "$OUT" 2>&1 \
+timeout "${T_ROUNDS:-90}" python3 benchmarks/budget_auto_rounds.py --pair "$PAIR" --from-budget 8 --out "$OUT" 2>&1 \
   | grep -v Warning | tail -10
 if [ -z "${SKIP_TESTS:-}" ]; then
   echo "=== GPU tests"
-  timeout "${T_TESTS:-100}" python3 -m pytest -q -x -m gpu tests/test_budget_auto_gpu.py 2>&1 | tail -6
+  timeout "${T_TESTS:-90}" python3 -m pytest -q -x -m gpu tests/test_budget_auto_gpu.py 2>&1 | tail -6
 fi
