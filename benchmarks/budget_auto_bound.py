@@ -7,7 +7,8 @@ Inputs (both measured on the H200, bf16, batch 1, graphs):
       of auto's round verifying b with the full tree built (auto_full) and with the tree capped at b
       (auto_capped), from benchmarks/budget_auto_rounds.py;
   benchmarks/results/budget-auto-demo-pair.json   tau of each fixed budget at T = 0 and 1 (8 held-out
-      prompts x 96 tokens), and the rounds per bucket of the auto run without caps (its choices).
+      prompts x 96 tokens), and the rounds per bucket of the auto run building the full tree every round
+      (ddtree-auto-full; ddtree-auto in runs from before caps): its choices.
 
 Modelled here (rounds as replays: no host loop, the same for every row): per T and bucket b,
   fixed(b)       = tau_b / fixed_us(b)
@@ -57,8 +58,10 @@ def main() -> None:
         doc = {"best_fixed_budget": best["budget"], "best_fixed_tok_s": best["fixed_tok_s"],
                "capped_at_best_over_best_fixed": round(max(x["capped_tok_s"] for x in mine) / best["fixed_tok_s"], 3),
                "full_at_best_over_best_fixed": round(max(x["full_tok_s"] for x in mine) / best["fixed_tok_s"], 3)}
-        auto = next((r for r in runs if r["mode"] == "ddtree-auto"), None)
-        if auto is not None:  # the run's own choices (no caps then), costed per bucket
+        # the choices of auto building the full tree every round (ddtree-auto before caps existed), per bucket
+        auto = next((r for r in runs if r["mode"] == "ddtree-auto-full"), None) \
+            or next((r for r in runs if r["mode"] == "ddtree-auto" and "budget_caps" not in r), None)
+        if auto is not None:
             hist = {int(b): k for b, k in auto["budget_histogram"].items()}
             n = sum(hist.values())
             at = {b: cost[max(smallest, b)] for b in hist}  # buckets below the table's: its smallest row
