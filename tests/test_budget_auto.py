@@ -241,6 +241,18 @@ def test_auto_measures_its_curve_once_and_stores_it(pair, tmp_path):
     assert curve.buckets == (1, 2, 4) and curve.fixed_us > 0 and "eager rounds" in curve.source
 
 
+def test_a_stored_curve_without_head_us_is_measured_again(pair, tmp_path):
+    """A curve stored before heads per cap existed would never cap the tree: a session with caps measures anew."""
+    from runtime.engine.engine import Engine
+    m, prompts, ar = pair
+    old = CostCurve((1, 2, 4, 8, 16), (1.0,) * 5, 10.0, "stored before caps")
+    path = old.save(tmp_path / "cpu-float64-eager-b1-B16")
+    eng = Engine.from_models(m.target, m.drafter, None, "ddtree", "auto:16", autotune_dir=tmp_path)
+    assert list(eng.generate_ids(prompts[0], 4)) == ar[0][:4]
+    assert eng.last_stats["budget_curve"] == f"measured, stored: {path}"
+    assert len(CostCurve.load(path).head_us) == 5
+
+
 @pytest.mark.parametrize("edit,message", [
     (lambda d: d.pop("verify_us"), "key 'verify_us' is missing"),
     (lambda d: d.update(buckets=[1, 4, 2]), "key 'buckets' must be strictly increasing"),

@@ -19,7 +19,8 @@ The cache holds what it holds at that moment (nothing, for a fresh session): att
 the context is not in T.
 
 Stored: ART/autotune/<curve_name>/curve.json, written atomically by rank 0 when the artifact folder
-is writable, else kept in memory (the note says why).  Under tensor parallelism every rank must pick
+is writable, else kept in memory (the note says why).  A stored curve without head_us (measured before
+the caps) is measured again when the session has more than one cap.  Under tensor parallelism every rank must pick
 the same bucket: rank 0 alone reads the file and broadcasts whether it had one, the ranks measure
 together if not (their rounds hold collectives), and rank 0's curve is broadcast to every rank.
 """
@@ -74,6 +75,8 @@ def session_curve(session, graph) -> tuple[CostCurve, str]:
     stored = None
     if rank0 and folder is not None and (folder / CURVE_FILE).is_file():
         stored = CostCurve.load(folder / CURVE_FILE)
+        if not stored.head_us and len(choice.caps) > 1:
+            stored = None  # measured before heads per cap existed: it would never cap the tree; measured again
     if _share(comm, [1.0 if stored is not None else 0.0], target.device)[0] > 0:
         where = str(folder / CURVE_FILE) if folder is not None else "rank 0's stored curve"
         verify, head = [0.0] * len(buckets), [0.0] * len(buckets)
