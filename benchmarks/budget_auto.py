@@ -6,9 +6,14 @@ Acceptance is measured on the tiny `small` model (fp64, CPU reference path, batc
 agreeing test drafter (tests/agreeing_drafter.py) at two noise levels; costs come from the curves of
 one TP8 rank of Kimi K2.6 on the H200 at cache length 4K and 32K, graphs (benchmarks/results/
 k26-rank.json): a fixed-budget round costs its measured step_us(b); an auto round verifying bucket b
-costs step_us(b) - tree_build_us(b) + tree_build_us(B_max) + AUTO_OVERHEAD_US (modelled: the choice's
-kernels and the IF nodes).  (A curve measured here on the CPU is not used: on a shared machine its
-eager round times are noise, and the tiny model's rounds are Python-bound, not T(N)-shaped.)
+with its tree built at bucket j (the cap, runtime/decode/budget.py) costs T(b) + C_j, T(b) = step_us(b) -
+tree_build_us(b) - drafter_us and C_j = drafter_us + tree_build_us(j) + overhead(j).  overhead(j) is what
+auto's round adds to a fixed round of the same tree (the choice's kernels, the IF nodes, the capped
+tree's copies), measured on the H200 with the demo pair (benchmarks/results/budget-auto-rounds.json,
+capped_over_fixed_us, the smallest bucket's below its table) and assumed the same at K2.6 size: those
+kernels work on [b, N] and [nb] tensors, not on the model's width.  (A curve measured here on the CPU is
+not used: on a shared machine its eager round times are noise, and the tiny model's rounds are
+Python-bound, not T(N)-shaped.)
 
 Per (curve, noise level): each fixed budget b in 1, 2, 4, ..., B_max runs once (its acceptance does not
 depend on the curve), auto runs with the curve (its choices do).  tokens/s = the tokens the rounds emitted
@@ -40,11 +45,18 @@ from core.provenance import git_commit  # noqa: E402
 from runtime.decode.budget import CostCurve, default_buckets  # noqa: E402
 
 B_MAX = 256
-AUTO_OVERHEAD_US = 15.0  # modelled, K2.6 curves: choose() (~6 small kernels) + one IF node per bucket (~1 µs each)
+ROUNDS = RESULTS_DIR / "budget-auto-rounds.json"  # auto's measured overhead per cap (H200, demo pair)
 NOISE = {"low": dict(miss_prob=0.1, noise=1.0), "high": dict(miss_prob=0.3, noise=2.5)}
 
 
-def k26_curves(path: Path) -> dict[str, tuple[CostCurve, dict[int, float]]]:
+def measured_overhead(path: Path) -> dict[int, float]:
+    """Per bucket b: µs auto's round with its tree capped at b adds to the fixed round of budget b."""
+    rows = {r["budget"]: r["capped_over_fixed_us"] for r in json.loads(path.read_text())["rows"]
+            if "capped_over_fixed_us" in r}
+    return {b: rows[b] if b in rows else rows[min(rows)] for b in default_buckets(B_MAX)}
+
+
+def k26_curves(path: Path, overhead: dict[int, float]) -> dict[str, tuple[CostCurve, dict[int, float]]]:
     """{name: (auto's curve, fixed-budget round cost per b)} from the K2.6 rank's measured rows."""
     res = json.loads(path.read_text())
     out = {}
@@ -52,11 +64,12 @@ def k26_curves(path: Path) -> dict[str, tuple[CostCurve, dict[int, float]]]:
         rows = {r["budget"]: r for r in res["rows"] if r["context"] == ctx and r["mode"].startswith("ddtree")}
         buckets = tuple(sorted(rows))
         fixed = {b: rows[b]["step_us"] for b in buckets}
-        c = rows[buckets[-1]]["drafter_us"] + rows[buckets[-1]]["tree_build_us"] + AUTO_OVERHEAD_US
+        drafter = rows[buckets[-1]]["drafter_us"]
+        head = tuple(drafter + rows[b]["tree_build_us"] + overhead[b] for b in buckets)  # C_j
         t = tuple(fixed[b] - rows[b]["tree_build_us"] - rows[b]["drafter_us"] for b in buckets)
         name = f"k26-{ctx // 1024}k"
-        out[name] = (CostCurve(buckets, t, c, f"{path.name}: context {ctx}, {res['gpu']}, {res['git_commit']}"),
-                     fixed)
+        out[name] = (CostCurve(buckets, t, head[-1], f"{path.name}: context {ctx}, {res['gpu']}, "
+                                                     f"{res['git_commit']}", head), fixed)
     return out
 
 
@@ -80,20 +93,24 @@ class Setup:
         from agreeing_drafter import AgreeingDrafter
         d = AgreeingDrafter(self.m.target, seed=11, **NOISE[noise])
         eng = self.Engine.from_models(self.m.target, d, None, "ddtree", budget, budget_curve=curve)
-        tokens, hist, same = 0, Counter(), True
+        tokens, hist, caps, same = 0, Counter(), Counter(), True
         for p, want in zip(self.prompts, self.ar):
             same &= list(eng.generate_ids(p, self.new)) == want
             st = eng.last_stats
             tokens += st["new_tokens"] - 1  # the first token comes from the prefill
             hist.update(st.get("budget_histogram") or {budget: st["decode_rounds"]})
-        return {"tokens": tokens, "histogram": dict(sorted(hist.items())), "matches_ar": same,
-                "scale": st.get("budget_scale")}
+            caps.update(st.get("budget_caps") or {})
+        return {"tokens": tokens, "histogram": dict(sorted(hist.items())), "caps": dict(sorted(caps.items())),
+                "matches_ar": same, "scale": st.get("budget_scale")}
 
 
-def tokens_per_s(run: dict, cost: dict[int, float]) -> tuple[float, float]:
-    """(tokens per round, tokens/s) of a run under per-budget round costs (µs)."""
+def tokens_per_s(run: dict, cost: dict[int, float], head: dict[int, float] | None = None) -> tuple[float, float]:
+    """(tokens per round, tokens/s) of a run under per-budget round costs (µs); with head (auto: C_j per cap),
+    cost is T(b) alone and each round adds its cap's C_j (a sum over rounds, so the two histograms suffice)."""
     rounds = sum(run["histogram"].values())
     us = sum(k * cost[b] for b, k in run["histogram"].items())
+    if head is not None:
+        us += sum(k * head[b] for b, k in run["caps"].items())
     return run["tokens"] / rounds, 1e6 * run["tokens"] / us
 
 
@@ -105,11 +122,13 @@ def main() -> None:
     t_start = time.time()
     s = Setup(2, 32) if args.quick else Setup(4, 64)
     buckets = default_buckets(B_MAX)
-    curves = k26_curves(RESULTS_DIR / "k26-rank.json")
+    overhead = measured_overhead(ROUNDS)
+    curves = k26_curves(RESULTS_DIR / "k26-rank.json", overhead)
     fixed_runs = {(n, b): s.run(n, b) for n in NOISE for b in buckets}
     results = []
     for name, (curve, fixed_cost) in curves.items():
-        auto_cost = dict(zip(curve.buckets, curve.cost_at(curve.buckets)))
+        verify = dict(zip(curve.buckets, curve.verify_us))
+        head = dict(zip(curve.buckets, curve.head_us))
         for noise in NOISE:
             rows = []
             for b in buckets:
@@ -118,11 +137,12 @@ def main() -> None:
                 rows.append({"budget": b, "tau": round(tau, 3), "tokens_per_s": round(tps, 3),
                              "round_us": round(fixed_cost[b], 1), "matches_ar": r["matches_ar"]})
             auto = s.run(noise, f"auto:{B_MAX}", curve)
-            tau, tps = tokens_per_s(auto, auto_cost)
+            tau, tps = tokens_per_s(auto, verify, head)
             best = max(rows, key=lambda r: r["tokens_per_s"])
             results.append({"curve": name, "level": noise, **NOISE[noise], "fixed": rows,
                             "auto": {"tau": round(tau, 3), "tokens_per_s": round(tps, 3),
-                                     "budget_histogram": auto["histogram"], "scale": auto["scale"],
+                                     "budget_histogram": auto["histogram"], "caps": auto["caps"],
+                                     "scale": auto["scale"],
                                      "matches_ar": auto["matches_ar"]},
                             "best_fixed_budget": best["budget"], "best_fixed_tokens_per_s": best["tokens_per_s"],
                             "auto_over_best_fixed": round(tps / best["tokens_per_s"], 4),
@@ -132,7 +152,8 @@ def main() -> None:
            "torch": torch.__version__, "model": "tiny `small` preset, fp64, CPU reference path, batch 1, T = 0",
            "drafter": "tests/agreeing_drafter.py (margin 8, seed 11)", "prompts": len(s.prompts),
            "new_tokens": s.new, "b_max": B_MAX, "buckets": list(buckets),
-           "auto_overhead_us_modelled": AUTO_OVERHEAD_US,
+           "auto_overhead_us_measured": {b: round(v, 1) for b, v in overhead.items()},
+           "auto_overhead_source": f"{ROUNDS.relative_to(ROOT)} (capped_over_fixed_us, H200, demo pair)",
            "curves": {k: {"auto": c.to_dict(), "fixed_round_us": {b: round(v, 1) for b, v in f.items()}}
                       for k, (c, f) in curves.items()},
            "results": results, "seconds": round(time.time() - t_start, 1),
@@ -146,7 +167,8 @@ def main() -> None:
     path.write_text(json.dumps(doc, indent=1) + "\n")
     for r in results:
         print(f"\n{r['curve']}, {r['level']} noise: auto {r['auto']['tokens_per_s']:.2f} tok/s "
-              f"(tau {r['auto']['tau']}, budgets {r['auto']['budget_histogram']}) vs best fixed "
+              f"(tau {r['auto']['tau']}, budgets {r['auto']['budget_histogram']}, trees {r['auto']['caps']}) "
+              f"vs best fixed "
               f"B={r['best_fixed_budget']} {r['best_fixed_tokens_per_s']:.2f}: x{r['auto_over_best_fixed']}")
         print_table(r["fixed"], ["budget", "tau", "round_us", "tokens_per_s", "matches_ar"])
     print(f"\nwrote {path} ({doc['seconds']} s)")

@@ -1,13 +1,16 @@
 """What `--budget auto` costs per round on the GPU: the composed IF-node round and the host-choice fallback,
-forced to each bucket, against the fixed-budget round of that size, all as graph replays in one run.
+forced to each bucket, with the full tree built and with the tree capped at that bucket, against the
+fixed-budget round of that size, all as graph replays in one run.
 
-    python3 benchmarks/budget_auto_rounds.py --out DIR        # on the H200 (the demo pair, bf16, batch 1)
+    python3 benchmarks/budget_auto_rounds.py [--from-budget 8] --out DIR    # on the H200 (the demo pair, bf16, batch 1)
 
 Each round is timed as autotune times it (runtime/decode/autotune.py: the session frozen, REPLAYS replays
 between CUDA events, the fastest of REPS): fixed(b), a fixed-budget session's captured round at budget b;
-auto(b), the auto:B_MAX session's composed round with the choice forced to b (its head builds the tree
-at B_MAX and computes the choice, then one IF node runs); host(b), the same pieces launched by the host
-reading the bucket (HostChoiceRound: one sync per round, the fallback).  Writes DIR/budget-auto-rounds.json.
+auto(b), the auto:B_MAX session's composed round with the tree built at B_MAX and the choice forced to b
+(its head drafts, builds and chooses, then one IF node runs); capped(b), the same with the tree built at b
+(b a cap: runtime/decode/budget.py), so capped(b) - fixed(b) is what auto adds besides tree_build;
+head(b), the capped head alone (no bucket); host(b), the full-tree pieces launched by the host reading
+the bucket (HostChoiceRound: one sync per round, the fallback).  Writes DIR/budget-auto-rounds.json.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pair", type=Path, default=ROOT / "artifacts" / "demo-pair")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--from-budget", type=int, default=1, help="compare the buckets from this one up")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     from runtime.engine.engine import Engine
@@ -65,27 +69,37 @@ def main() -> None:
     if True not in s_auto.graphs:
         raise SystemExit(f"the auto session has no graph: {auto.last_stats.get('graph_note')}")
     composed = s_auto.graphs[True]
-    head, bodies = composed.pieces[0], composed.pieces[1:]
-    host = HostChoiceRound(head, bodies, s_auto.choice.pick, "measured beside the IF nodes")
+    choice = s_auto.choice
+    nb, full = len(choice.buckets), len(choice.buckets) - 1
+    heads = dict(zip(choice.caps, composed.pieces[:len(choice.caps)]))
+    host = HostChoiceRound(heads, composed.pieces[len(choice.caps):], choice.pick, "measured beside the IF nodes")
     rows = []
-    for i, b in enumerate(s_auto.choice.buckets):
+    for i, b in enumerate(choice.buckets):
+        if b < args.from_budget:
+            continue
         fixed = eng.configure(spec="ddtree", budget=b)
         list(fixed.generate_ids(prompt, 8))
         s_fixed = session_of(fixed)
         f_us = time_forced(s_fixed, s_fixed.graphs[True].launch, None)
-        a_us = time_forced(s_auto, composed.launch, i)
-        h_us = time_forced(s_auto, host.launch, i)
-        rows.append({"budget": b, "fixed_us": round(f_us, 2), "auto_if_us": round(a_us, 2),
-                     "auto_host_us": round(h_us, 2), "if_overhead_us": round(a_us - f_us, 2),
-                     "host_over_if_us": round(h_us - a_us, 2)})
-    none_us = time_forced(s_auto, composed.launch, len(s_auto.choice.buckets))
-    print_table(rows, ["budget", "fixed_us", "auto_if_us", "auto_host_us", "if_overhead_us", "host_over_if_us"])
-    print(f"auto head alone (draft, tree_build at {B_MAX}, choice; no bucket): {none_us:.1f} µs")
+        a_us = time_forced(s_auto, lambda: composed.launch(full), i)
+        h_us = time_forced(s_auto, lambda: host.launch(full), i)
+        row = {"budget": b, "fixed_us": round(f_us, 2), "auto_full_us": round(a_us, 2), "auto_host_us": round(h_us, 2),
+               "full_over_fixed_us": round(a_us - f_us, 2), "host_over_if_us": round(h_us - a_us, 2)}
+        if i in choice.caps:
+            c_us = time_forced(s_auto, lambda: composed.launch(i), i)
+            head_us = time_forced(s_auto, lambda: composed.launch(i), nb)
+            row.update(auto_capped_us=round(c_us, 2), capped_over_fixed_us=round(c_us - f_us, 2),
+                       head_us=round(head_us, 2))
+        rows.append(row)
+    print_table(rows, ["budget", "fixed_us", "auto_full_us", "auto_capped_us", "head_us", "auto_host_us",
+                       "full_over_fixed_us", "capped_over_fixed_us", "host_over_if_us"])
     write_result("budget-auto-rounds", rows,
                  {"shapes": {"model": str(args.pair), "dtype": args.dtype, "batch": 1, "b_max": B_MAX},
-                  "auto_head_only_us": round(none_us, 2), "graph_via": composed.via,
+                  "caps": [choice.buckets[j] for j in choice.caps], "graph_via": composed.via,
+                  "curve": choice.curve.to_dict() if choice.curve else None,
                   "method": "graph replays, session frozen, fastest of REPS timings of REPLAYS replays "
                             "(runtime/decode/autotune.py)"}, args.out)
+
 
 if __name__ == "__main__":
     main()

@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=8, help="held-out prompts to use")
     ap.add_argument("--budgets", default="4,8,16,32,64,128,256")
     ap.add_argument("--auto", type=int, default=None, metavar="B",
-                    help="also run --budget auto:B (the bucket chosen per round, up to B nodes)")
+                    help="also run --budget auto:B (the bucket chosen per round, up to B nodes), and auto:B "
+                         "building the full tree every round (ddtree-auto-full)")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--device", default="cpu")
@@ -69,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in res["runs"]:
         print(f"{r['temperature']:>4} {r['mode']:<12} {r['tau'] or 0:>7.3f} {r['decode_tokens_per_s'] or 0:>9.1f} "
               f"{r.get('speedup_vs_ar') or 1.0:>8.3f} {r.get('identical_to_ar', '')!s:>5}"
-              + (f"  mean bucket {r['mean_budget']} {r['budget_histogram']}" if "mean_budget" in r else "")
+              + (f"  mean bucket {r['mean_budget']} {r['budget_histogram']} mean tree {r['mean_cap']}"
+                 if "mean_budget" in r else "")
               + (f"  [{r['graph_note']}]" if r.get("graph_note") else ""))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=2) + "\n")

@@ -133,6 +133,44 @@ def test_a_bucket_never_verified_borrows_the_calibration_below():
     assert all(abs(x - 2) < 0.01 for x in s), s  # 4 and 8 take bucket 2's
 
 
+def test_caps_score_each_tree_size_and_hint_the_best():
+    """A full round scores every cap j by the bucket it would pick under C_j; the hint is the cap with the most
+    expected tokens per µs (ties to the larger), caps below MIN_CAP excluded; a capped round picks among the
+    buckets up to its cap at its cost."""
+    buckets = default_buckets(32)  # 1 .. 32; caps 8, 16, 32
+    flat_t = (10.0,) * 6
+    live = torch.ones(1, dtype=torch.int32)
+    sure = torch.zeros(1, 33)  # every path certain: E(b) = 1 + b
+    for head, want in (((50.0,) * 6, 5),  # caps cost the same: the full tree
+                       ((50.0,) * 4 + (60.0, 500.0), 4),  # building 32 costs 440 µs more than 16: cap 16
+                       ((5.0,) * 3 + (20.0, 400.0, 500.0), 3)):  # 9 tokens / 30 µs beats 17 / 410: cap 8
+        ch = BucketChoice(buckets, "cpu")
+        ch.set_curve(CostCurve(buckets, flat_t, head[-1], "caps", head))
+        assert ch.caps == (3, 4, 5) and int(ch.hint) == 5
+        ch.select(sure, live)  # a full round
+        assert int(ch.hint) == want and int(ch.pick) == 5, (head, int(ch.hint))
+        snap = ch.snapshot()
+        ch.select(sure, torch.zeros(1, dtype=torch.int32))  # a frozen round scores nothing
+        assert torch.equal(ch.value, snap[2])
+    ch.select(sure, live, cap=3)  # capped at bucket 8: the pick is at most 8
+    assert int(ch.pick) == 3 and ch.hot.tolist() == [False, False, False, True, False, False]
+    ch.set_curve(CostCurve(buckets, flat_t, 50.0, "another"))  # a new curve: the caps' scores start over
+    assert ch.value.abs().sum() == 0 and int(ch.hint) == 5
+
+
+def test_curve_head_us(tmp_path):
+    curve = CostCurve((1, 4, 16), (1.0, 2.0, 4.0), 30.0, "x", (10.0, 20.0, 30.0))
+    assert CostCurve.load(curve.save(tmp_path / "c")) == curve
+    assert curve.head_at((1, 2, 16)) == [10.0, 40.0 / 3, 30.0] and curve.cost_at((1, 4)) == [21.0, 22.0]
+    assert CURVE.head_at((1, 16)) == [60.0, 60.0]  # no head_us: C at every bucket
+    for edit, message in ((dict(head_us=[1.0]), "key 'head_us' has 1 values for 3 buckets"),
+                          (dict(head_us=[1.0, -1.0, 2.0]), "key 'head_us' must be finite and >= 0"),
+                          (dict(head_us="x"), "key 'head_us' must be a list of numbers")):
+        d = {**curve.to_dict(), **edit}
+        with pytest.raises(CurveError, match=re.escape(message)):
+            CostCurve.from_dict(d)
+
+
 @pytest.fixture(scope="module")
 def pair(tiny, tmp_path_factory):
     from build_pipeline.tiny_drafter import make_tiny_drafter
@@ -164,6 +202,29 @@ def test_auto_is_lossless_and_moves_between_buckets(pair, batch):
     assert sum(st["budget_histogram"].values()) == st["decode_rounds"]
 
 
+def test_auto_caps_the_tree_it_builds_and_stays_lossless(pair):
+    """A curve where building 16 nodes costs far more than 8: most rounds build the tree at 8 (the full tree
+    every EXPLORE-th round), AR's tokens; without head_us every round builds the full tree."""
+    from agreeing_drafter import AgreeingDrafter
+    from runtime.decode.budget import EXPLORE
+    from runtime.engine.engine import Engine
+    m, prompts, ar = pair
+    dear = CostCurve((1, 2, 4, 8, 16), (10.0,) * 5, 400.0, "dear full tree", (20.0,) * 4 + (400.0,))
+    for curve, capped in ((dear, True), (CURVE, False)):
+        d = AgreeingDrafter(m.target, miss_prob=0.3, seed=5)
+        eng = Engine.from_models(m.target, d, None, "ddtree", "auto:16", budget_curve=curve)
+        out = eng.generate_batch_ids(prompts, NEW)
+        st = eng.last_stats
+        assert out == ar, curve.source
+        rounds = st["decode_rounds"]
+        if capped:
+            assert st["budget_caps"] == {8: rounds - (rounds + EXPLORE - 1) // EXPLORE,
+                                         16: (rounds + EXPLORE - 1) // EXPLORE}, st["budget_caps"]
+            assert max(b for b, k in st["budget_histogram"].items()) <= 16
+        else:
+            assert st["budget_caps"] == {16: rounds}
+
+
 def test_auto_measures_its_curve_once_and_stores_it(pair, tmp_path):
     from runtime.engine.engine import Engine
     m, prompts, ar = pair
@@ -178,6 +239,18 @@ def test_auto_measures_its_curve_once_and_stores_it(pair, tmp_path):
     assert runs == [f"measured, stored: {files[0]}", f"stored: {files[0]}"]
     curve = CostCurve.load(files[0])
     assert curve.buckets == (1, 2, 4) and curve.fixed_us > 0 and "eager rounds" in curve.source
+
+
+def test_a_stored_curve_without_head_us_is_measured_again(pair, tmp_path):
+    """A curve stored before heads per cap existed would never cap the tree: a session with caps measures anew."""
+    from runtime.engine.engine import Engine
+    m, prompts, ar = pair
+    old = CostCurve((1, 2, 4, 8, 16), (1.0,) * 5, 10.0, "stored before caps")
+    path = old.save(tmp_path / "cpu-float64-eager-b1-B16")
+    eng = Engine.from_models(m.target, m.drafter, None, "ddtree", "auto:16", autotune_dir=tmp_path)
+    assert list(eng.generate_ids(prompts[0], 4)) == ar[0][:4]
+    assert eng.last_stats["budget_curve"] == f"measured, stored: {path}"
+    assert len(CostCurve.load(path).head_us) == 5
 
 
 @pytest.mark.parametrize("edit,message", [

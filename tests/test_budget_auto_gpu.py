@@ -9,7 +9,9 @@ reference and near-tie rule this reuses):
   from an eager run), the captured graph verifies different buckets on different rounds, with the AR
   tokens; a capture cannot hold a host read, so the graph chose them itself;
 - with no curve the session measures one by replaying its graph (and stores it under autotune/);
-- the fallback without IF nodes (HostChoiceRound: the host reads the bucket) gives the same tokens and buckets.
+- the fallback without IF nodes (HostChoiceRound: the host reads the bucket) gives the same tokens and buckets;
+- under a curve where the full tree is dear, most rounds replay the graph of the tree capped at 8 nodes
+  (the full tree every EXPLORE-th round), with the AR tokens.
 
 Writes $KDTREE_RESULTS_DIR/budget-auto-device-test.json (histograms, curves, mismatches).
 """
@@ -76,6 +78,20 @@ def test_each_bucket_body_gives_the_ar_tokens(ref):
     REPORT["forced"] = {"errors": errs, "graphs_and_histogram": used}
     assert all(g and list(h) == [b] for b, (g, h, _) in used.items()), used
     assert not any(errs.values()), errs
+
+
+def test_capped_tree_graphs_give_the_ar_tokens(ref):
+    from test_graphs_gpu import NEW, _diff
+
+    from runtime.decode.budget import EXPLORE
+    dear = CostCurve((1, 8, 16), (1.0, 1.0, 1.0), 400.0, "dear full tree", (1.0, 1.0, 400.0))
+    eng = ref.gpu.configure(spec="ddtree", budget=AUTO, graphs=True, budget_curve=dear)
+    out = eng.generate_batch_ids(ref.prompts, NEW)
+    st = eng.last_stats
+    rounds, full = st["decode_rounds"], (st["decode_rounds"] + EXPLORE - 1) // EXPLORE
+    REPORT["capped"] = {"caps": st["budget_caps"], "histogram": st["budget_histogram"], "errors": _diff(ref, out)}
+    assert st["graphs"] and st["budget_caps"] == {8: rounds - full, 16: full}, st["budget_caps"]
+    assert not _diff(ref, out)
 
 
 def test_graph_chooses_different_buckets_per_round(ref):

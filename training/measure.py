@@ -37,25 +37,34 @@ def measure_pair(target_dir: str | Path, drafter_dir: str | Path, prompts: list[
                  temperatures: list[float], max_new_tokens: int = 64, device: str = "cpu",
                  chain: bool = True, seed: int = 0, dtype: torch.dtype | None = None, auto: int | None = None) -> dict:
     """dtype: the Engine's (None: fp32 on CPU, bf16 on CUDA); auto: also run `--budget auto:<auto>` (mode
-    ddtree-auto; its rows carry the rounds per verified bucket and the mean bucket)."""
+    ddtree-auto; its rows carry the rounds per verified bucket, the mean bucket and the rounds per built
+    tree), then ddtree-auto-full: the same with the auto session's curve less its head_us, so every round
+    builds the full tree (the choice without caps, runtime/decode/budget.py)."""
+    import dataclasses
+
     from runtime.engine.engine import Engine
 
     eng = Engine.load(target_dir, device=device, drafter=drafter_dir, spec="ddtree", budget=budgets[0], dtype=dtype)
     modes = [("ar", "none", 0)] + ([("chain", "chain", 0)] if chain else []) + [
-        (f"ddtree-{b}", "ddtree", b) for b in budgets] + ([("ddtree-auto", "ddtree", f"auto:{auto}")] if auto else [])
+        (f"ddtree-{b}", "ddtree", b) for b in budgets] + ([("ddtree-auto", "ddtree", f"auto:{auto}"),
+                                                           ("ddtree-auto-full", "ddtree", f"auto:{auto}")]
+                                                          if auto else [])
     results = {"target": str(target_dir), "drafter": str(drafter_dir), "device": device,
                "dtype": str(eng.dtype).replace("torch.", ""), "prompts": len(prompts),
                "max_new_tokens": max_new_tokens, "runs": []}
     for temp in temperatures:
         ar_ids: list[list[int]] = []
         ar_tps = None
+        full_tree = None  # the curve of ddtree-auto-full, from the ddtree-auto session
         for label, spec, budget in modes:
-            e = eng.configure(spec=spec, budget=budget or eng.budget)
+            e = eng.configure(spec=spec, budget=budget or eng.budget,
+                              budget_curve=full_tree if label == "ddtree-auto-full" else None)
             list(e.generate_ids(prompts[0], max_new_tokens=8, temperature=temp, seed=seed))  # warm the session
             new = rounds = 0
             decode_s = 0.0
             outs = []
             buckets: dict[int, int] = {}
+            caps: dict[int, int] = {}
             t0 = time.monotonic()
             for i, p in enumerate(prompts):
                 ids = list(e.generate_ids(p, max_new_tokens=max_new_tokens, temperature=temp, seed=seed + i))
@@ -66,6 +75,8 @@ def measure_pair(target_dir: str | Path, drafter_dir: str | Path, prompts: list[
                 decode_s += st["decode_s"]
                 for b, k in st.get("budget_histogram", {}).items():
                     buckets[int(b)] = buckets.get(int(b), 0) + k
+                for b, k in st.get("budget_caps", {}).items():
+                    caps[int(b)] = caps.get(int(b), 0) + k
             wall = time.monotonic() - t0
             tps = new / decode_s if decode_s > 0 else None
             row = {"mode": label, "temperature": temp, "budget": budget or None, "new_tokens": new,
@@ -78,6 +89,12 @@ def measure_pair(target_dir: str | Path, drafter_dir: str | Path, prompts: list[
                 row["budget_histogram"] = dict(sorted(buckets.items()))
                 row["mean_budget"] = round(sum(b * k for b, k in buckets.items()) / sum(buckets.values()), 2)
                 row["budget_curve"] = e.last_stats.get("budget_curve")
+                row["budget_caps"] = dict(sorted(caps.items()))
+                row["mean_cap"] = round(sum(b * k for b, k in caps.items()) / sum(caps.values()), 2)
+            if label == "ddtree-auto":
+                curve = e.runner._sessions[(*e.spec_config.key, 1)].choice.curve  # the batch-1 session's
+                row["curve"] = curve.to_dict()
+                full_tree = dataclasses.replace(curve, head_us=(), source=f"{curve.source}; head_us dropped")
             if spec == "none":
                 ar_ids, ar_tps = outs, tps
             else:

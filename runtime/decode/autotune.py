@@ -5,9 +5,11 @@ needs a curve for one way of running (replaying its captured graph, or eager rou
 request frozen (runtime/decode/session.DecodeSession.frozen: nothing is committed, all state restored):
 
   R(b)  the whole round with the bucket forced to b (BucketChoice.force), for each bucket;
-  C     the round with no bucket forced on (draft, tree_build at B_max, the choice: no verify);
+  C_j   the round with the tree built at cap j (BucketChoice.caps) and no bucket forced on (draft,
+        tree_build at bucket j, the choice: no verify); C = C_j of the largest bucket; a bucket below
+        the smallest cap (never built) takes that cap's;
   T(b)  = max(R(b) - C, 0), then made non-decreasing in b (T(b) = min over b' >= b of T(b'): a timing
-        that a larger tree beats is noise, and a curve that dips would misplace the choice).
+        that a larger tree beats is noise, and a curve that dips would misplace the choice); C_j alike.
 
 With graphs: replays of the captured round itself (REPLAYS per timing, between CUDA events), so T and C
 are exactly what a replay costs.  Eager (the CPU reference, CUDA without graphs): one eager round per
@@ -17,7 +19,8 @@ The cache holds what it holds at that moment (nothing, for a fresh session): att
 the context is not in T.
 
 Stored: ART/autotune/<curve_name>/curve.json, written atomically by rank 0 when the artifact folder
-is writable, else kept in memory (the note says why).  Under tensor parallelism every rank must pick
+is writable, else kept in memory (the note says why).  A stored curve without head_us (measured before
+the caps) is measured again when the session has more than one cap.  Under tensor parallelism every rank must pick
 the same bucket: rank 0 alone reads the file and broadcasts whether it had one, the ranks measure
 together if not (their rounds hold collectives), and rank 0's curve is broadcast to every rank.
 """
@@ -72,22 +75,26 @@ def session_curve(session, graph) -> tuple[CostCurve, str]:
     stored = None
     if rank0 and folder is not None and (folder / CURVE_FILE).is_file():
         stored = CostCurve.load(folder / CURVE_FILE)
+        if not stored.head_us and len(choice.caps) > 1:
+            stored = None  # measured before heads per cap existed: it would never cap the tree; measured again
     if _share(comm, [1.0 if stored is not None else 0.0], target.device)[0] > 0:
         where = str(folder / CURVE_FILE) if folder is not None else "rank 0's stored curve"
-        verify, fixed = [0.0] * len(buckets), 0.0
+        verify, head = [0.0] * len(buckets), [0.0] * len(buckets)
         if stored is not None:
-            fixed = stored.fixed_us
-            verify = [c - fixed for c in stored.cost_at(buckets, where)]
-        values = _share(comm, verify + [fixed], target.device)
-        return CostCurve(buckets, tuple(values[:-1]), values[-1], stored.source if stored else where), \
-            f"stored: {where}"
-    verify, fixed = measure(session, graph)
-    values = _share(comm, verify + [fixed], target.device)  # rank 0's measurement on every rank
+            head = stored.head_at(buckets, where)
+            verify = [c - head[-1] for c in stored.cost_at(buckets, where)]
+        values = _share(comm, verify + head, target.device)
+        nb = len(buckets)
+        return CostCurve(buckets, tuple(values[:nb]), values[-1], stored.source if stored else where,
+                         tuple(values[nb:])), f"stored: {where}"
+    verify, head = measure(session, graph)
+    values = _share(comm, verify + head, target.device)  # rank 0's measurement on every rank
     how = "graph replays" if graph is not None else "eager rounds"
-    curve = CostCurve(buckets, tuple(values[:-1]), values[-1],
+    nb = len(buckets)
+    curve = CostCurve(buckets, tuple(values[:nb]), values[-1],
                       f"measured by the session: {device_label(target.device)}, {target.dtype}, {how}, "
                       f"batch {session.batch}, cache length {int(session.cache.lens.max())}, "
-                      f"{_dt.datetime.now(_dt.timezone.utc).isoformat(timespec='seconds')}")
+                      f"{_dt.datetime.now(_dt.timezone.utc).isoformat(timespec='seconds')}", tuple(values[nb:]))
     if not rank0 or folder is None:
         return curve, "measured (kept in memory: no artifact folder)" if rank0 else "measured on rank 0"
     try:
@@ -97,26 +104,33 @@ def session_curve(session, graph) -> tuple[CostCurve, str]:
     return curve, f"measured, stored: {path}"
 
 
-def measure(session, graph) -> tuple[list[float], float]:
-    """(T(b) per bucket, C) in µs for `session` run through `graph` (None: eager); see the module doc.
-    The buckets are timed in turn, REPS times over, and the fastest of each counts (noise from other
-    work on the machine spreads over all buckets instead of landing on one)."""
+def measure(session, graph) -> tuple[list[float], list[float]]:
+    """(T(b) per bucket, C_j per bucket) in µs for `session` run through `graph` (None: eager); see the
+    module doc.  The buckets and caps are timed in turn, REPS times over, and the fastest of each counts
+    (noise from other work on the machine spreads over all of them instead of landing on one)."""
     choice, cuda = session.choice, session.cuda
-    launch: Callable[[], None] = graph.launch if graph is not None else (lambda: session.raw_step(True))
+    launch: Callable[[int], None] = graph.launch if graph is not None else (lambda cap: session.raw_step(True, cap=cap))
     nb = len(choice.buckets)
-    best = [math.inf] * (nb + 1)
+    full = nb - 1
+    best = [math.inf] * nb  # R(b), the full tree built
+    heads = {cap: math.inf for cap in choice.caps}  # C_j
     with session.frozen():
         for rep in range(REPS + 1):  # rep 0: warm-up (first calls, caches)
-            for forced in range(nb + 1):  # each bucket, then none (C)
-                choice.force.fill_(forced)
-                us = time_launches(launch, REPLAYS) if graph is not None else _time_eager(launch, cuda)
-                if rep:
+            for forced, cap in [(i, full) for i in range(nb)] + [(nb, cap) for cap in choice.caps]:
+                choice.force.fill_(forced)  # nb: no bucket (the head alone)
+                us = time_launches(lambda: launch(cap), REPLAYS) if graph is not None \
+                    else _time_eager(lambda: launch(cap), cuda)
+                if rep and forced < nb:
                     best[forced] = min(best[forced], us)
-    fixed = best[-1]
-    verify = [max(r - fixed, 0.0) for r in best[:-1]]
+                elif rep:
+                    heads[cap] = min(heads[cap], us)
+    head = [heads.get(i, heads[choice.caps[0]]) for i in range(nb)]  # below the smallest cap: never built
+    fixed = head[-1]
+    verify = [max(r - fixed, 0.0) for r in best]
     for i in reversed(range(nb - 1)):  # a smaller tree costs no more than a larger one: drop the slow outliers
         verify[i] = min(verify[i], verify[i + 1])
-    return verify, fixed
+        head[i] = min(head[i], head[i + 1])
+    return verify, head
 
 
 def _time_eager(launch: Callable[[], None], cuda: bool) -> float:

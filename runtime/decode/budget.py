@@ -24,8 +24,21 @@ tokens (beyond the bonus, summed over requests) go into two decayed sums (DECAY 
 both starting at 1); s_b is their ratio, within [S_MIN, S_MAX]; a bucket no round has measured yet
 takes the largest measured bucket's s below it (1 if none).  Kept on the device with the rest.
 
-CostCurve: the buckets, T per bucket and C in µs, and where they came from; its JSON is
-{"buckets": [...], "verify_us": [...], "fixed_us": C, "source": "..."}.  A session takes the curve
+The tree actually built (the cap): tree_build's cost grows with the budget it builds (its stage 2 works
+on B_PAD-wide rows), so building B_max when the rounds verify far less wastes time every round.  A
+session therefore holds one head per bucket j (the cap: the tree built at buckets[j], its prefixes
+verifiable), with C_j its cost (the curve's head_us).  A full round (cap B_max) also scores every cap:
+the bucket the round would have picked under cap j (argmax over b <= B_j of E(b) / (T(b) + C_j)), its
+calibrated expected tokens and its µs go into decayed sums per cap (DECAY per full round); the hint is
+the cap with the most tokens per µs, ties to the larger.  The host reads the hint with the round's
+tokens (out column a + 5) and runs the next rounds' head at that cap, except every EXPLORE-th round,
+which builds the full tree (the only rounds that can see what a larger cap would gain).  Without
+head_us every cap costs C: capping never pays and every round builds B_max.
+
+CostCurve: the buckets, T per bucket and C in µs (C_j per cap when measured), and where they came from;
+its JSON is {"buckets": [...], "verify_us": [...], "fixed_us": C, "head_us": [...], "source": "..."}
+(head_us optional: C_j, the round without verify when the tree is built at bucket j; fixed_us is C at
+the largest bucket).  A session takes the curve
 it is given, else ART/autotune/<curve_name>/curve.json, else measures its own and stores it there
 when the artifact folder is writable (runtime/decode/autotune.py).  Buckets missing from a curve are
 interpolated linearly in b (`cost_at`); a bucket beyond its range is an error.
@@ -48,6 +61,8 @@ AUTOTUNE_DIR = "autotune"  # beside the artifact's manifest; not listed in it (m
 CURVE_FILE = "curve.json"
 DECAY = 0.9  # per round, of the accepted / predicted sums behind the calibration s (~10 rounds' memory)
 S_MIN, S_MAX = 0.25, 4.0
+EXPLORE = 8  # every EXPLORE-th round builds the full tree (the caps are scored on those rounds only)
+MIN_CAP = 8  # the smallest bucket a tree is capped at (smaller trees save little; each cap is one more graph)
 
 
 class CurveError(KdtreeError):
@@ -69,33 +84,35 @@ def default_buckets(b_max: int) -> tuple[int, ...]:
 class CostCurve:
     buckets: tuple[int, ...]  # tree budgets b (nodes besides the root), strictly increasing, >= 1
     verify_us: tuple[float, ...]  # T(b): verify + accept + commit of a round of b + 1 nodes per request
-    fixed_us: float  # C: the rest of a round (drafter, tree_build, choice, launches)
+    fixed_us: float  # C: the rest of a round (drafter, tree_build at the largest bucket, choice, launches)
     source: str = ""  # how it was obtained (measured where, or a file)
+    head_us: tuple[float, ...] = ()  # C_j: that rest with the tree built at bucket j (empty: C at every bucket)
 
     def __post_init__(self) -> None:
-        problem = _problem(self.buckets, self.verify_us, self.fixed_us)
+        problem = _problem(self.buckets, self.verify_us, self.fixed_us, self.head_us)
         if problem:
             raise CurveError(f"cost curve: {problem}")
 
     def cost_at(self, buckets: tuple[int, ...], where: str = "cost curve") -> list[float]:
-        """T(b) + C in µs for each b, linear in b between the curve's buckets."""
-        lo, hi = self.buckets[0], self.buckets[-1]
-        out = []
-        for b in buckets:
-            if not lo <= b <= hi:
-                raise CurveError(f"{where}: covers budgets {lo}..{hi}, the session needs {b}")
-            j = next(i for i, x in enumerate(self.buckets) if x >= b)
-            if self.buckets[j] == b:
-                t = self.verify_us[j]
-            else:
-                (b0, t0), (b1, t1) = (self.buckets[j - 1], self.verify_us[j - 1]), (self.buckets[j], self.verify_us[j])
-                t = t0 + (t1 - t0) * (b - b0) / (b1 - b0)
-            out.append(t + self.fixed_us)
-        return out
+        """T(b) + C in µs for each b, linear in b between the curve's buckets (C: the head's cost with the
+        tree built at buckets[-1])."""
+        c = self.head_at(buckets[-1:], where)[0]
+        return [t + c for t in _interpolate(self.buckets, self.verify_us, buckets, where)]
+
+    def head_at(self, buckets: tuple[int, ...], where: str = "cost curve") -> list[float]:
+        """C_j in µs with the tree built at each of `buckets` (linear in b between the curve's; fixed_us at
+        every bucket when the curve has no head_us)."""
+        if not self.head_us:
+            _interpolate(self.buckets, self.verify_us, buckets, where)  # the range check
+            return [self.fixed_us] * len(buckets)
+        return _interpolate(self.buckets, self.head_us, buckets, where)
 
     def to_dict(self) -> dict:
-        return {"buckets": list(self.buckets), "verify_us": [round(t, 3) for t in self.verify_us],
-                "fixed_us": round(self.fixed_us, 3), "source": self.source}
+        d = {"buckets": list(self.buckets), "verify_us": [round(t, 3) for t in self.verify_us],
+             "fixed_us": round(self.fixed_us, 3), "source": self.source}
+        if self.head_us:
+            d["head_us"] = [round(t, 3) for t in self.head_us]
+        return d
 
     @classmethod
     def from_dict(cls, d, where: str = "cost curve") -> "CostCurve":
@@ -112,10 +129,14 @@ class CostCurve:
             raise CurveError(f"{where}: key 'verify_us' must be a list of numbers, got {t!r}")
         if not _is_num(c):
             raise CurveError(f"{where}: key 'fixed_us' must be a number, got {c!r}")
-        problem = _problem(tuple(b), tuple(float(x) for x in t), float(c))
+        h = d.get("head_us", [])
+        if not isinstance(h, list) or not all(_is_num(x) for x in h):
+            raise CurveError(f"{where}: key 'head_us' must be a list of numbers, got {h!r}")
+        problem = _problem(tuple(b), tuple(float(x) for x in t), float(c), tuple(float(x) for x in h))
         if problem:
             raise CurveError(f"{where}: {problem}")
-        return cls(tuple(b), tuple(float(x) for x in t), float(c), str(d.get("source", "")))
+        return cls(tuple(b), tuple(float(x) for x in t), float(c), str(d.get("source", "")),
+                   tuple(float(x) for x in h))
 
     @classmethod
     def load(cls, path: str | Path) -> "CostCurve":
@@ -139,7 +160,23 @@ def _is_num(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _problem(buckets: tuple, verify_us: tuple, fixed_us: float) -> str | None:
+def _interpolate(at: tuple[int, ...], values: tuple[float, ...], buckets: tuple[int, ...], where: str) -> list[float]:
+    """values (given at the buckets `at`) at each of `buckets`, linear in b between them."""
+    lo, hi = at[0], at[-1]
+    out = []
+    for b in buckets:
+        if not lo <= b <= hi:
+            raise CurveError(f"{where}: covers budgets {lo}..{hi}, the session needs {b}")
+        j = next(i for i, x in enumerate(at) if x >= b)
+        if at[j] == b:
+            out.append(values[j])
+        else:
+            (b0, t0), (b1, t1) = (at[j - 1], values[j - 1]), (at[j], values[j])
+            out.append(t0 + (t1 - t0) * (b - b0) / (b1 - b0))
+    return out
+
+
+def _problem(buckets: tuple, verify_us: tuple, fixed_us: float, head_us: tuple = ()) -> str | None:
     """What is wrong with these fields (naming the JSON key), or None."""
     if not buckets:
         return "key 'buckets' is empty"
@@ -153,6 +190,12 @@ def _problem(buckets: tuple, verify_us: tuple, fixed_us: float) -> str | None:
         return f"key 'fixed_us' must be finite and >= 0, got {fixed_us}"
     if verify_us[0] + fixed_us <= 0:
         return "a round must cost > 0 µs (verify_us[0] + fixed_us is 0)"
+    if head_us and len(head_us) != len(buckets):
+        return f"key 'head_us' has {len(head_us)} values for {len(buckets)} buckets"
+    if not all(math.isfinite(t) and t >= 0 for t in head_us):
+        return f"key 'head_us' must be finite and >= 0, got {list(head_us)}"
+    if head_us and any(verify_us[0] + c <= 0 for c in head_us):
+        return "a round must cost > 0 µs (verify_us[0] + a head_us value is 0)"
     return None
 
 
@@ -205,22 +248,37 @@ class BucketChoice:
         self.seen = torch.ones(2, nb, dtype=torch.float32, device=device)
         self.covered = torch.zeros(nb, dtype=torch.bool, device=device)  # [nb] ever measured
         self.extra = torch.zeros(nb, dtype=torch.float32, device=device)  # [nb] this round's predictions
+        # [cap j, bucket b] T(b) + C_j: a round's µs with the tree built at bucket j, verifying bucket b
+        self.cap_cost = torch.ones(nb, nb, dtype=torch.float32, device=device)
+        self.below = self.index[None, :] <= self.index[:, None]  # [nb, nb] bucket b verifiable under cap j
+        # [2, nb] per cap, decayed over full rounds: (expected tokens, µs) of the bucket it would have picked
+        self.value = torch.zeros(2, nb, dtype=torch.float32, device=device)
+        self.hint = torch.full((), nb - 1, dtype=torch.int64, device=device)  # [] the cap to build next
+        self.caps = tuple(i for i, x in enumerate(self.buckets) if x >= min(MIN_CAP, self.buckets[-1]))  # indices
         self.curve: CostCurve | None = None
 
-    def snapshot(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of the calibration state, for `restore` (a session's frozen warm-up and measurement)."""
-        return self.seen.clone(), self.covered.clone()
+    def snapshot(self) -> tuple[torch.Tensor, ...]:
+        """Copies of the calibration state (and the caps' values), for `restore` (a session's frozen warm-up
+        and measurement)."""
+        return self.seen.clone(), self.covered.clone(), self.value.clone(), self.hint.clone()
 
-    def restore(self, snapshot: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def restore(self, snapshot: tuple[torch.Tensor, ...]) -> None:
         """The calibration state of `snapshot` back, and the choice no longer forced."""
-        self.seen.copy_(snapshot[0])
-        self.covered.copy_(snapshot[1])
+        for dst, src in zip((self.seen, self.covered, self.value, self.hint), snapshot):
+            dst.copy_(src)
         self.force.fill_(-1)
 
     def set_curve(self, curve: CostCurve) -> None:
-        """Copy T(b) + C of this session's buckets to the device (outside any capture: a host copy)."""
-        cost = curve.cost_at(self.buckets, f"cost curve ({curve.source})" if curve.source else "cost curve")
-        self.cost_us.copy_(torch.tensor(cost, dtype=torch.float32))
+        """Copy T(b) + C_j of this session's buckets and caps to the device (outside any capture: a host copy);
+        the caps' values start over (they were scored on another curve)."""
+        where = f"cost curve ({curve.source})" if curve.source else "cost curve"
+        verify = [c - curve.head_at(self.buckets[-1:], where)[0] for c in curve.cost_at(self.buckets, where)]
+        head = curve.head_at(self.buckets, where)
+        cap_cost = [[t + c for t in verify] for c in head]  # [cap, bucket] in fp64, then rounded once
+        self.cap_cost.copy_(torch.tensor(cap_cost, dtype=torch.float32))
+        self.cost_us.copy_(self.cap_cost[-1])
+        self.value.zero_()
+        self.hint.fill_(len(self.buckets) - 1)
         self.curve = curve
 
     def scale(self) -> torch.Tensor:
@@ -230,12 +288,30 @@ class BucketChoice:
         known = torch.where(self.covered, self.index, torch.zeros_like(self.index)).cummax(0).values  # [nb]
         return torch.where(self.covered[known], s.gather(0, known), s.new_ones(()))
 
-    def select(self, scores: torch.Tensor, live: torch.Tensor) -> None:
-        """pick = choose(...) unless force >= 0 (then force), hot = one-hot of pick (all false for nb);
-        extra = every bucket's predicted extra tokens, kept for observe."""
+    def select(self, scores: torch.Tensor, live: torch.Tensor, cap: int | None = None) -> None:
+        """pick = choose(...) among the buckets up to `cap` (an index; None: all) at that cap's cost, unless
+        force >= 0 (then force), hot = one-hot of pick (all false for nb); extra = every bucket's predicted
+        extra tokens, kept for observe (scores past the cap's tree are stale: those buckets are never picked).
+        A full round also scores every cap and updates the hint (module doc)."""
+        nb = len(self.buckets)
+        cap = nb - 1 if cap is None else cap
         self.extra.copy_(extra_tokens(scores, live, self.sizes))  # [nb]
+        s = self.scale()  # [nb]
         f = self.force[0]
-        self.pick.copy_(torch.where(f >= 0, f, choose(self.extra, live, self.cost_us, self.scale())))
+        if cap == nb - 1:
+            tokens = live.sum().to(torch.float32) + s * self.extra  # [nb] E(b)
+            rate = torch.where(self.below, tokens[None, :] / self.cap_cost, -1.0)  # [cap, bucket]
+            best = rate.argmax(1, keepdim=True)  # [nb, 1] each cap's pick (the first maximum: the smaller bucket)
+            pick = best[-1, 0]
+            got = torch.stack([tokens.gather(0, best[:, 0]), self.cap_cost.gather(1, best)[:, 0]])  # [2, nb]
+            w = (live.sum() > 0).to(torch.float32)  # a frozen round scores nothing
+            self.value.mul_(1 - w * (1 - DECAY)).add_(got * w)
+            ratio = self.value[0] / self.value[1].clamp(min=1e-30)  # [nb] tokens per µs per cap (0 before any)
+            ratio = torch.where(self.index >= self.caps[0], ratio, -1.0)  # caps below MIN_CAP are not built
+            self.hint.copy_(nb - 1 - ratio.flip(0).argmax())  # ties to the larger cap
+        else:
+            pick = choose(self.extra[:cap + 1], live, self.cap_cost[cap, :cap + 1], s[:cap + 1])
+        self.pick.copy_(torch.where(f >= 0, f, pick))
         torch.eq(self.index, self.pick, out=self.hot)
 
     def observe(self, accept_len: torch.Tensor, accept_idx: torch.Tensor, verified: int) -> None:

@@ -7,15 +7,18 @@ capture_graph, keep_graph) and composed here through cuda-python's driver API:
   child(head: draft, tree_build, choice) -> kernel kdtree_set_conditionals(handles, choice.hot, nb)
       -> IF h_0 { child(body 0) } -> IF h_1 { child(body 1) } -> ... -> IF h_nb-1 { child(body nb-1) }
 
+one such graph per cap j (runtime/decode/budget.py: the tree built at bucket j), with head j and the
+IF nodes of buckets 0..j; the host launches the cap's graph.
+
 The setter kernel (plugins/graph_conditional) copies the device's one-hot choice into the IF nodes'
 handles (CU_GRAPH_COND_ASSIGN_DEFAULT: 0 at every launch unless set), so exactly one body runs per
 replay (none when the choice is forced to "none") and the host never reads the choice.
 
 Memory: every piece is captured into the Engine's one graph pool.  The only tensors that cross pieces
 are the session's persistent buffers (RoundBuffers, BucketChoice, the caches), so each capture's
-intermediates are dead when it ends and the bodies may reuse each other's blocks: exactly one of them
-runs per replay, after the head.  The torch graphs are kept alive with the composition (they own those
-blocks); the child graph nodes hold copies of their nodes.
+intermediates are dead when it ends and the pieces may reuse each other's blocks: one head and at most
+one body run per replay, in that order.  The torch graphs are kept alive with the composition (they own
+those blocks); the child graph nodes hold copies of their nodes.
 
 HostChoiceRound is the fallback where the composition is unavailable (no cuda-python, no setter kernel,
 a driver without conditional nodes): the head's graph, then the host reads the choice (a sync), then
@@ -40,34 +43,44 @@ def _driver():
 
 
 class ConditionalRound:
-    """head and bodies (torch CUDAGraphs captured with keep_graph) composed with IF nodes; see the module doc."""
+    """Heads (one per cap) and bodies (torch CUDAGraphs captured with keep_graph) composed with IF nodes, one
+    executable graph per cap (that cap's head, then the bodies of the buckets up to it); see the module doc."""
 
-    def __init__(self, head: torch.cuda.CUDAGraph, bodies: list[torch.cuda.CUDAGraph], hot: torch.Tensor,
+    def __init__(self, heads: dict[int, torch.cuda.CUDAGraph], bodies: list[torch.cuda.CUDAGraph], hot: torch.Tensor,
                  cubin: bytes, name: str):
-        """hot [nb] bool on the device: the choice's one-hot (BucketChoice.hot), read by the setter kernel."""
+        """heads: cap (a bucket index) -> its head graph; hot [nb] bool on the device: the choice's one-hot
+        (BucketChoice.hot), read by the setter kernel."""
         cu = _driver()
         if cu is None:
             raise GraphUnavailable("conditional nodes need cuda-python (cuda.bindings) for the driver API")
         self.cu, self.name = cu, name
-        self.pieces = [head, *bodies]  # they own the pool's blocks the composed graph uses
-        nb = len(bodies)
+        self.pieces = [*heads.values(), *bodies]  # they own the pool's blocks the composed graphs use
+        self.hot = hot
+        self.module = self._ok(cu.cuModuleLoadData(cubin), "cuModuleLoadData (setter kernel)")
+        self.func = self._ok(cu.cuModuleGetFunction(self.module, b"kdtree_set_conditionals"), "cuModuleGetFunction")
+        self.ctx = self._ok(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        self.handles: dict[int, torch.Tensor] = {}  # cap -> [cap + 1] int64 its IF nodes' handles (the setter's)
+        self.exec = {cap: self._compose(cap, head, bodies[:cap + 1]) for cap, head in heads.items()}
+        self.full = max(heads)
+        self._streams: dict[int, object] = {}
+        self.via = "cuda-python (IF nodes)"
+        self.note = ""
+
+    def _compose(self, cap: int, head: torch.cuda.CUDAGraph, bodies: list[torch.cuda.CUDAGraph]):
+        cu, nb = self.cu, len(bodies)
         graph = self._ok(cu.cuGraphCreate(0), "cuGraphCreate")
         try:
-            ctx = self._ok(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
             node = self._ok(cu.cuGraphAddChildGraphNode(graph, None, 0, cu.CUgraph(head.raw_cuda_graph())),
-                            "cuGraphAddChildGraphNode (head)")
-            handles = [self._ok(cu.cuGraphConditionalHandleCreate(graph, ctx, 0, cu.CU_GRAPH_COND_ASSIGN_DEFAULT),
+                            f"cuGraphAddChildGraphNode (head {cap})")
+            handles = [self._ok(cu.cuGraphConditionalHandleCreate(graph, self.ctx, 0, cu.CU_GRAPH_COND_ASSIGN_DEFAULT),
                                 "cuGraphConditionalHandleCreate") for _ in range(nb)]
-            self.handles = torch.tensor([int(h) for h in handles], dtype=torch.int64, device=hot.device)  # [nb]
-            self.hot = hot
-            self.module = self._ok(cu.cuModuleLoadData(cubin), "cuModuleLoadData (setter kernel)")
-            func = self._ok(cu.cuModuleGetFunction(self.module, b"kdtree_set_conditionals"), "cuModuleGetFunction")
+            self.handles[cap] = torch.tensor([int(h) for h in handles], dtype=torch.int64, device=self.hot.device)
             kp = cu.CUDA_KERNEL_NODE_PARAMS()
-            kp.func = func
+            kp.func = self.func
             kp.gridDimX, kp.gridDimY, kp.gridDimZ = 1, 1, 1
             kp.blockDimX, kp.blockDimY, kp.blockDimZ = 32 * ((nb + 31) // 32), 1, 1
             kp.sharedMemBytes = 0
-            kp.kernelParams = ((self.handles.data_ptr(), hot.data_ptr(), nb),
+            kp.kernelParams = ((self.handles[cap].data_ptr(), self.hot.data_ptr(), nb),
                                (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int))
             node = self._ok(cu.cuGraphAddKernelNode(graph, [node], 1, kp), "cuGraphAddKernelNode (setter)")
             for i, (h, body) in enumerate(zip(handles, bodies)):
@@ -76,17 +89,14 @@ class ConditionalRound:
                 params.conditional.handle = h
                 params.conditional.type = cu.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_IF
                 params.conditional.size = 1
-                params.conditional.ctx = ctx
+                params.conditional.ctx = self.ctx
                 node = self._ok(cu.cuGraphAddNode(graph, [node], None, 1, params), f"cuGraphAddNode (IF {i})")
                 inner = params.conditional.phGraph_out[0]  # the IF node's body graph, owned by the node
                 self._ok(cu.cuGraphAddChildGraphNode(inner, None, 0, cu.CUgraph(body.raw_cuda_graph())),
                          f"cuGraphAddChildGraphNode (body {i})")
-            self.exec = self._ok(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+            return self._ok(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
         finally:
             cu.cuGraphDestroy(graph)  # the executable graph is independent of it
-        self._streams: dict[int, object] = {}
-        self.via = "cuda-python (IF nodes)"
-        self.note = ""
 
     def _ok(self, res, what: str):
         err, *rest = res if isinstance(res, tuple) else (res,)
@@ -94,28 +104,29 @@ class ConditionalRound:
             raise GraphUnavailable(f"composing {self.name}: {what} failed: {getattr(err, 'name', err)}")
         return rest[0] if len(rest) == 1 else tuple(rest)
 
-    def launch(self) -> None:
-        """Enqueue one replay on torch's current stream (no host sync)."""
+    def launch(self, cap: int | None = None) -> None:
+        """Enqueue one replay of cap's graph (None: the full tree) on torch's current stream (no host sync)."""
         ptr = torch.cuda.current_stream().cuda_stream
         stream = self._streams.get(ptr)
         if stream is None:
             stream = self._streams[ptr] = self.cu.CUstream(ptr)
-        self._ok(self.cu.cuGraphLaunch(self.exec, stream), "cuGraphLaunch")
+        self._ok(self.cu.cuGraphLaunch(self.exec[self.full if cap is None else cap], stream), "cuGraphLaunch")
 
 
 class HostChoiceRound:
-    """The fallback: the head's graph, the host reads choice.pick (one sync), then that bucket's graph."""
+    """The fallback: cap's head graph, the host reads choice.pick (one sync), then that bucket's graph."""
 
-    def __init__(self, head: torch.cuda.CUDAGraph, bodies: list[torch.cuda.CUDAGraph], pick: torch.Tensor,
+    def __init__(self, heads: dict[int, torch.cuda.CUDAGraph], bodies: list[torch.cuda.CUDAGraph], pick: torch.Tensor,
                  note: str):
-        self.head, self.bodies, self.pick = head, bodies, pick  # pick [] int64 on the device
-        for g in (head, *bodies):
+        self.heads, self.bodies, self.pick = heads, bodies, pick  # pick [] int64 on the device
+        for g in (*heads.values(), *bodies):
             g.instantiate()
+        self.full = max(heads)
         self.via = "torch (host reads the bucket)"
         self.note = note
 
-    def launch(self) -> None:
-        self.head.replay()
+    def launch(self, cap: int | None = None) -> None:
+        self.heads[self.full if cap is None else cap].replay()
         i = int(self.pick.item())  # waits for the head
         if i < len(self.bodies):
             self.bodies[i].replay()

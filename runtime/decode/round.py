@@ -13,7 +13,9 @@ state that changes between calls, every result copied into a buffer.
 Budget per round (`--budget auto`, runtime/decode/budget.py): tree_build also writes each node's path
 log-probability, the round chooses a bucket b on the device and verifies, accepts, commits and emits the
 tree's first b + 1 nodes only (the tree of budget b: tree_build's nodes are prefix-closed).  The round
-is a head (draft_tree: draft, tree_build, the choice) and one body per bucket (verify_bucket).  Captured,
+is a head (draft_tree: draft, tree_build at the round's cap, the choice) and one body per bucket
+(verify_bucket).  A head capped below the largest bucket builds the smaller tree into CapTrees and
+copies it over the first nodes of the round buffers, so every body reads the same buffers.  Captured,
 each is its own graph and runtime/decode/conditional.py composes them, each body inside a CUDA-graph
 IF node whose predicate a kernel of the graph sets from the device's one-hot choice, so the graph picks
 its bucket without a host sync; eager (the CPU reference, CUDA without graphs), the host reads the
@@ -22,9 +24,10 @@ writes the same buffers, so the rest of the session does not depend on the bucke
 
 Emission (both): this step's candidate tokens (the accepted path's tokens after the root, then
 the new bonus; for AR the one new token) are cut at the first stop token or at max_new, and
-written to out [b, a + 5] = tokens | count | live | accept_len | nonfinite (the logits held a NaN
-or Inf) | budget (with budget auto: the tree nodes verified besides the root), the one buffer the host reads
-back per round.  A request that has finished (live 0) is frozen: it commits and emits nothing.
+written to out [b, a + 6] = tokens | count | live | accept_len | nonfinite (the logits held a NaN
+or Inf) | budget (with budget auto: the tree nodes verified besides the root) | cap hint (with budget auto:
+the bucket index to build the next rounds' tree at, written by full rounds), the one buffer the host
+reads back per round.  A request that has finished (live 0) is frozen: it commits and emits nothing.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ class RoundBuffers:
     positions: torch.Tensor  # [b, N] int64
     mask: torch.Tensor  # [b, N, w] int64
     scores: torch.Tensor  # [b, N] fp32 path log-prob of each node under the drafter (budget auto only)
-    out: torch.Tensor  # [b, a + 5] int64 emitted tokens | count | live | accept_len | nonfinite | budget
+    out: torch.Tensor  # [b, a + 6] int64 emitted tokens | count | live | accept_len | nonfinite | budget | cap hint
     live: torch.Tensor  # [b] int32 1 while the request is generating
     produced: torch.Tensor  # [b] int32 tokens emitted so far
     max_new: torch.Tensor  # [b] int32
@@ -80,7 +83,7 @@ class RoundBuffers:
                    ctx_feats=z(b, a, max(feat_dim, 1), dt=dtype), ctx_tokens=z(b, a),
                    tokens=z(b, n), parents=z(b, n, dt=torch.int32), depth=z(b, n, dt=torch.int32),
                    positions=z(b, n), mask=z(b, n, mask_words(n)), scores=z(b, n, dt=torch.float32),
-                   out=z(b, a + 5), live=z(b, dt=torch.int32),
+                   out=z(b, a + 6), live=z(b, dt=torch.int32),
                    produced=z(b, dt=torch.int32), max_new=z(b, dt=torch.int32),
                    stop_ids=torch.full((b, max_stops), -1, dtype=torch.int64, device=device),
                    rng=z(b, 2), inv_temp=torch.ones(b, dtype=torch.float32, device=device), nonfinite=z(b))
@@ -115,15 +118,17 @@ def _flag_nonfinite(buf: RoundBuffers, x: torch.Tensor, rows: slice) -> None:
 
 
 def spec_round(target: TargetModel, drafter, cache: LatentCache, dcache, buf: RoundBuffers, topk: int, greedy: bool,
-               tree_ws: torch.Tensor | None, clock=None, choice: BucketChoice | None = None) -> None:
+               tree_ws: torch.Tensor | None, clock=None, choice: BucketChoice | None = None,
+               capped: "CapTrees | None" = None, cap: int | None = None) -> None:
     """One speculative round for all b requests, eagerly; see the module docstring.  tree_ws: tree_build's
     workspace buffer (TreeBuildWorkspace; None on CPU, where the op is the reference).  `clock(stage)` (a
     context manager factory, runtime/decode/clock.StageClock) times the stages of an eager call; None
     when captured.  choice: budget auto (the buckets and their device state), None for the whole tree;
     with it the host reads the device's choice (one .item(), a sync: the reference behaviour; a captured
-    round decides on the device instead, runtime/decode/conditional.py)."""
+    round decides on the device instead, runtime/decode/conditional.py).  cap: with choice, the bucket
+    index to build the tree at (None: the largest), capped: the buffers a capped tree is built in."""
     clock = clock or no_clock
-    draft_tree(drafter, cache, dcache, buf, topk, tree_ws, clock, choice)
+    draft_tree(drafter, cache, dcache, buf, topk, tree_ws, clock, choice, capped, cap)
     if choice is None:
         verify_bucket(target, cache, buf, greedy, buf.tokens.shape[1], clock)
         return
@@ -132,18 +137,62 @@ def spec_round(target: TargetModel, drafter, cache: LatentCache, dcache, buf: Ro
         verify_bucket(target, cache, buf, greedy, choice.buckets[i] + 1, clock, choice)
 
 
+@dataclass
+class CapTrees:
+    """Flat buffers a capped head builds its tree in (tree_build writes contiguous [b, n] outputs; a prefix
+    of the round buffers is not contiguous for b > 1), sized for the largest capped tree."""
+
+    tokens: torch.Tensor  # [b * n] int64
+    parents: torch.Tensor  # [b * n] int32
+    depth: torch.Tensor  # [b * n] int32
+    positions: torch.Tensor  # [b * n] int64
+    mask: torch.Tensor  # [b * n * mask_words(n)] int64
+    scores: torch.Tensor  # [b * n] fp32
+
+    @classmethod
+    def allocate(cls, b: int, n: int, device) -> "CapTrees":
+        """For trees of up to n nodes (root included)."""
+        def z(size, dt):
+            return torch.zeros(size, dtype=dt, device=device)
+
+        return cls(z(b * n, torch.int64), z(b * n, torch.int32), z(b * n, torch.int32), z(b * n, torch.int64),
+                   z(b * n * mask_words(n), torch.int64), z(b * n, torch.float32))
+
+    def views(self, b: int, n: int) -> tuple[torch.Tensor, ...]:
+        """tokens, parents, depth, positions [b, n], mask [b, n, mask_words(n)], scores [b, n]: contiguous."""
+        flat = [t[:b * n].view(b, n) for t in (self.tokens, self.parents, self.depth, self.positions)]
+        w = mask_words(n)
+        return (*flat, self.mask[:b * n * w].view(b, n, w), self.scores[:b * n].view(b, n))
+
+
 def draft_tree(drafter, cache: LatentCache, dcache, buf: RoundBuffers, topk: int, tree_ws: torch.Tensor | None,
-               clock=None, choice: BucketChoice | None = None) -> None:
-    """The round's head: draft, build the tree at the session's budget into buf and, with budget auto,
-    choose the bucket to verify on the device (choice.pick, choice.hot)."""
+               clock=None, choice: BucketChoice | None = None, capped: CapTrees | None = None,
+               cap: int | None = None) -> None:
+    """The round's head: draft, build the tree at the session's budget (with budget auto: at bucket `cap`,
+    None the largest) into buf and, with budget auto, choose the bucket to verify on the device
+    (choice.pick, choice.hot; a full round also writes the cap hint into out's last column)."""
     clock = clock or no_clock
     with clock("draft"):
         logits = drafter.draft(dcache, buf.ctx_feats, buf.accept_len, buf.bonus, buf.ctx_tokens)  # [b, D, V]
     with clock("build"):
-        tree_build(logits, buf.bonus, cache.lens.long(), topk, buf.tokens, buf.parents, buf.depth, buf.positions,
-                   buf.mask, tree_ws, buf.scores if choice is not None else None)
+        full = choice is None or cap is None or cap == len(choice.buckets) - 1
+        if full:
+            tree_build(logits, buf.bonus, cache.lens.long(), topk, buf.tokens, buf.parents, buf.depth, buf.positions,
+                       buf.mask, tree_ws, buf.scores if choice is not None else None)
+        else:
+            b, n = buf.tokens.shape[0], choice.buckets[cap] + 1
+            tokens, parents, depth, positions, mask, scores = capped.views(b, n)
+            tree_build(logits, buf.bonus, cache.lens.long(), topk, tokens, parents, depth, positions, mask, tree_ws,
+                       scores)
+            # the bodies read tokens, parents, positions and the first mask words of the first n nodes
+            for dst, src in ((buf.tokens, tokens), (buf.parents, parents), (buf.positions, positions),
+                             (buf.scores, scores)):
+                dst[:, :n].copy_(src)
+            buf.mask[:, :n, :mask.shape[2]].copy_(mask)
         if choice is not None:
-            choice.select(buf.scores, buf.live)  # choice.pick [], choice.hot [nb] on the device
+            choice.select(buf.scores, buf.live, cap)  # choice.pick [], choice.hot [nb] on the device
+            if full:
+                buf.out[:, -1].copy_(choice.hint)
 
 
 def verify_bucket(target: TargetModel, cache: LatentCache, buf: RoundBuffers, greedy: bool, n: int, clock=None,
@@ -213,7 +262,7 @@ def _emit(buf: RoundBuffers, cand: torch.Tensor, count: torch.Tensor) -> None:
     n = keep.sum(1).to(torch.int32)  # [b]
     buf.produced.add_(n)
     buf.live.mul_(1 - fin.amax(1))
-    buf.out[:, :a].copy_(cand)  # out is [b, a + 5]
+    buf.out[:, :a].copy_(cand)  # out is [b, a + 6]
     buf.out[:, a].copy_(n)
     buf.out[:, a + 1].copy_(buf.live)
     buf.out[:, a + 2].copy_(count)

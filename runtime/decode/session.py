@@ -16,7 +16,8 @@ extra round launched after the last token is harmless.
 Budget auto (spec.auto, runtime/decode/budget.py): the session holds the buckets' device state
 (BucketChoice) and, per way of running (graph replays or eager rounds), a cost curve: the spec's, else
 one stored beside the artifact under `autotune_dir`, else measured by the session itself before its
-first generation (runtime/decode/autotune.py).  The bucket of each round is recorded in the out row.
+first generation (runtime/decode/autotune.py).  The bucket of each round is recorded in the out row, with
+the cap hint: the host builds the next rounds' tree at that bucket, the full tree every EXPLORE-th round.
 
 This is the one decode loop: the Engine (runtime/engine/) keeps sessions per bucket, on one rank
 or on every rank of a TP group, and replays their graphs or runs the same step eagerly.
@@ -37,14 +38,15 @@ from core.errors import NonFiniteLogits
 from plugins.graph_conditional import SetterUnavailable, setter_cubin
 from plugins.tree_build import TreeBuildWorkspace
 from runtime.decode.autotune import SessionCurves
-from runtime.decode.budget import BucketChoice, default_buckets
+from runtime.decode.budget import EXPLORE, BucketChoice, default_buckets
 from runtime.decode.clock import StageClock
 from runtime.decode.conditional import ConditionalRound, HostChoiceRound
 from runtime.decode.graphs import CapturedStep, GraphPool, GraphUnavailable, capture_graph, missing_cuda_kernels
 from runtime.decode.memory import check_fits, session_bytes
 from runtime.decode.params import SamplingParams, SpecConfig
 from runtime.decode.prefill import prefill_requests
-from runtime.decode.round import RoundBuffers, ar_step, draft_tree, one_token_mask, pick, spec_round, verify_bucket
+from runtime.decode.round import (CapTrees, RoundBuffers, ar_step, draft_tree, one_token_mask, pick, spec_round,
+                                  verify_bucket)
 from runtime.decode.stats import DecodeStats
 from runtime.model.target import TargetModel
 
@@ -87,6 +89,12 @@ class DecodeSession:
                                                     dev).buffer if mode != "none" and dev.type == "cuda" else None)
         self.one = one_token_mask(batch, dev)
         self.choice = BucketChoice(default_buckets(self.budget), dev) if spec.auto and mode == "ddtree" else None
+        # the buffers a capped head builds its tree in (budget auto, more than one cap)
+        self.capped = CapTrees.allocate(batch, self.choice.buckets[-2] + 1, dev) \
+            if self.choice is not None and len(self.choice.caps) > 1 else None
+        self.cap = len(self.choice.buckets) - 1 if self.choice is not None else None  # the host's copy of the hint
+        if self.choice is not None:
+            self.buf.out[:, -1].fill_(self.cap)
         self.curves = SessionCurves(spec.curve, autotune_dir)
         # the artifact's compiled kernels sit beside its autotune folder (ART/kernels, ART/autotune)
         self.kernels_dir = Path(autotune_dir).parent / "kernels" if autotune_dir is not None else None
@@ -104,19 +112,20 @@ class DecodeSession:
         return self.buf.stop_ids.shape[1]
 
     # ---- the step, eager or captured
-    def step(self, greedy: bool, clock=None) -> None:
-        """One round (AR step) of every request, eagerly (with budget auto: on the eager cost curve)."""
+    def step(self, greedy: bool, clock=None, cap: int | None = None) -> None:
+        """One round (AR step) of every request, eagerly (with budget auto: on the eager cost curve, the tree
+        built at bucket index `cap`, None the largest)."""
         if self.choice is not None:
             self.curves.use(self, None)
-        self.raw_step(greedy, clock)
+        self.raw_step(greedy, clock, cap)
 
-    def raw_step(self, greedy: bool, clock=None) -> None:
+    def raw_step(self, greedy: bool, clock=None, cap: int | None = None) -> None:
         """The step itself: what capture records and what the curve measurement times."""
         if self.mode == "none":
             ar_step(self.target, self.cache, self.buf, self.one, greedy, clock)
         else:
             spec_round(self.target, self.drafter, self.cache, self.dcache, self.buf, self.topk, greedy, self.tree_ws,
-                       clock, self.choice)
+                       clock, self.choice, self.capped, cap)
 
     def capture(self, greedy: bool):
         """Capture the step (once per greedy/sampled): a CapturedStep, or with budget auto a ConditionalRound
@@ -144,19 +153,21 @@ class DecodeSession:
         return step
 
     def _capture_auto(self, greedy: bool, name: str):
-        """Budget auto: the head and each bucket's body captured apart, then composed (module doc)."""
+        """Budget auto: a head per cap and each bucket's body captured apart, then composed (module doc)."""
         buf, choice = self.buf, self.choice
-        head = capture_graph(lambda: draft_tree(self.drafter, self.cache, self.dcache, buf, self.topk, self.tree_ws,
-                                                None, choice), self.pool, f"{name}-head", keep_graph=True)
+        heads = {cap: capture_graph(lambda cap=cap: draft_tree(self.drafter, self.cache, self.dcache, buf, self.topk,
+                                                               self.tree_ws, None, choice, self.capped, cap),
+                                    self.pool, f"{name}-head{choice.buckets[cap]}", keep_graph=True)
+                 for cap in choice.caps}
         bodies = [capture_graph(lambda b=b: verify_bucket(self.target, self.cache, buf, greedy, b + 1, None, choice),
                                 self.pool, f"{name}-b{b}", keep_graph=True) for b in choice.buckets]
         arch = "sm_{}{}".format(*torch.cuda.get_device_capability(self.target.device))
         try:
             cubin, _ = setter_cubin(arch, cache_root(), self.kernels_dir)
-            return ConditionalRound(head, bodies, choice.hot, cubin, name)
+            return ConditionalRound(heads, bodies, choice.hot, cubin, name)
         except (SetterUnavailable, GraphUnavailable) as exc:
-            return HostChoiceRound(head, bodies, choice.pick, f"budget auto without IF nodes ({exc}): the host "
-                                                              f"reads each round's bucket (one sync per round)")
+            return HostChoiceRound(heads, bodies, choice.pick, f"budget auto without IF nodes ({exc}): the host "
+                                                               f"reads each round's bucket (one sync per round)")
 
     @contextlib.contextmanager
     def frozen(self):
@@ -198,6 +209,7 @@ class DecodeSession:
         stats.extra.update(graphs=graph is not None, graph_via=graph.via if graph else None,
                            graph_note=(graph.note if graph else self.graph_note) or None)
         budgets: Counter[int] = Counter()  # rounds per verified budget (budget auto)
+        caps: Counter[int] = Counter()  # rounds per built tree (budget auto)
         if self.choice is not None:
             stats.extra.update(budget_curve=self.curves.use(self, graph), budget_buckets=list(self.choice.buckets))
 
@@ -211,12 +223,13 @@ class DecodeSession:
             return
 
         clock = None if graph is not None else StageClock(dev)
-        launch = graph.launch if graph is not None else (lambda: self.step(greedy, clock))
+        launch = graph.launch if graph is not None else (lambda *cap: self.step(greedy, clock, *cap))
+        full = len(self.choice.buckets) - 1 if self.choice is not None else None
         a = self.a
         slots = max(len(self.pinned), 1)
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                   for _ in range(slots)] if self.cuda else []
-        inflight: deque[int] = deque()
+        inflight: deque[tuple[int, int | None]] = deque()  # (pinned slot, cap) per round in flight
         launched = processed = 0
         gpu_ms = host_s = wait_s = 0.0
         t_dec = time.perf_counter()
@@ -226,13 +239,18 @@ class DecodeSession:
                 slot = launched % slots
                 if self.cuda:
                     events[slot][0].record()
-                launch()
+                if full is None:
+                    cap = None
+                    launch()
+                else:  # budget auto: the tree at the hint's bucket, the full tree every EXPLORE-th round
+                    cap = full if launched % EXPLORE == 0 else self.cap
+                    launch(cap)
                 if self.cuda:
                     self.pinned[slot].copy_(buf.out, non_blocking=True)
                     events[slot][1].record()
-                inflight.append(slot)
+                inflight.append((slot, cap))
                 launched += 1
-            slot = inflight.popleft()
+            slot, cap = inflight.popleft()
             processed += 1
             if self.cuda:
                 t_wait = time.perf_counter()
@@ -244,6 +262,8 @@ class DecodeSession:
                 rows = buf.out.tolist()
             if self.choice is not None:
                 budgets[rows[0][a + 4]] += 1
+                caps[self.choice.buckets[cap]] += 1
+                self.cap = rows[0][a + 5]  # the hint of the last full round read back
             emitted = []
             for r, row in enumerate(rows):
                 count, alive, acc_len = row[a], row[a + 1], row[a + 2]
@@ -267,7 +287,7 @@ class DecodeSession:
         if clock is not None:
             stats.stage_s = clock.totals_s()
         if self.choice is not None:
-            stats.extra.update(budget_histogram=dict(sorted(budgets.items())),
+            stats.extra.update(budget_histogram=dict(sorted(budgets.items())), budget_caps=dict(sorted(caps.items())),
                                mean_budget=round(sum(b * k for b, k in budgets.items()) / processed, 2),
                                budget_scale=[round(x, 4) for x in self.choice.scale().tolist()])
         stats.extra.update(
