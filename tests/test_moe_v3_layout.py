@@ -116,3 +116,51 @@ def test_cpu_op_reads_both_layouts_alike():
     ws = MoEWorkspace.allocate(t, 2, e, d, i, x.dtype, "cpu").buffer
     y_frag = moe_w4a16(x, logits, None, bias, *frag, 2, 1, 1, True, 1.5, 0, ws)
     assert torch.equal(y_frag, moe_w4a16(x, logits, None, bias, *planar, 2, 1, 1, True, 1.5))
+
+
+def test_artifact_cubin_is_found_first_and_checked(tmp_path):
+    """A loaded artifact's CUDA C cubins (kdtree build compiles plugins/**/*.cu) are where plugins/common/cubin.py
+    looks first, after their sha256 is checked against the manifest; a corrupted one is refused by name."""
+    import hashlib
+
+    from core.errors import CheckpointError
+    from plugins.common import cubin as cubin_mod
+    from plugins.moe_w4a16.launch_v3 import SOURCE
+    from runtime.load.kernel_cache import register_cuda_kernels
+
+    art = tmp_path / "art"
+    rel = "kernels/sm_90/moe_w4a16/moe_v3.cubin"
+    (art / rel).parent.mkdir(parents=True)
+    body = b"\x7fELF not really a cubin"
+    (art / rel).write_bytes(body)
+    manifest = {"kernels": [{"kind": "cuda", "op": "moe_w4a16", "name": "moe_v3", "arch": "sm_90", "cubin": rel}],
+                "files": {rel: {"sha256": hashlib.sha256(body).hexdigest(), "bytes": len(body)}}}
+    saved = list(cubin_mod._KERNEL_DIRS)
+    try:
+        assert register_cuda_kernels(art, manifest) == [rel]
+        data, where = cubin_mod.cubin(SOURCE, "sm_90", tmp_path / "cache")
+        assert data == body and where == str(art / rel)  # nothing compiled, the cache untouched
+        assert not (tmp_path / "cache").exists()
+        (art / rel).write_bytes(b"\x7fELF tampered")
+        with pytest.raises(CheckpointError, match="moe_v3.cubin"):
+            register_cuda_kernels(art, manifest)
+        assert register_cuda_kernels(art, {"kernels": [], "files": {}}) == []  # none: the runtime compiles
+    finally:
+        cubin_mod._KERNEL_DIRS[:] = saved
+
+
+@pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="nvcc not on PATH")
+def test_every_variant_the_launcher_picks_is_compiled(tmp_path):
+    """moe_v3.cu compiles (for sm_90 and sm_120: mma.sync only) and holds every kernel launch_v3 can name."""
+    from plugins.common.cubin import _nvcc
+    from plugins.moe_w4a16.launch_v3 import DOWN_P, GATE_UP_P, SOURCE, WARPS, gate_up_variant
+
+    names = {f"kdtree_moe_v3_down_nt{nt}_p{p}" for nt, p in DOWN_P.items()}
+    for nt in GATE_UP_P:
+        for per_warp in range(1, 40):
+            names.add(gate_up_variant(nt, per_warp * WARPS))
+    for arch in ("sm_90", "sm_120"):
+        data = _nvcc(SOURCE.read_bytes(), SOURCE.name, arch)
+        assert data[:4] == b"\x7fELF"
+        missing = sorted(n for n in names if n.encode() not in data)
+        assert not missing, (arch, missing)

@@ -26,6 +26,7 @@ from plugins.moe_w4a16.workspace import MoEWorkspace
 
 SOURCE = Path(__file__).with_name("moe_v3.cu")
 WARPS = 8  # moe_v3.cu's WARPS: every k group count is a multiple (k padded to 256)
+MAX_TOKENS = 4096  # per launch: the entry list of 4096 tokens x top-8 fits in shared memory
 
 
 def token_tile(t: int) -> int:
@@ -130,6 +131,10 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
     """
     x, logits = x.contiguous(), logits.contiguous()
     t, d = x.shape
+    if t > MAX_TOKENS:  # the entry lists live in shared memory: longer inputs go in pieces (rows are independent)
+        return torch.cat([moe_w4a16_v3(x[a:a + MAX_TOKENS], logits[a:a + MAX_TOKENS], bias, w13, w13_scale, w2,
+                                       w2_scale, top_k, n_group, topk_group, norm_topk_prob, scaling, e_start,
+                                       workspace) for a in range(0, t, MAX_TOKENS)])
     e = logits.shape[1]
     e_local, pairs13, c1 = w13.shape[:3]
     pairs2, c2 = w2.shape[1:3]

@@ -17,6 +17,7 @@ from pathlib import Path
 from build_pipeline.integrity import check_files, member
 from build_pipeline.kernel_cache import arch_of, unpack
 from core.errors import CheckpointError
+from plugins.common.cubin import register_kernel_dir
 
 
 class KernelCacheWarning(UserWarning):
@@ -64,6 +65,25 @@ def install(art_dir: str | Path, manifest: dict, arch: str, triton_version: str,
                               f"--force`)")
     check_files(art_dir, listed)
     return unpack(src, Path(triton_dir))
+
+
+def register_cuda_kernels(art_dir: str | Path, manifest: dict) -> list[str]:
+    """The artifact's compiled CUDA C kernels (manifest "kernels" of kind "cuda": kernels/<arch>/<op>/<stem>.cubin,
+    checked against the manifest's sha256) made the first place plugins/common/cubin.py looks, so ops called
+    inside the model (moe_w4a16 v3) and the budget-auto setter load them instead of compiling; returns the cubins
+    registered (none: the runtime compiles at first use, as without an artifact)."""
+    art_dir = Path(art_dir)
+    cubins = [k["cubin"] for k in manifest.get("kernels", []) if isinstance(k, dict) and k.get("kind") == "cuda"
+              and isinstance(k.get("cubin"), str)]
+    files = manifest.get("files", {})
+    listed = {rel: files[rel] for rel in cubins if rel in files}
+    if not listed:
+        return []
+    for rel in listed:
+        member(art_dir, rel)  # inside the artifact
+    check_files(art_dir, listed)
+    register_kernel_dir(art_dir / "kernels")
+    return sorted(listed)
 
 
 def install_for_device(art_dir: str | Path, manifest: dict, device) -> dict | None:

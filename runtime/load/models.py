@@ -27,7 +27,7 @@ from core.plan import ParallelPlan
 from core.tokenizer import Tokenizer
 from runtime.load.artifact import is_artifact, read_manifest, read_rank
 from runtime.load.drafter import load_drafter
-from runtime.load.kernel_cache import install_for_device
+from runtime.load.kernel_cache import install_for_device, register_cuda_kernels
 from runtime.model.drafter import DFlashDrafter
 from runtime.model.target import TargetModel
 from runtime.parallel.comm import Comm
@@ -91,6 +91,8 @@ def load_models(path: str | Path, comm: Comm | None = None, plan: ParallelPlan |
         raise ValueError(f"--tp {world}: the artifact {art} was built with {plan.flag()}")
     bundle = read_rank(art, rank, device, dtype)
     install_for_device(art, bundle.manifest, device)  # the artifact's Triton kernels, before any launch
+    if torch.device(device).type == "cuda":
+        register_cuda_kernels(art, bundle.manifest)  # and its CUDA C cubins (moe_w4a16 v3, the budget-auto setter)
     drafter_dir = drafter_dir or bundle.drafter_dir
     features = load_drafter_config(drafter_dir).target_layer_ids if drafter_dir is not None else ()
     target = TargetModel(bundle.cfg, bundle.weights, features, comm, plan)

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Nsight Compute stall breakdown of the v3 kernels (TP8 tree routing, one call per t): where the warps wait.
+# Usage (device tool): bash benchmarks/moe_v3_ncu.sh [t ...]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+ts="${*:-1 64}"
+cat > /tmp/v3_calls.py <<PY
+import torch, sys
+from benchmarks.moe_w4a16 import E, K, SCALING, make_inputs
+from benchmarks.moe_w4a16_v3 import make_experts
+from plugins.moe_w4a16 import moe_w4a16
+dev = torch.device("cuda")
+ex = make_experts(E, 256, dev)
+for t in [int(a) for a in sys.argv[1:]]:
+    x, logits, bias = make_inputs(t, "tree", dev, seed=t)
+    moe_w4a16(x, logits, None, bias, *ex["frag"], K, 1, 1, True, SCALING, 0)
+torch.cuda.synchronize()
+PY
+stalls=$(for s in long_scoreboard short_scoreboard math_pipe_throttle wait barrier mio_throttle lg_throttle not_selected selected dispatch_stall no_instruction tex_throttle branch_resolving drain imc_miss misc; do printf "smsp__average_warps_issue_stalled_%s_per_issue_active.ratio," $s; done)
+timeout 300 ncu --clock-control none -k regex:kdtree_moe_v3 \
+  --metrics ${stalls}gpu__time_duration.sum,dram__bytes_read.sum,lts__t_bytes.sum,l1tex__t_bytes.sum,smsp__inst_executed.sum,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active \
+  python3 /tmp/v3_calls.py $ts 2>&1 | grep -E "kdtree_moe|stalled|duration|bytes|inst_executed|warps_active|issue_active" \
+  | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//; s/ +/ /g'
