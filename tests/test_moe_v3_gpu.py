@@ -92,22 +92,27 @@ def test_v3_matches_reference_on_random_and_k26_shapes():
     assert not bad, bad[:5]
 
 
-def test_v3_is_graph_capturable():
+def _inputs(t: int, e: int, d: int, i: int, seed: int):
+    """x [t, d] bf16, logits [t, e], zero bias and fragment-order experts (w13, s13, w2, s2), fresh random."""
     dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(1)
-    t, e, d, i, k = 16, 64, 512, 256, 8
+    g = torch.Generator(device=dev).manual_seed(seed)
     x = torch.randn(t, d, device=dev, generator=g).to(torch.bfloat16)
     logits = torch.randn(t, e, device=dev, generator=g)
-    bias = torch.zeros(e, device=dev)
-    (w13, s13), (w2, s2) = random_fragments(e, 2 * i, d, dev, g), random_fragments(e, d, i, dev, g)
-    ws = MoEWorkspace.allocate(t, k, e, d, i, x.dtype, dev)
-    call = lambda: moe_w4a16(x, logits, None, bias, w13, s13, w2, s2, k, 1, 1, True, 1.0, 0, ws.buffer)  # noqa
+    experts = (*random_fragments(e, 2 * i, d, dev, g), *random_fragments(e, d, i, dev, g))
+    return g, x, logits, torch.zeros(e, device=dev), experts
+
+
+def test_v3_is_graph_capturable():
+    t, e, d, i, k = 16, 64, 512, 256, 8
+    g, x, logits, bias, experts = _inputs(t, e, d, i, 1)
+    ws = MoEWorkspace.allocate(t, k, e, d, i, x.dtype, x.device)
+    call = lambda: moe_w4a16(x, logits, None, bias, *experts, k, 1, 1, True, 1.0, 0, ws.buffer)  # noqa: E731
     eager = call()
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
         out = call()
-    x.copy_(torch.randn(t, d, device=dev, generator=g).to(torch.bfloat16))
+    x.copy_(torch.randn(t, d, device=x.device, generator=g).to(torch.bfloat16))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, call()) and not torch.equal(out, eager)
@@ -116,14 +121,9 @@ def test_v3_is_graph_capturable():
 def test_v3_equals_v2c_on_the_same_experts():
     """The same experts in both layouts: v3 and the Triton v2c path agree to bf16 rounding."""
     from plugins.moe_w4a16 import planar_copy
-    dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(2)
     t, e, d, i, k = 16, 384, 7168, 256, 8
-    x = torch.randn(t, d, device=dev, generator=g).to(torch.bfloat16)
-    logits = torch.randn(t, e, device=dev, generator=g)
-    bias = torch.zeros(e, device=dev)
-    f = (*random_fragments(e, 2 * i, d, dev, g), *random_fragments(e, d, i, dev, g))
-    y3 = moe_w4a16(x, logits, None, bias, *f, k, 1, 1, True, 2.5, 0)
-    y2 = moe_w4a16(x, logits, None, bias, *planar_copy(*f, d), k, 1, 1, True, 2.5, 0)
+    _, x, logits, bias, experts = _inputs(t, e, d, i, 2)
+    y3 = moe_w4a16(x, logits, None, bias, *experts, k, 1, 1, True, 2.5, 0)
+    y2 = moe_w4a16(x, logits, None, bias, *planar_copy(*experts, d), k, 1, 1, True, 2.5, 0)
     rel = ((y3.float() - y2.float()).norm() / y2.float().norm()).item()
     assert rel < 1e-2, rel
