@@ -10,9 +10,10 @@ expects
 tokens (the drafter's own estimate: node i's path is accepted with the probability the drafter gives
 it, the bonus always comes; s_b scales it) at a cost of T(b) + C µs: T(b) the verify, accept and commit
 of b + 1 nodes per request, C the rest of the round (drafter, tree_build at B_max, this choice, fixed
-costs).  The round verifies argmax_b E(b) / (T(b) + C), ties to the smaller bucket.  `choose` computes
-it with torch ops on the device, with no host read, so a captured round picks its own bucket: one
-CUDA-graph IF node per bucket (runtime/decode/conditional.py).
+costs).  The round verifies argmax_b E(b) / (T(b) + C), ties to the smaller bucket.  kdtree::budget_select
+(plugins/budget_choice: the torch reference, one Triton program on CUDA) computes it on the device, with
+no host read, so a captured round picks its own bucket: one CUDA-graph IF node per bucket
+(runtime/decode/conditional.py); kdtree::budget_observe updates the calibration below.
 
 s_b calibrates the drafter per bucket: its probabilities are not the target's acceptance (at T = 0 a
 node is accepted when it is the target's argmax, whatever probability the drafter gave it; an
@@ -56,11 +57,11 @@ import torch
 
 from core.errors import KdtreeError
 from core.staging import staged_dir
+from plugins.budget_choice import (DECAY, S_MAX, S_MIN, budget_observe, budget_select, calibration,  # noqa: F401
+                                   choose, expected_tokens, extra_tokens)  # the math: plugins/budget_choice
 
 AUTOTUNE_DIR = "autotune"  # beside the artifact's manifest; not listed in it (measured at run time)
 CURVE_FILE = "curve.json"
-DECAY = 0.9  # per round, of the accepted / predicted sums behind the calibration s (~10 rounds' memory)
-S_MIN, S_MAX = 0.25, 4.0
 EXPLORE = 8  # every EXPLORE-th round builds the full tree (the caps are scored on those rounds only)
 MIN_CAP = 8  # the smallest bucket a tree is capped at (smaller trees save little; each cap is one more graph)
 
@@ -212,25 +213,6 @@ def curve_name(device, dtype: torch.dtype, graphs: bool, batch: int, b_max: int)
     return f"{label}-{str(dtype).replace('torch.', '')}-{'graphs' if graphs else 'eager'}-b{batch}-B{b_max}"
 
 
-def extra_tokens(scores: torch.Tensor, live: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
-    """scores [b, N] fp32 path log-probs (root 0), live [b], sizes [nb] int64 buckets -> [nb] fp32: the
-    drafter's expected accepted nodes of the first b, summed over live requests (no bonus, no s)."""
-    cum = scores[:, 1:].exp().cumsum(1)  # [b, N - 1] sum of path probabilities of nodes 1..i
-    return (cum.index_select(1, sizes - 1) * live[:, None].to(cum.dtype)).sum(0)  # [nb]
-
-
-def expected_tokens(scores: torch.Tensor, live: torch.Tensor, sizes: torch.Tensor, scale=1.0) -> torch.Tensor:
-    """E(b) [nb] fp32 of the module doc: live requests + scale * extra_tokens."""
-    return live.sum().to(torch.float32) + scale * extra_tokens(scores, live, sizes)
-
-
-def choose(extra: torch.Tensor, live: torch.Tensor, cost_us: torch.Tensor, scale=1.0) -> torch.Tensor:
-    """The bucket index [] int64 maximising expected tokens per µs, (live requests + scale * extra) / cost_us
-    (extra [nb] from extra_tokens, cost_us [nb] fp32 = T(b) + C); torch ops on the device, no host read.
-    The first maximum wins (the smaller bucket)."""
-    return ((live.sum().to(torch.float32) + scale * extra) / cost_us).argmax()
-
-
 class BucketChoice:
     """A session's device state for choosing the bucket: persistent tensors a captured round reads."""
 
@@ -238,7 +220,6 @@ class BucketChoice:
         self.buckets = tuple(buckets)
         nb = len(self.buckets)
         self.sizes = torch.tensor(self.buckets, dtype=torch.int64, device=device)  # [nb]
-        self.index = torch.arange(nb, device=device)  # [nb]
         self.cost_us = torch.ones(nb, dtype=torch.float32, device=device)  # [nb] T + C, set by set_curve
         self.force = torch.full((1,), -1, dtype=torch.int64, device=device)  # [1] -1 choose; i bucket i; nb none
         self.pick = torch.zeros((), dtype=torch.int64, device=device)  # [] this round's bucket (nb: none)
@@ -250,7 +231,6 @@ class BucketChoice:
         self.extra = torch.zeros(nb, dtype=torch.float32, device=device)  # [nb] this round's predictions
         # [cap j, bucket b] T(b) + C_j: a round's µs with the tree built at bucket j, verifying bucket b
         self.cap_cost = torch.ones(nb, nb, dtype=torch.float32, device=device)
-        self.below = self.index[None, :] <= self.index[:, None]  # [nb, nb] bucket b verifiable under cap j
         # [2, nb] per cap, decayed over full rounds: (expected tokens, µs) of the bucket it would have picked
         self.value = torch.zeros(2, nb, dtype=torch.float32, device=device)
         self.hint = torch.full((), nb - 1, dtype=torch.int64, device=device)  # [] the cap to build next
@@ -284,48 +264,22 @@ class BucketChoice:
     def scale(self) -> torch.Tensor:
         """s [nb] fp32: per bucket, accepted over predicted extra tokens of the last rounds that verified it
         (module doc); a bucket never verified takes the largest verified bucket's below it (1 if none)."""
-        s = (self.seen[0] / self.seen[1]).clamp(S_MIN, S_MAX)  # [nb]
-        known = torch.where(self.covered, self.index, torch.zeros_like(self.index)).cummax(0).values  # [nb]
-        return torch.where(self.covered[known], s.gather(0, known), s.new_ones(()))
+        return calibration(self.seen, self.covered)
 
     def select(self, scores: torch.Tensor, live: torch.Tensor, cap: int | None = None) -> None:
         """pick = choose(...) among the buckets up to `cap` (an index; None: all) at that cap's cost, unless
         force >= 0 (then force), hot = one-hot of pick (all false for nb); extra = every bucket's predicted
         extra tokens, kept for observe (scores past the cap's tree are stale: those buckets are never picked).
-        A full round also scores every cap and updates the hint (module doc)."""
+        A full round also scores every cap and updates the hint (module doc).  One kdtree::budget_select
+        (plugins/budget_choice: one Triton program on CUDA)."""
         nb = len(self.buckets)
-        cap = nb - 1 if cap is None else cap
-        self.extra.copy_(extra_tokens(scores, live, self.sizes))  # [nb]
-        s = self.scale()  # [nb]
-        f = self.force[0]
-        if cap == nb - 1:
-            tokens = live.sum().to(torch.float32) + s * self.extra  # [nb] E(b)
-            rate = torch.where(self.below, tokens[None, :] / self.cap_cost, -1.0)  # [cap, bucket]
-            best = rate.argmax(1, keepdim=True)  # [nb, 1] each cap's pick (the first maximum: the smaller bucket)
-            pick = best[-1, 0]
-            got = torch.stack([tokens.gather(0, best[:, 0]), self.cap_cost.gather(1, best)[:, 0]])  # [2, nb]
-            w = (live.sum() > 0).to(torch.float32)  # a frozen round scores nothing
-            self.value.mul_(1 - w * (1 - DECAY)).add_(got * w)
-            ratio = self.value[0] / self.value[1].clamp(min=1e-30)  # [nb] tokens per µs per cap (0 before any)
-            ratio = torch.where(self.index >= self.caps[0], ratio, -1.0)  # caps below MIN_CAP are not built
-            self.hint.copy_(nb - 1 - ratio.flip(0).argmax())  # ties to the larger cap
-        else:
-            pick = choose(self.extra[:cap + 1], live, self.cap_cost[cap, :cap + 1], s[:cap + 1])
-        self.pick.copy_(torch.where(f >= 0, f, pick))
-        torch.eq(self.index, self.pick, out=self.hot)
+        budget_select(scores, live, self.sizes, self.seen, self.covered, self.force, self.cap_cost, self.value,
+                      self.hint, self.extra, self.pick, self.hot, nb - 1 if cap is None else cap, self.caps[0])
 
     def observe(self, accept_len: torch.Tensor, accept_idx: torch.Tensor, verified: int) -> None:
         """After the round's accept: accept_len [b] int32 (0 for frozen requests), accept_idx [b, a] int32 (the
-        accepted path's node indices, root first), verified the bucket size the round verified.  Nodes come in score order with parents first, so the
-        path's nodes with index <= b are what a tree of b nodes would have accepted (at T = 0 exactly): each
-        bucket no larger than the verified one is measured by this round."""
-        a = accept_idx.shape[1]
-        slot = torch.arange(a, device=accept_idx.device)  # [a]
-        on_path = (slot[None, :] >= 1) & (slot[None, :] < accept_len[:, None])  # [b, a] accepted, past the root
-        within = accept_idx[:, :, None].long() <= self.sizes[None, None, :]  # [b, a, nb]
-        got = (within & on_path[:, :, None]).sum((0, 1)).to(torch.float32)  # [nb]
-        # [nb] buckets inside the verified tree, when a request was live (frozen rounds measure nothing)
-        cover = (self.sizes <= verified) & (accept_len.sum() > 0)
-        self.covered |= cover
-        w = cover.to(torch.float32)  # [nb]
-        self.seen.mul_(1 - w * (1 - DECAY)).add_(torch.stack([got, self.extra]) * w)
+        accepted path's node indices, root first), verified the bucket size the round verified.  Nodes come in
+        score order with parents first, so the path's nodes with index <= b are what a tree of b nodes would
+        have accepted (at T = 0 exactly): each bucket no larger than the verified one is measured by this
+        round.  One kdtree::budget_observe."""
+        budget_observe(accept_len, accept_idx, self.sizes, verified, self.extra, self.seen, self.covered)
