@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,13 +55,31 @@ def _run(s: dict, triton_path: bool) -> dict:
             "hot": hot.tolist(), "seen": seen.tolist(), "covered": covered.tolist()}
 
 
-def interpreter_worker(n: int) -> list[dict]:
+def interpreter_worker(n: int, device: str = "cpu") -> list[dict]:
+    """n random states through the reference (CPU) and the Triton programs (on `device`)."""
     rng, g = random.Random(7), torch.Generator().manual_seed(7)
     out = []
     for _ in range(n):
         s = _state(rng, g)
-        out.append({"ref": _run(s, False), "triton": _run(s, True), "full": s["cap"] == s["sizes"].shape[0] - 1})
+        on_dev = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+        out.append({"ref": _run(s, False), "triton": _run(on_dev, True), "full": s["cap"] == s["sizes"].shape[0] - 1})
     return out
+
+
+def _check(cases: list[dict]) -> None:
+    assert any(c["full"] for c in cases) and not all(c["full"] for c in cases)
+    for i, c in enumerate(cases):
+        ref, tri = c["ref"], c["triton"]
+        for key in ("hint", "pick", "hot", "covered"):
+            assert ref[key] == tri[key], (i, key, ref[key], tri[key])
+        for key in ("value", "extra", "seen"):
+            torch.testing.assert_close(torch.tensor(tri[key]), torch.tensor(ref[key]), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, i=i, key=key: f"case {i} {key}: {m}")
+
+
+@pytest.mark.gpu
+def test_gpu_programs_match_the_reference():
+    _check(interpreter_worker(40, "cuda"))
 
 
 def test_triton_programs_match_the_reference():
@@ -69,14 +88,8 @@ def test_triton_programs_match_the_reference():
                          timeout=600, check=False)
     assert res.returncode == 0, res.stderr[-2000:]
     cases = json.loads(res.stdout.strip().splitlines()[-1])
-    assert len(cases) == 40 and any(c["full"] for c in cases) and not all(c["full"] for c in cases)
-    for i, c in enumerate(cases):
-        ref, tri = c["ref"], c["triton"]
-        for key in ("hint", "pick", "hot", "covered"):
-            assert ref[key] == tri[key], (i, key, ref[key], tri[key])
-        for key in ("value", "extra", "seen"):
-            torch.testing.assert_close(torch.tensor(tri[key]), torch.tensor(ref[key]), rtol=1e-5, atol=1e-6,
-                                       msg=lambda m, i=i, key=key: f"case {i} {key}: {m}")
+    assert len(cases) == 40
+    _check(cases)
 
 
 if __name__ == "__main__":
