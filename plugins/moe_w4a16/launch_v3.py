@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from core.cache_dir import cache_root
-from plugins.common.cubin import cubin
+from plugins.common.cubin import CubinUnavailable, cubin
 from plugins.moe_w4a16.expert_kernels import combine_kernel
 from plugins.moe_w4a16.fragment_layout import ROWS
 from plugins.moe_w4a16.layout import GROUP
@@ -98,6 +98,16 @@ def kernels(device: torch.device) -> _Module:
             module = _ok(cu, cu.cuModuleLoadData(data), f"cuModuleLoadData ({where})")
         mod = _MODULES[index] = _Module(cu, module, {}, {}, where)
     return mod
+
+
+def unavailable(device: torch.device) -> str | None:
+    """None when the v3 kernels load on `device` (a CUDA device), else why not (one line: no cubin for its arch
+    and neither NVRTC nor nvcc to compile one, no cuda-python, or the driver refused the module)."""
+    try:
+        kernels(device)
+    except (CubinUnavailable, ImportError, RuntimeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def _func(mod: _Module, name: str, smem: int):

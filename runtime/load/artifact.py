@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,14 +123,26 @@ def place(name: str, t: torch.Tensor, device: str | torch.device, dtype: torch.d
     return t.to(device=device)
 
 
+class MoEKernelWarning(UserWarning):
+    """The INT4 experts run the Triton v2c kernels on a planar copy instead of v3 (which could not load)."""
+
+
 def kernel_form(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
                 dtype: torch.dtype, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """INT4 experts in the layout the op's path for this run reads: as stored, except fragment order on CUDA
-    with tokens or scales other than bf16 (v3 multiplies bf16), which becomes the planar layout of the Triton
-    path, once, here (plugins/moe_w4a16.planar_copy, exact).  The CPU reference reads either."""
-    if w13.dim() == 5 and w13.is_cuda and (dtype != torch.bfloat16 or w13_scale.dtype != torch.bfloat16):
-        return planar_copy(w13, w13_scale, w2, w2_scale, d)
-    return w13, w13_scale, w2, w2_scale
+    where v3 does not serve, which becomes the planar layout of the Triton path, once, here
+    (plugins/moe_w4a16.planar_copy, exact): tokens or scales other than bf16 (v3 multiplies bf16), or no v3
+    kernels for this GPU (one MoEKernelWarning says why).  The CPU reference reads either layout."""
+    if w13.dim() != 5 or not w13.is_cuda:
+        return w13, w13_scale, w2, w2_scale
+    if dtype == torch.bfloat16 and w13_scale.dtype == torch.bfloat16:
+        from plugins.moe_w4a16.launch_v3 import unavailable
+        why = unavailable(w13.device)
+        if why is None:
+            return w13, w13_scale, w2, w2_scale
+        warnings.warn(MoEKernelWarning(f"moe_w4a16 v3 unavailable on {w13.device} ({why}); the experts run the "
+                                       f"Triton v2c kernels on a planar copy"), stacklevel=2)
+    return planar_copy(w13, w13_scale, w2, w2_scale, d)
 
 
 def stack_rows(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
