@@ -164,3 +164,26 @@ def test_every_variant_the_launcher_picks_is_compiled(tmp_path):
         assert data[:4] == b"\x7fELF"
         missing = sorted(n for n in names if n.encode() not in data)
         assert not missing, (arch, missing)
+
+
+def test_v3_inputs_are_checked_by_name():
+    """launch_v3 refuses inputs whose shapes the kernels would read past, naming the tensor (checked on CPU
+    tensors: the check runs before anything touches the GPU)."""
+    from plugins.moe_w4a16 import pack_int4_experts
+    from plugins.moe_w4a16.launch_v3 import check_fragments
+    e, d, i, t = 4, 64, 64, 3
+    q13, s13 = _draw(e, 2 * i, d, 5)
+    q2, s2 = _draw(e, d, i, 6)
+    w13, sc13, w2, sc2 = pack_int4_experts(q13, s13, q2, s2)
+    x, logits, bias = torch.randn(t, d).to(torch.bfloat16), torch.randn(t, e), torch.zeros(e)
+    check_fragments(x, logits, bias, w13, sc13, w2, sc2, 2, 0)  # fits
+    with pytest.raises(ValueError, match="w2_scale must be"):
+        check_fragments(x, logits, bias, w13, sc13, w2, sc2.float(), 2, 0)
+    with pytest.raises(ValueError, match="w2 must be"):
+        check_fragments(x, logits, bias, w13, sc13, w2[:, :1], sc2, 2, 0)
+    with pytest.raises(ValueError, match="x must be bf16"):
+        check_fragments(x.float(), logits, bias, w13, sc13, w2, sc2, 2, 0)
+    with pytest.raises(ValueError, match="logits must be fp32"):
+        check_fragments(x, logits[:2], bias, w13, sc13, w2, sc2, 2, 0)
+    with pytest.raises(ValueError, match="outside"):
+        check_fragments(x, torch.randn(t, e + 4), torch.zeros(e + 4), w13, sc13, w2, sc2, 2, 6)

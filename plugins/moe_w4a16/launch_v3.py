@@ -19,7 +19,7 @@ from core.cache_dir import cache_root
 from plugins.common.cubin import CubinUnavailable, cubin
 from plugins.moe_w4a16.expert_kernels import combine_kernel
 from plugins.moe_w4a16.fragment_layout import ROWS
-from plugins.moe_w4a16.layout import GROUP
+from plugins.moe_w4a16.layout import GROUP, padded_k
 from plugins.moe_w4a16.plan import cdiv, launch_plan
 from plugins.moe_w4a16.route_kernel import next_pow2, route_kernel
 from plugins.moe_w4a16.workspace import MoEWorkspace
@@ -129,6 +129,39 @@ def _launch(mod: _Module, name: str, grid: int, smem: int, args: tuple, types: t
     _ok(cu, cu.cuLaunchKernel(func, grid, 1, 1, 32 * WARPS, 1, 1, smem, stream, (args, types), 0), f"launch {name}")
 
 
+def check_fragments(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13: torch.Tensor,
+                    w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, top_k: int, e_start: int) -> None:
+    """ValueError naming the tensor when the inputs do not fit v3 (the kernels read every size from these
+    shapes: a wrong one would read out of bounds)."""
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.shape[1] % GROUP:
+        raise ValueError(f"moe_w4a16 v3: x must be bf16 [t, d] with d % {GROUP} == 0, got {x.dtype} {list(x.shape)}")
+    t, d = x.shape
+    if logits.dim() != 2 or logits.shape[0] != t or logits.dtype != torch.float32:
+        raise ValueError(f"moe_w4a16 v3: logits must be fp32 [{t}, e], got {logits.dtype} {list(logits.shape)}")
+    e = logits.shape[1]
+    if tuple(bias.shape) != (e,):
+        raise ValueError(f"moe_w4a16 v3: bias must be [{e}], got {list(bias.shape)}")
+    if w13.dim() != 5 or w13.shape[1] % 2:
+        raise ValueError(f"moe_w4a16 v3: w13 must be fragment order [e_l, 2i/32, kp_d/32, 32, 4], got "
+                         f"{list(w13.shape)}")
+    e_local, pairs13 = w13.shape[:2]
+    i = pairs13 * ROWS // 2
+    kd, ki = padded_k(d) // GROUP, padded_k(i) // GROUP
+    want = {"w13": (w13, (e_local, pairs13, kd, 32, 4), torch.int32),
+            "w13_scale": (w13_scale, (e_local, pairs13, kd, 8, 4), torch.bfloat16),
+            "w2": (w2, (e_local, d // ROWS, ki, 32, 4), torch.int32),
+            "w2_scale": (w2_scale, (e_local, d // ROWS, ki, 8, 4), torch.bfloat16)}
+    for name, (ten, shape, dtype) in want.items():
+        if tuple(ten.shape) != shape or ten.dtype != dtype or not ten.is_contiguous():
+            raise ValueError(f"moe_w4a16 v3: {name} must be contiguous {dtype} {list(shape)} (d {d}, i {i}), got "
+                             f"{ten.dtype} {list(ten.shape)}")
+    if i % GROUP or d % ROWS:
+        raise ValueError(f"moe_w4a16 v3: d ({d}) and i ({i}) must be multiples of {ROWS}")
+    if not 1 <= top_k <= e or not 0 <= e_start <= e - e_local:
+        raise ValueError(f"moe_w4a16 v3: top_k {top_k} of {e} experts, local experts [{e_start}, "
+                         f"{e_start + e_local}) outside [0, {e})")
+
+
 def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13: torch.Tensor,
                  w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, top_k: int, n_group: int,
                  topk_group: int, norm_topk_prob: bool, scaling: float, e_start: int = 0,
@@ -140,6 +173,7 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
     MoEWorkspace's .buffer sized by launch_plan), or None to allocate the scratch per call.
     """
     x, logits = x.contiguous(), logits.contiguous()
+    check_fragments(x, logits, bias, w13, w13_scale, w2, w2_scale, top_k, e_start)
     t, d = x.shape
     if t > MAX_TOKENS:  # the entry lists live in shared memory: longer inputs go in pieces (rows are independent)
         return torch.cat([moe_w4a16_v3(x[a:a + MAX_TOKENS], logits[a:a + MAX_TOKENS], bias, w13, w13_scale, w2,
