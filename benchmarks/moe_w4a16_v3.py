@@ -23,8 +23,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import print_table, roofline_us, time_us, write_result  # noqa: E402
-from benchmarks.moe_w4a16 import D, E, K, SCALING, grouped_mm_peer, make_inputs, touched  # noqa: E402
-from plugins.moe_w4a16 import MoEWorkspace, experts_reference, moe_w4a16, planar_copy, route_reference  # noqa: E402
+from benchmarks.moe_w4a16 import SCALING, D, E, K, grouped_mm_peer, make_inputs, touched  # noqa: E402
+from plugins.moe_w4a16 import (  # noqa: E402
+    MoEWorkspace,
+    experts_reference,
+    moe_w4a16,
+    planar_copy,
+    route_reference,
+)
 from plugins.moe_w4a16.fragment_layout import dequantize_fragments  # noqa: E402
 from plugins.moe_w4a16.launch_v3 import kernels  # noqa: E402
 

@@ -38,7 +38,13 @@ def _state(rng: random.Random, g: torch.Generator) -> dict:
 
 def _run(s: dict, triton_path: bool) -> dict:
     from plugins.budget_choice.kernel import observe_triton, select_triton
-    from plugins.budget_choice.reference import DECAY, S_MAX, S_MIN, observe_reference, select_reference
+    from plugins.budget_choice.reference import (
+        DECAY,
+        S_MAX,
+        S_MIN,
+        observe_reference,
+        select_reference,
+    )
     nb = s["sizes"].shape[0]
     value, hint = s["value"].clone(), torch.full((), -7, dtype=torch.int64)
     extra, pick, hot = torch.zeros(nb), torch.zeros((), dtype=torch.int64), torch.zeros(nb, dtype=torch.bool)

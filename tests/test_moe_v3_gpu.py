@@ -14,7 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from plugins.moe_w4a16 import MoEWorkspace, experts_reference, moe_w4a16, route_reference
+from plugins.moe_w4a16 import (
+    MoEWorkspace,
+    experts_reference,
+    moe_w4a16,
+    route_reference,
+)
 from plugins.moe_w4a16.fragment_layout import dequantize_fragments
 from plugins.moe_w4a16.layout import padded_k
 

@@ -9,8 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plugins.moe_w4a16.fragment_layout import (dequantize_fragments, from_fragments, planar_to_fragments,
-                                               to_fragments)
+from plugins.moe_w4a16.fragment_layout import (
+    dequantize_fragments,
+    from_fragments,
+    planar_to_fragments,
+    to_fragments,
+)
 from plugins.moe_w4a16.layout import pack_experts
 
 
@@ -104,7 +108,12 @@ def test_zero_and_padding_are_nibble_8():
 def test_cpu_op_reads_both_layouts_alike():
     """The op's CPU path (the reference) gives the same y for the same experts in fragment order (what the build
     writes) and planar (artifacts built before)."""
-    from plugins.moe_w4a16 import MoEWorkspace, moe_w4a16, pack_int4_experts, planar_copy
+    from plugins.moe_w4a16 import (
+        MoEWorkspace,
+        moe_w4a16,
+        pack_int4_experts,
+        planar_copy,
+    )
     e, d, i, t = 6, 64, 64, 5
     q13, s13 = _draw(e, 2 * i, d, 1)
     q2, s2 = _draw(e, d, i, 2)
@@ -153,7 +162,13 @@ def test_artifact_cubin_is_found_first_and_checked(tmp_path):
 def test_every_variant_the_launcher_picks_is_compiled(tmp_path):
     """moe_v3.cu compiles (for sm_90 and sm_120: mma.sync only) and holds every kernel launch_v3 can name."""
     from plugins.common.cubin import _nvcc
-    from plugins.moe_w4a16.launch_v3 import DOWN_P, GATE_UP_P, SOURCE, WARPS, gate_up_variant
+    from plugins.moe_w4a16.launch_v3 import (
+        DOWN_P,
+        GATE_UP_P,
+        SOURCE,
+        WARPS,
+        gate_up_variant,
+    )
 
     names = {f"kdtree_moe_v3_down_nt{nt}_p{p}" for nt, p in DOWN_P.items()}
     for nt in GATE_UP_P:
@@ -187,3 +202,27 @@ def test_v3_inputs_are_checked_by_name():
         check_fragments(x, logits[:2], bias, w13, sc13, w2, sc2, 2, 0)
     with pytest.raises(ValueError, match="outside"):
         check_fragments(x, torch.randn(t, e + 4), torch.zeros(e + 4), w13, sc13, w2, sc2, 2, 6)
+
+
+def test_loader_serves_v2c_where_v3_does_not():
+    """runtime/load/artifact: fragment-order experts stay as stored where v3 serves; other dtypes get the planar
+    copy silently, a GPU without v3 kernels gets it with one MoEKernelWarning naming why."""
+    import warnings
+
+    from plugins.moe_w4a16 import pack_int4_experts, planar_copy
+    from runtime.load.artifact import MoEKernelWarning, serving_form, v3_problem
+    e, d, i = 3, 64, 32
+    q13, s13 = _draw(e, 2 * i, d, 8)
+    q2, s2 = _draw(e, d, i, 9)
+    frag = pack_int4_experts(q13, s13, q2, s2)
+    planar = planar_copy(*frag, d)
+    why = v3_problem(torch.device("cpu"), torch.float32, torch.bfloat16)  # decided before any GPU is asked
+    assert why == "torch.float32 tokens with torch.bfloat16 scales"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning for the expected cases
+        assert all(a is b for a, b in zip(serving_form(*frag, d, None), frag))
+        got = serving_form(*frag, d, why)
+    assert all(torch.equal(a, b) for a, b in zip(got, planar)) and got[0].dim() == 3
+    with pytest.warns(MoEKernelWarning, match="unavailable: CubinUnavailable: moe_v3.cu for sm_90"):
+        got = serving_form(*frag, d, "unavailable: CubinUnavailable: moe_v3.cu for sm_90: nvcc: not on PATH")
+    assert all(torch.equal(a, b) for a, b in zip(got, planar))

@@ -7,12 +7,30 @@ from __future__ import annotations
 
 import torch
 
-from plugins.budget_choice.reference import (DECAY, S_MAX, S_MIN, calibration, choose, expected_tokens,
-                                             extra_tokens, observe_reference, select_reference)
+from plugins.budget_choice.reference import (
+    DECAY,
+    S_MAX,
+    S_MIN,
+    calibration,
+    choose,
+    expected_tokens,
+    extra_tokens,
+    observe_reference,
+    select_reference,
+)
 from plugins.common.op import kdtree_op
 
-__all__ = ["budget_select", "budget_observe", "DECAY", "S_MIN", "S_MAX", "calibration", "choose", "expected_tokens",
-           "extra_tokens"]
+__all__ = [
+    "DECAY",
+    "S_MAX",
+    "S_MIN",
+    "budget_observe",
+    "budget_select",
+    "calibration",
+    "choose",
+    "expected_tokens",
+    "extra_tokens",
+]
 
 
 @kdtree_op("budget_select", mutates_args=("value", "hint", "extra", "pick", "hot"))

@@ -130,18 +130,33 @@ class MoEKernelWarning(UserWarning):
 def kernel_form(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
                 dtype: torch.dtype, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """INT4 experts in the layout the op's path for this run reads: as stored, except fragment order on CUDA
-    where v3 does not serve, which becomes the planar layout of the Triton path, once, here
-    (plugins/moe_w4a16.planar_copy, exact): tokens or scales other than bf16 (v3 multiplies bf16), or no v3
-    kernels for this GPU (one MoEKernelWarning says why).  The CPU reference reads either layout."""
+    where v3 does not serve (v3_problem), which becomes the planar layout of the Triton path, once, here.  The
+    CPU reference reads either layout."""
     if w13.dim() != 5 or not w13.is_cuda:
         return w13, w13_scale, w2, w2_scale
-    if dtype == torch.bfloat16 and w13_scale.dtype == torch.bfloat16:
-        from plugins.moe_w4a16.launch_v3 import unavailable
-        why = unavailable(w13.device)
-        if why is None:
-            return w13, w13_scale, w2, w2_scale
-        warnings.warn(MoEKernelWarning(f"moe_w4a16 v3 unavailable on {w13.device} ({why}); the experts run the "
-                                       f"Triton v2c kernels on a planar copy"), stacklevel=2)
+    return serving_form(w13, w13_scale, w2, w2_scale, d, v3_problem(w13.device, dtype, w13_scale.dtype))
+
+
+def v3_problem(device: torch.device, dtype: torch.dtype, scale_dtype: torch.dtype) -> str | None:
+    """None when moe_w4a16 v3 serves fragment-order experts on CUDA `device` in `dtype`, else why not: tokens or
+    scales other than bf16 (v3 multiplies bf16: expected, no warning), or no v3 kernels for this GPU (no cubin
+    for its arch and neither NVRTC nor nvcc, no cuda-python: "unavailable: ...")."""
+    if dtype != torch.bfloat16 or scale_dtype != torch.bfloat16:
+        return f"{dtype} tokens with {scale_dtype} scales"
+    from plugins.moe_w4a16.launch_v3 import unavailable
+    why = unavailable(device)
+    return None if why is None else f"unavailable: {why}"
+
+
+def serving_form(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, d: int,
+                 problem: str | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fragment-order experts as they are (problem None), else their planar copy (plugins/moe_w4a16.planar_copy,
+    exact) for the Triton v2c path, with one MoEKernelWarning when v3 was expected but is unavailable."""
+    if problem is None:
+        return w13, w13_scale, w2, w2_scale
+    if problem.startswith("unavailable"):
+        warnings.warn(MoEKernelWarning(f"moe_w4a16 v3 {problem}; the experts run the Triton v2c kernels on a "
+                                       f"planar copy"), stacklevel=3)
     return planar_copy(w13, w13_scale, w2, w2_scale, d)
 
 
