@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_moe_w4a16 import _poison_allocator
 
 from plugins.moe_w4a16 import (
     MoEWorkspace,
@@ -43,7 +44,7 @@ def _case(t, e, d, i, k, n_group, topk_group, e_start, e_local, seed, dev) -> di
     logits = torch.randn(t, e, device=dev, generator=g) * 2
     bias = torch.randn(e, device=dev, generator=g) * 0.1
     (w13, s13), (w2, s2) = random_fragments(e_local, 2 * i, d, dev, g), random_fragments(e_local, d, i, dev, g)
-    torch.empty((4 * t * k * (d + i) + 4 * t * d + (1 << 20)) // 4, device=dev).fill_(float("nan"))  # poison
+    _poison_allocator(dev, 4 * t * k * (d + i) + 4 * t * d + (1 << 20))
     ws = None
     if seed % 2:  # odd seeds: a caller's workspace for a few more tokens, poisoned
         ws = MoEWorkspace.allocate(t + 3, k, e_local, d, i, x.dtype, dev).buffer.fill_(0xFF)

@@ -35,12 +35,11 @@ def register_kernel_dir(path: Path) -> None:
     _KERNEL_DIRS.insert(0, path)
 
 
-def cubin(source: Path, arch: str, cache: Path, artifact_kernels: Path | None = None) -> tuple[bytes, str]:
+def cubin(source: Path, arch: str, cache: Path) -> tuple[bytes, str]:
     """(cubin bytes, where it came from) of plugins/<op>/.../<stem>.cu for arch "sm_90" etc.; cache: the kdtree
-    cache root; artifact_kernels: an artifact's kernels/ folder (else the registered ones)."""
+    cache root."""
     op = source.parent.name
-    dirs = [artifact_kernels] if artifact_kernels is not None else list(_KERNEL_DIRS)
-    for kernels in dirs:
+    for kernels in _KERNEL_DIRS:
         built = kernels / arch / op / (source.stem + ".cubin")
         if built.is_file():
             return built.read_bytes(), str(built)

@@ -17,7 +17,6 @@ KERNEL = b"kdtree_set_conditionals"  # (const u64* handles [n], const bool* hot 
 SetterUnavailable = CubinUnavailable  # the name runtime/decode/session.py catches
 
 
-def setter_cubin(arch: str, cache: Path, artifact_kernels: Path | None = None) -> tuple[bytes, str]:
-    """(cubin bytes, where it came from) for arch "sm_90" etc.; cache: the kdtree cache root;
-    artifact_kernels: an artifact's kernels/ folder, or None."""
-    return cubin(SOURCE, arch, cache, artifact_kernels)
+def setter_cubin(arch: str, cache: Path) -> tuple[bytes, str]:
+    """(cubin bytes, where it came from) for arch "sm_90" etc.; cache: the kdtree cache root."""
+    return cubin(SOURCE, arch, cache)

@@ -67,12 +67,10 @@ def planar_copy(w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torc
             *pack_experts(*from_fragments(w2, s2, expert_dims(w13)[1], False)))
 
 
-def v3_eligible(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None,
-                w2_scale: torch.Tensor | None) -> bool:
-    """Whether launch_v3 serves this call: fragment-order INT4 experts, bf16 tokens and scales, i % 32 == 0."""
-    return (w13.dim() == 5 and w13_scale is not None and x.dtype == torch.bfloat16
-            and w13_scale.dtype == torch.bfloat16 and w2_scale is not None and w2_scale.dtype == torch.bfloat16
-            and expert_dims(w13)[1] % 32 == 0 and x.shape[-1] % 32 == 0)
+def v3_multiplies(dtype: torch.dtype, scale_dtype: torch.dtype) -> bool:
+    """Whether launch_v3 serves fragment-order experts for tokens of `dtype` and scales of `scale_dtype` (its
+    mma multiplies bf16; other dtypes run v2c on a planar copy).  Shapes are launch_v3.check_fragments's."""
+    return dtype == torch.bfloat16 and scale_dtype == torch.bfloat16
 
 
 def _logits(x: torch.Tensor, logits: torch.Tensor | None, gate: torch.Tensor | None) -> torch.Tensor:
@@ -133,7 +131,7 @@ def _(x, logits, gate, bias, w13, w13_scale, w2, w2_scale, top_k, n_group, topk_
       e_start, workspace):
     lg = _logits(x, logits, gate).float()
     if w13.dim() == 5:
-        if v3_eligible(x, w13, w13_scale, w2_scale):
+        if v3_multiplies(x.dtype, w13_scale.dtype):
             from plugins.moe_w4a16.launch_v3 import moe_w4a16_v3
             return moe_w4a16_v3(x, lg, bias, w13, w13_scale, w2, w2_scale, top_k, n_group, topk_group,
                                 norm_topk_prob, scaling, e_start, workspace)

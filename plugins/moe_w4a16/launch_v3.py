@@ -17,6 +17,7 @@ import torch
 
 from core.cache_dir import cache_root
 from plugins.common.cubin import CubinUnavailable, cubin
+from plugins.common.device import device_facts
 from plugins.moe_w4a16.expert_kernels import combine_kernel
 from plugins.moe_w4a16.fragment_layout import ROWS
 from plugins.moe_w4a16.layout import GROUP, padded_k
@@ -91,7 +92,7 @@ def kernels(device: torch.device) -> _Module:
     mod = _MODULES.get(index)
     if mod is None:
         from cuda.bindings import driver as cu
-        major, minor = torch.cuda.get_device_capability(index)
+        major, minor = device_facts(device).capability
         data, where = cubin(SOURCE, f"sm_{major}{minor}", cache_root())
         with torch.cuda.device(index):
             torch.cuda.init()
@@ -197,7 +198,7 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
                        BT=1, BE=next_pow2(e), BKK=next_pow2(top_k), BG=next_pow2(n_group), num_warps=1)
 
     mod = kernels(x.device)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    sms = device_facts(x.device).sms
     i32, ptr = ctypes.c_int, ctypes.c_void_p
     nt = token_tile(t)
     n_items = max_entries(t, top_k, e_local, nt) * pairs13

@@ -96,8 +96,6 @@ class DecodeSession:
         if self.choice is not None:
             self.buf.out[:, -1].fill_(self.cap)
         self.curves = SessionCurves(spec.curve, autotune_dir)
-        # the artifact's compiled kernels sit beside its autotune folder (ART/kernels, ART/autotune)
-        self.kernels_dir = Path(autotune_dir).parent / "kernels" if autotune_dir is not None else None
         self.pool = pool
         self.graphs: dict[bool, CapturedStep | ConditionalRound | HostChoiceRound] = {}
         self.graph_note = ""
@@ -163,7 +161,7 @@ class DecodeSession:
                                 self.pool, f"{name}-b{b}", keep_graph=True) for b in choice.buckets]
         arch = "sm_{}{}".format(*torch.cuda.get_device_capability(self.target.device))
         try:
-            cubin, _ = setter_cubin(arch, cache_root(), self.kernels_dir)
+            cubin, _ = setter_cubin(arch, cache_root())  # the artifact's when loading registered it
             return ConditionalRound(heads, bodies, choice.hot, cubin, name)
         except (SetterUnavailable, GraphUnavailable) as exc:
             return HostChoiceRound(heads, bodies, choice.pick, f"budget auto without IF nodes ({exc}): the host "

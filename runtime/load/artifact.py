@@ -25,7 +25,7 @@ from core.config import ModelConfig
 from core.errors import CheckpointError
 from core.plan import ParallelPlan
 from core.safetensors_file import SafetensorsFile
-from plugins.moe_w4a16 import planar_copy
+from plugins.moe_w4a16 import planar_copy, v3_multiplies
 from runtime.model.weights import (
     AttentionWeights,
     Experts,
@@ -141,7 +141,7 @@ def v3_problem(device: torch.device, dtype: torch.dtype, scale_dtype: torch.dtyp
     """None when moe_w4a16 v3 serves fragment-order experts on CUDA `device` in `dtype`, else why not: tokens or
     scales other than bf16 (v3 multiplies bf16: expected, no warning), or no v3 kernels for this GPU (no cubin
     for its arch and neither NVRTC nor nvcc, no cuda-python: "unavailable: ...")."""
-    if dtype != torch.bfloat16 or scale_dtype != torch.bfloat16:
+    if not v3_multiplies(dtype, scale_dtype):
         return f"{dtype} tokens with {scale_dtype} scales"
     from plugins.moe_w4a16.launch_v3 import unavailable
     why = unavailable(device)
