@@ -95,7 +95,7 @@ def build(model_dir: str | Path, out: str | Path | None = None, drafter_dir: str
     if out is not None:
         refuse_foreign_out(Path(out), force)  # before the build, not after it
     options = {"tp": tp, "ep": ep, "backend": backend, "archs": list(archs), "budgets": list(budgets)}
-    warm_arch = arch_of(torch.cuda.get_device_capability()) if warm and backend == "native" \
+    warm_arch = arch_of(torch.cuda.get_device_capability()) if warm and backend == "native" and tp == 1 \
         and torch.cuda.is_available() else None
     if warm_arch is not None:  # only then: the key of an unwarmed build stays what it was
         options["warm"] = warm_arch

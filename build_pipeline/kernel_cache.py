@@ -42,7 +42,8 @@ PROMPT_LENGTHS = (1, 2, 3, 5, 8, 11, 16, 17, 24, 32, 33, 47)
 NEW_TOKENS = 40
 SAMPLED_LENGTHS = (1, 11)  # also decoded at temperature SAMPLED_T (the sampling kernels)
 SAMPLED_T = 0.8
-UNWARMED = "built without a CUDA device, with --no-warm, for tensorrt, synthetic, or by the runtime from a checkpoint"
+UNWARMED = ("built without a CUDA device, with --no-warm, with --tp > 1 (the warm-up decodes one rank), for tensorrt, "
+            "synthetic, or by the runtime from a checkpoint")
 
 
 def arch_of(capability: tuple[int, int]) -> str:

@@ -15,7 +15,7 @@ import torch
 from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpRun
 
-from plugins.moe_w4a16 import dense_experts
+from plugins.moe_w4a16 import dequantize_experts
 from plugins.moe_w4a16.reference import experts_reference, route_reference
 from plugins.tree_verify_mla.reference import tree_verify_mla_reference
 
@@ -61,8 +61,8 @@ class MoeW4a16(OpRun):
     def _run(self, x, logits, bias, w13_packed, w13_scale, w2_packed, w2_scale, top_k=None, n_group=None,
              topk_group=None, norm_topk_prob=None, routed_scaling_factor=None, expert_first=None, group_size=None):
         # a kernel layout (planar or fragment order, plugins/moe_w4a16): true k is d for w13 and i_l for w2
-        w13, w2 = dense_experts(torch.empty(0, x.shape[-1], dtype=torch.float32), to_torch(w13_packed),
-                                to_torch(w13_scale), to_torch(w2_packed), to_torch(w2_scale))  # [e_l, 2i_l, d], [e_l, d, i_l]
+        w13, w2 = dequantize_experts(to_torch(w13_packed), to_torch(w13_scale), to_torch(w2_packed),
+                                     to_torch(w2_scale), x.shape[-1])  # fp32 [e_l, 2i_l, d], [e_l, d, i_l]
         return (_experts(x, logits, bias, w13, w2, top_k, n_group, topk_group, norm_topk_prob,
                          routed_scaling_factor, expert_first),)
 

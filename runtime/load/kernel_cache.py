@@ -79,9 +79,7 @@ def register_cuda_kernels(art_dir: str | Path, manifest: dict) -> list[str]:
     listed = {rel: files[rel] for rel in cubins if rel in files}
     if not listed:
         return []
-    for rel in listed:
-        member(art_dir, rel)  # inside the artifact
-    check_files(art_dir, listed)
+    check_files(art_dir, listed)  # also refuses a path out of the artifact
     register_kernel_dir(art_dir / "kernels")
     return sorted(listed)
 

@@ -6,9 +6,10 @@
 
 A checkpoint dir is always taken through the build, so the weights are cut once, by
 build_pipeline/shard.py, for every plan (tp 1 included); a second load is a cache hit.  The build
-the runtime asks for compiles no kernels (archs none) and warms none: the runtime does not load cubins yet,
-and Triton kernels come from an artifact's kernels/triton-<arch>/ only when `kdtree build` warmed them on a
-GPU (runtime/load/kernel_cache.py), else they compile at first use.  Under
+the runtime asks for compiles no kernels (archs none) and warms none: its CUDA C kernels then compile once
+into the kdtree cache at first use (plugins/common/cubin.py; an artifact's own kernels/<arch>/ cubins are
+checked and loaded instead), and Triton kernels come from an artifact's kernels/triton-<arch>/ only when
+`kdtree build` warmed them on a GPU (runtime/load/kernel_cache.py), else they compile at first use.  Under
 tensor parallelism the caller resolves the artifact once before starting ranks (`resolve_artifact`);
 ranks that meet a checkpoint dir themselves (torchrun) let rank 0 build while the others wait.
 """
