@@ -8,12 +8,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from plugins.common.keys import max_combine
+
 NEG_INF = tl.constexpr(float("-inf"))
-
-
-@triton.jit
-def _max_combine(a, b):
-    return tl.maximum(a, b)
 
 
 @triton.jit
@@ -46,7 +43,7 @@ def select_kernel(scores_ptr, live_ptr, sizes_ptr, seen_ptr, covered_ptr, force_
     seen1 = tl.load(seen_ptr + NB + rj, mask=jm, other=1.0)
     s = tl.minimum(tl.maximum(seen0 / seen1, s_min), s_max)  # [BNB]
     cov = tl.load(covered_ptr + rj, mask=jm, other=0).to(tl.int32)  # [BNB]
-    known = tl.associative_scan(tl.where(cov != 0, rj, 0), 0, _max_combine)  # [BNB] cummax
+    known = tl.associative_scan(tl.where(cov != 0, rj, 0), 0, max_combine)  # [BNB] cummax
     s_known = _gather(s, rj, known)
     cov_known = _gather(cov.to(tl.float32), rj, known)
     s = tl.where(cov_known != 0.0, s_known, 1.0)
@@ -112,7 +109,8 @@ def observe_kernel(accept_len_ptr, accept_idx_ptr, sizes_ptr, extra_ptr, seen_pt
 
 
 def next_pow2(n: int) -> int:
-    return 1 << max(1, (n - 1).bit_length())
+    """Block extents: a power of two >= n, at least 2 (every arange a real vector)."""
+    return max(2, triton.next_power_of_2(n))
 
 
 def select_triton(scores, live, sizes, seen, covered, force, cap_cost, value, hint, extra, pick, hot, cap: int,

@@ -49,7 +49,7 @@ class SessionCurves:
         """given: the spec's curve (used for both ways); autotune_dir: ART/autotune, or None."""
         self.given, self.autotune_dir = given, autotune_dir
         self.found: dict[bool, tuple[CostCurve, str]] = {}  # graphs? -> (curve, where it came from)
-        self.on: bool | None = None  # which one session.choice.cost_us holds
+        self.on: bool | None = None  # which one session.choice.cap_cost holds
 
     def use(self, session, graph) -> str:
         """Put the curve of running `session` through `graph` (a CapturedStep; None: eager) on the device:

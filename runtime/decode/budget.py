@@ -220,7 +220,6 @@ class BucketChoice:
         self.buckets = tuple(buckets)
         nb = len(self.buckets)
         self.sizes = torch.tensor(self.buckets, dtype=torch.int64, device=device)  # [nb]
-        self.cost_us = torch.ones(nb, dtype=torch.float32, device=device)  # [nb] T + C, set by set_curve
         self.force = torch.full((1,), -1, dtype=torch.int64, device=device)  # [1] -1 choose; i bucket i; nb none
         self.pick = torch.zeros((), dtype=torch.int64, device=device)  # [] this round's bucket (nb: none)
         self.hot = torch.zeros(nb, dtype=torch.bool, device=device)  # [nb] hot[i] == (pick == i): IF predicates
@@ -236,6 +235,11 @@ class BucketChoice:
         self.hint = torch.full((), nb - 1, dtype=torch.int64, device=device)  # [] the cap to build next
         self.caps = tuple(i for i, x in enumerate(self.buckets) if x >= min(MIN_CAP, self.buckets[-1]))  # indices
         self.curve: CostCurve | None = None
+
+    @property
+    def cost_us(self) -> torch.Tensor:
+        """[nb] T(b) + C of a full round (the tree built at the largest bucket)."""
+        return self.cap_cost[-1]
 
     def snapshot(self) -> tuple[torch.Tensor, ...]:
         """Copies of the calibration state (and the caps' values), for `restore` (a session's frozen warm-up
@@ -256,7 +260,6 @@ class BucketChoice:
         head = curve.head_at(self.buckets, where)
         cap_cost = [[t + c for t in verify] for c in head]  # [cap, bucket] in fp64, then rounded once
         self.cap_cost.copy_(torch.tensor(cap_cost, dtype=torch.float32))
-        self.cost_us.copy_(self.cap_cost[-1])
         self.value.zero_()
         self.hint.fill_(len(self.buckets) - 1)
         self.curve = curve

@@ -21,7 +21,7 @@ host's work per round is shorter than a round.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
@@ -66,16 +66,13 @@ class GraphPool:
 
 
 def capture_graph(fn: Callable[[], None], pool: GraphPool, name: str, warmup: int = 2,
-                  prewarm: Sequence[Callable[[], object]] = (), keep_graph: bool = False) -> torch.cuda.CUDAGraph:
-    """fn() captured into a torch CUDAGraph on the pool's stream and memory pool, after the `prewarm`
-    callables (once each) and `warmup` eager calls of fn, all on the capture stream (lazy init: Triton
-    compiles, cuBLAS handles, outside the capture).  keep_graph: keep the cudaGraph_t (raw_cuda_graph())
+                  keep_graph: bool = False) -> torch.cuda.CUDAGraph:
+    """fn() captured into a torch CUDAGraph on the pool's stream and memory pool, after `warmup` eager calls of
+    fn on the capture stream (lazy init: Triton compiles, cuBLAS handles, outside the capture).  keep_graph: keep the cudaGraph_t (raw_cuda_graph())
     for composing (runtime/decode/conditional.py) instead of instantiating it."""
     stream = pool.stream
     stream.wait_stream(torch.cuda.current_stream(pool.device))
     with torch.cuda.stream(stream):
-        for warm in prewarm:
-            warm()
         for _ in range(warmup):
             fn()
     torch.cuda.current_stream(pool.device).wait_stream(stream)

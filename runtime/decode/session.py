@@ -33,7 +33,7 @@ from typing import Iterator
 
 import torch
 
-from build_pipeline.artifact_cache import cache_root
+from core.cache_dir import cache_root
 from core.errors import NonFiniteLogits
 from plugins.graph_conditional import SetterUnavailable, setter_cubin
 from plugins.tree_build import TreeBuildWorkspace
@@ -221,7 +221,7 @@ class DecodeSession:
             return
 
         clock = None if graph is not None else StageClock(dev)
-        launch = graph.launch if graph is not None else (lambda *cap: self.step(greedy, clock, *cap))
+        launch = graph.launch if graph is not None else (lambda *cap: self.raw_step(greedy, clock, *cap))
         full = len(self.choice.buckets) - 1 if self.choice is not None else None
         a = self.a
         slots = max(len(self.pinned), 1)
