@@ -46,8 +46,10 @@ def _run(s: dict, triton_path: bool) -> dict:
         select_reference,
     )
     nb = s["sizes"].shape[0]
-    value, hint = s["value"].clone(), torch.full((), -7, dtype=torch.int64)
-    extra, pick, hot = torch.zeros(nb), torch.zeros((), dtype=torch.int64), torch.zeros(nb, dtype=torch.bool)
+    dev = s["scores"].device  # the outputs live where the inputs do (CUDA for the GPU test)
+    value, hint = s["value"].clone(), torch.full((), -7, dtype=torch.int64, device=dev)
+    extra, pick = torch.zeros(nb, device=dev), torch.zeros((), dtype=torch.int64, device=dev)
+    hot = torch.zeros(nb, dtype=torch.bool, device=dev)
     seen, covered = s["seen"].clone(), s["covered"].clone()
     args = (s["scores"], s["live"], s["sizes"], seen, covered, s["force"], s["cap_cost"], value, hint, extra, pick,
             hot, s["cap"], s["min_cap"])

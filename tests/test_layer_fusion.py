@@ -105,12 +105,20 @@ def run_cases(device: str, count: int, seed: int = 0) -> list[dict]:
         cos, sin = rnd(bq * n, r2, dtype=dt), rnd(bq * n, r2, dtype=dt)
         scratch = rnd(bq, n + 4, c + 2 * r2, dtype=dt)
         want = scratch.clone()
-        mla_rope_kv_triton(latent, wn, 1e-6, cos, sin, interleave, scratch[:, :n])
-        mla_rope_kv_reference(latent, wn, 1e-6, cos, sin, interleave, want[:, :n])
+        # odd cases: with the query's low-rank row, read from the columns before the latent's in one GEMM output
+        ql = qw = q_got = q_want = None
+        if k % 2:
+            qd = pick((1536, 24))
+            ql = rnd(bq * n, qd + c + 2 * r2 + 3, dtype=dt, scale=2)[:, :qd]
+            qw, q_got, q_want = rnd(qd, dtype=dt), rnd(bq * n, qd, dtype=dt), rnd(bq * n, qd, dtype=dt)
+        mla_rope_kv_triton(latent, wn, 1e-6, cos, sin, interleave, scratch[:, :n], ql, qw, q_got)
+        mla_rope_kv_reference(latent, wn, 1e-6, cos, sin, interleave, want[:, :n], ql, qw, q_want)
         ok_rows, err = _close(scratch[:, :n], want[:, :n], exact=False)
         ok_pe, _ = _close(scratch[:, :n, c:], want[:, :n, c:], exact=True)
-        out.append(dict(op="mla_rope_kv", case=f"b{bq} n{n} c{c} r{2 * r2} {dt} il={interleave}",
-                        ok=ok_rows and ok_pe and torch.equal(scratch[:, n:], want[:, n:]), err=err))
+        ok_q, q_err = (True, 0.0) if ql is None else _close(q_got, q_want, exact=False)
+        out.append(dict(op="mla_rope_kv", case=f"b{bq} n{n} c{c} r{2 * r2} {dt} il={interleave} q={ql is not None}",
+                        ok=ok_rows and ok_pe and ok_q and torch.equal(scratch[:, n:], want[:, n:]),
+                        err=max(err, q_err)))
 
         # silu_mul: gate_up [t, 2i] rows of a wider buffer
         i = pick((5, 256, 2304))
@@ -151,8 +159,12 @@ def test_cpu_ops_are_the_references():
     q, lat, cs = torch.randn(4, 2, 10, generator=g), torch.randn(4, 2, 6, generator=g), torch.randn(4, 2, generator=g)
     assert torch.equal(mla_rope_q(q, lat, cs, cs, True), mla_rope_q_reference(q, lat, cs, cs, True))
     got, want = torch.zeros(2, 2, 10), torch.zeros(2, 2, 10)
-    mla_rope_kv(torch.randn(4, 10, generator=g), torch.randn(6, generator=g), 1e-6, cs, cs, False, got)
+    ql, qw, q_out = torch.randn(4, 12, generator=g), torch.randn(12, generator=g), torch.zeros(4, 12)
+    mla_rope_kv(torch.randn(4, 10, generator=g), torch.randn(6, generator=g), 1e-6, cs, cs, False, got, ql, qw, q_out)
     assert torch.count_nonzero(got) > 0 and not torch.equal(got, want)
+    assert torch.equal(q_out, rms_norm_reference(ql, qw, 1e-6))
+    with pytest.raises(ValueError, match="come together"):
+        mla_rope_kv(torch.randn(4, 10), torch.randn(6), 1e-6, cs, cs, False, got, ql, None, q_out)
     gu = torch.randn(3, 8, generator=g)
     assert torch.equal(silu_mul(gu), silu_mul_reference(gu))
 

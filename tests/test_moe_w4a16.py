@@ -179,7 +179,9 @@ def _interp_case(t, e, d, i, k, n_group, topk_group, e_start, e_local, int4, dty
     if workspace:
         ws = MoEWorkspace.allocate(t + 7, k, e_local, d, i, dtype, "cpu", cfg)
         ws.buffer.fill_(0xFF)  # NaN floats, -1 ints: whatever the kernels read before writing shows
+        ws.counts.zero_()  # but for the routing counts: zero between calls, the op re-zeroes them (workspace.py)
         res["workspace_equal"] = torch.equal(moe_w4a16_triton(*args, workspace=ws.buffer, config=cfg), y)
+        res["counts_rezeroed"] = not ws.counts.any().item()
     return res
 
 
@@ -212,6 +214,7 @@ def test_triton_interpreter_matches_reference(interp_results, case):
     tol = 1e-4 if r["dtype"] == "torch.float32" else 2e-2
     assert r["finite"] and r["rel"] < tol, r
     assert r.get("workspace_equal", True), r  # the caller's workspace gives the allocating path's y exactly
+    assert r.get("counts_rezeroed", True), r  # the call left the routing counts zero for the next one
 
 
 # ---------------------------------------------------------------- GPU
@@ -242,7 +245,10 @@ def _gpu_case(t, e, d, i, k, n_group, topk_group, e_start, e_local, int4, seed, 
     _poison_allocator(dev, 4 * t * k * (d + i) + 4 * t * d + (1 << 20))
     ws = None  # odd seeds: a caller's workspace for a few more tokens, poisoned (NaN floats, -1 ints)
     if seed % 2:
-        ws = MoEWorkspace.allocate(t + 3, k, e_local, d, i, x.dtype, dev).buffer.fill_(0xFF)
+        carved = MoEWorkspace.allocate(t + 3, k, e_local, d, i, x.dtype, dev)
+        carved.buffer.fill_(0xFF)
+        carved.counts.zero_()  # poisoned but for the routing counts, which the op keeps zero between calls
+        ws = carved.buffer
     y = torch.ops.kdtree.moe_w4a16(x, logits, None, bias, w13, s13, w2, s2, k, n_group, topk_group, True, 2.5,
                                    e_start, ws)
     torch.cuda.synchronize()

@@ -150,26 +150,32 @@ def _mla_rope_q_cuda(q: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor, si
 
 
 def mla_rope_kv(latent: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                interleave: bool, out: torch.Tensor) -> None:
+                interleave: bool, out: torch.Tensor, q_low: torch.Tensor | None = None,
+                q_weight: torch.Tensor | None = None, q_out: torch.Tensor | None = None) -> None:
     """latent [t, c+r] (kv_a's output), cos/sin [t, r/2] -> out [b, n, c+r] (b * n = t, e.g. the cache's
-    scratch rows) = [rms_norm(c_kv) * weight | rope(k_pe)]."""
-    if not _fused(latent, weight, cos, sin, out):
-        mla_rope_kv_reference(latent, weight, eps, cos, sin, interleave, out)
+    scratch rows) = [rms_norm(c_kv) * weight | rope(k_pe)].  With q_low [t, q] (q_a's output, any row stride):
+    also q_out [t, q] = rms_norm(q_low) * q_weight, in the same kernel (one launch for both latent rows)."""
+    if (q_low is None) != (q_weight is None) or (q_low is None) != (q_out is None):
+        raise ValueError("mla_rope_kv: q_low, q_weight and q_out come together")
+    if not _fused(latent, weight, cos, sin, out, q_low, q_weight, q_out):
+        mla_rope_kv_reference(latent, weight, eps, cos, sin, interleave, out, q_low, q_weight, q_out)
         return
-    mla_rope_kv_op(latent, weight, eps, cos, sin, interleave, out)
+    mla_rope_kv_op(latent, weight, eps, cos, sin, interleave, out, q_low, q_weight, q_out)
 
 
-@kdtree_op("mla_rope_kv", mutates_args=("out",))
+@kdtree_op("mla_rope_kv", mutates_args=("out", "q_out"))
 def mla_rope_kv_op(latent: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                   interleave: bool, out: torch.Tensor) -> None:
-    mla_rope_kv_reference(latent, weight, eps, cos, sin, interleave, out)
+                   interleave: bool, out: torch.Tensor, q_low: torch.Tensor | None, q_weight: torch.Tensor | None,
+                   q_out: torch.Tensor | None) -> None:
+    mla_rope_kv_reference(latent, weight, eps, cos, sin, interleave, out, q_low, q_weight, q_out)
 
 
 @mla_rope_kv_op.register_kernel("cuda")
 def _mla_rope_kv_cuda(latent: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                      interleave: bool, out: torch.Tensor) -> None:
-    if not _fused(latent, weight, cos, sin, out):
-        mla_rope_kv_reference(latent, weight, eps, cos, sin, interleave, out)
+                      interleave: bool, out: torch.Tensor, q_low: torch.Tensor | None, q_weight: torch.Tensor | None,
+                      q_out: torch.Tensor | None) -> None:
+    if not _fused(latent, weight, cos, sin, out, q_low, q_weight, q_out):
+        mla_rope_kv_reference(latent, weight, eps, cos, sin, interleave, out, q_low, q_weight, q_out)
         return
     from plugins.layer_fusion.kernel import mla_rope_kv_triton
     b, n, w = out.shape
@@ -179,7 +185,12 @@ def _mla_rope_kv_cuda(latent: torch.Tensor, weight: torch.Tensor, eps: float, co
             or cos.stride(1) != 1 or sin.stride() != cos.stride() or out.stride(2) != 1:
         raise ValueError(f"mla_rope_kv: need latent [{b * n}, c+r], out [{b}, {n}, c+r], cos/sin [{b * n}, r/2]; got "
                          f"latent {tuple(latent.shape)}, out {tuple(out.shape)} {out.stride()}, cos {tuple(cos.shape)}")
-    mla_rope_kv_triton(latent, weight, eps, cos, sin, interleave, out)
+    if q_low is not None:
+        q = q_weight.shape[0]
+        _check_rows("mla_rope_kv", q, q_low=q_low, q_out=q_out)
+        if q_low.shape[0] != b * n or q_out.shape[0] != b * n:
+            raise ValueError(f"mla_rope_kv: q_low / q_out need {b * n} rows, got {q_low.shape[0]} / {q_out.shape[0]}")
+    mla_rope_kv_triton(latent, weight, eps, cos, sin, interleave, out, q_low, q_weight, q_out)
 
 
 # ---- the MLP's activation

@@ -114,32 +114,49 @@ def mla_rope_q_triton(q: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor, s
 
 
 @triton.jit
-def _mla_rope_kv_kernel(lat_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, N, C, R2, s_lt, s_ct, s_ob, s_on, eps,
-                        INTERLEAVE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    out = out_ptr + (t // N) * s_ob + (t % N) * s_on
-    src = lat_ptr + t * s_lt
-    offs = tl.arange(0, BLOCK_C)
-    m = offs < C
+def _norm_row(src, w_ptr, dst, D, eps, BLOCK: tl.constexpr):
+    """dst[:D] = rms_norm(src[:D]) * w, rounded where transformers' RMSNorm rounds (as _add_rms_norm_kernel)."""
+    offs = tl.arange(0, BLOCK)
+    m = offs < D
     x = tl.load(src + offs, mask=m, other=0.0).to(tl.float32)
-    var = tl.sum(x * x, axis=0) / C
-    xn = (x * tl.math.rsqrt(var + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    var = tl.sum(x * x, axis=0) / D
+    xn = (x * tl.math.rsqrt(var + eps)).to(dst.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    tl.store(out + offs, (w * xn).to(out_ptr.dtype.element_ty), mask=m)
-    _rotate_store(src + C, cos_ptr + t * s_ct, sin_ptr + t * s_ct, out + C, R2, INTERLEAVE, BLOCK_R)
+    tl.store(dst + offs, (w * xn).to(dst.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _mla_rope_kv_kernel(lat_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, ql_ptr, qw_ptr, qo_ptr, N, C, R2, Q,
+                        s_lt, s_ct, s_ob, s_on, s_qt, s_qo, eps, INTERLEAVE: tl.constexpr,
+                        BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """Program (t, 0): token t's latent row; program (t, 1) (a grid of two columns): its query's low-rank row."""
+    t = tl.program_id(0).to(tl.int64)
+    if tl.program_id(1) == 1:
+        _norm_row(ql_ptr + t * s_qt, qw_ptr, qo_ptr + t * s_qo, Q, eps, BLOCK_Q)
+    else:
+        out = out_ptr + (t // N) * s_ob + (t % N) * s_on
+        src = lat_ptr + t * s_lt
+        _norm_row(src, w_ptr, out, C, eps, BLOCK_C)
+        _rotate_store(src + C, cos_ptr + t * s_ct, sin_ptr + t * s_ct, out + C, R2, INTERLEAVE, BLOCK_R)
 
 
 def mla_rope_kv_triton(latent: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                       interleave: bool, out: torch.Tensor) -> None:
-    """latent [t, c+r], cos/sin [t, r/2] -> out [b, n, c+r] (t = b * n; unit stride along the last dim)."""
+                       interleave: bool, out: torch.Tensor, q_low: torch.Tensor | None = None,
+                       q_weight: torch.Tensor | None = None, q_out: torch.Tensor | None = None) -> None:
+    """latent [t, c+r], cos/sin [t, r/2] -> out [b, n, c+r] (t = b * n; unit stride along the last dim); with
+    q_low [t, q]: also q_out [t, q] = rms_norm(q_low) * q_weight, in the same launch (a second program per token)."""
     b, n, _ = out.shape
     c, r2 = weight.shape[0], cos.shape[-1]
     if b * n == 0:
         return
-    _mla_rope_kv_kernel[(b * n,)](latent, weight, cos, sin, out, n, c, r2, latent.stride(0), cos.stride(0),
-                                  out.stride(0), out.stride(1), eps, INTERLEAVE=interleave,
-                                  BLOCK_C=triton.next_power_of_2(c), BLOCK_R=triton.next_power_of_2(r2),
-                                  num_warps=_warps(c), **_OPTS)
+    has_q = q_low is not None
+    ql, qw, qo = (q_low, q_weight, q_out) if has_q else (latent, weight, latent)  # unused without q_low
+    q = ql.shape[-1] if has_q else 1
+    _mla_rope_kv_kernel[(b * n, 2 if has_q else 1)](
+        latent, weight, cos, sin, out, ql, qw, qo, n, c, r2, q, latent.stride(0), cos.stride(0),
+        out.stride(0), out.stride(1), ql.stride(0), qo.stride(0), eps, INTERLEAVE=interleave,
+        BLOCK_C=triton.next_power_of_2(c), BLOCK_R=triton.next_power_of_2(r2),
+        BLOCK_Q=triton.next_power_of_2(q) if has_q else 2, num_warps=_warps(max(c, q)), **_OPTS)
 
 
 @triton.jit

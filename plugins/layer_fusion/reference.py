@@ -54,9 +54,13 @@ def mla_rope_q_reference(q: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor
 
 
 def mla_rope_kv_reference(latent: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
-                          sin: torch.Tensor, interleave: bool, out: torch.Tensor) -> None:
+                          sin: torch.Tensor, interleave: bool, out: torch.Tensor, q_low: torch.Tensor | None = None,
+                          q_weight: torch.Tensor | None = None, q_out: torch.Tensor | None = None) -> None:
     """The latent row of each token: latent [t, c+r] (kv_a's output) -> out [b, n, c+r] (t = b * n, any
-    strides; the cache's scratch rows) = [rms_norm(c_kv) * weight | rope(k_pe)]; cos/sin [t, r/2]."""
+    strides; the cache's scratch rows) = [rms_norm(c_kv) * weight | rope(k_pe)]; cos/sin [t, r/2].  With
+    q_low [t, q] (q_a's output): also q_out [t, q] = rms_norm(q_low) * q_weight, the query's low-rank norm."""
+    if q_low is not None:
+        q_out.copy_(rms_norm_reference(q_low, q_weight, eps))
     c = weight.shape[0]
     c_kv = rms_norm_reference(latent[..., :c], weight, eps)  # [t, c]
     k_pe = rotate_reference(latent[..., c:], cos, sin, interleave)  # [t, r]

@@ -1,6 +1,6 @@
 """Launcher of the Triton moe_w4a16 path: entry checks, the workspace's views, six launches, no host sync.
 
-memset(counts) -> route_kernel (top-k + bucket by expert) -> gate_up_kernel (split-K partials) ->
+route_kernel (top-k + bucket by expert) -> gate_up_kernel (split-K partials) ->
 silu_mul_kernel (h = silu(gate) * up) -> down_kernel -> combine_kernel.
 Every size is a function of the static shapes (t, K, e_local, d, i) and the device's SM count (plan.py); the
 data-dependent parts (how many experts are active, how many tokens each has) are read on the device.  The
@@ -80,13 +80,13 @@ def moe_w4a16_triton(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
     plan = launch_plan(t, top_k, e_local, d, i, x.device, config)
     cfg = plan.cfg
     if workspace is None:
-        workspace = torch.empty(MoEWorkspace.nbytes(t, top_k, e_local, d, i, x.dtype, x.device, config),
-                                dtype=torch.uint8, device=x.device)
+        workspace = torch.zeros(MoEWorkspace.nbytes(t, top_k, e_local, d, i, x.dtype, x.device, config),
+                                dtype=torch.uint8, device=x.device)  # zero counts (workspace.py)
     elif workspace.device != x.device:
         raise ValueError(f"moe_w4a16: workspace is on {workspace.device}, x on {x.device}")
     ws = MoEWorkspace.carve(workspace, t, top_k, e_local, d, i, x.dtype, plan.splits)
     counts, active, lists, topk_idx, topk_w = ws.counts, ws.active, ws.lists, ws.topk_idx, ws.topk_w
-    counts.zero_()  # [e_local + 1]: the route kernel counts into it
+    # counts [e_local + 1] is zero here (MoEWorkspace.allocate zeroes it, every call's combine re-zeroes it)
 
     be = next_pow2(e)
     route_kernel[(t,)](  # one token per one-warp program: each pick is a warp-shuffle reduction
@@ -119,7 +119,8 @@ def moe_w4a16_triton(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
         INT4=int4, N_KB=plan.n_kb2, BN=cfg.bn2, BM=cfg.bm, PACKED=paired, SCALE_TILE=cfg.scale_tile, DOT_PREC=prec,
         num_warps=cfg.warps2, num_stages=cfg.stages2)
     bd = min(cfg.bd, next_pow2(d))
-    combine_kernel[(t, cdiv(d, bd))](ws.out, topk_idx, y, d, e_start, e_local, K=top_k, BD=bd, num_warps=4)
+    combine_kernel[(t, cdiv(d, bd))](ws.out, topk_idx, y, counts, d, e_start, e_local, K=top_k, BD=bd,
+                                     BC=next_pow2(e_local + 1), num_warps=4)
     return y
 
 

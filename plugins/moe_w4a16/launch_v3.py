@@ -1,8 +1,8 @@
 """Launcher of moe_w4a16 v3: experts in fragment order (fragment_layout.py), the GEMMs in CUDA C (moe_v3.cu).
 
-memset(counts) -> route_kernel (Triton, as v2) -> gate_up (v3: h = silu(gate) * up per slot) -> down (v3: the
-weighted expert output per slot) -> combine_kernel (Triton, as v2: y[tok] = sum of its local slots, in slot
-order).  Five launches, no host sync, capturable in a CUDA graph (the CUDA C kernels go through the driver API
+route_kernel (Triton, as v2) -> gate_up (v3: h = silu(gate) * up per slot) -> down (v3: the weighted expert
+output per slot) -> combine_kernel (Triton, as v2: y[tok] = sum of its local slots, in slot order; it also
+re-zeroes the routing counts for the next call, so no memset precedes the route kernel).  Four launches, no host sync, capturable in a CUDA graph (the CUDA C kernels go through the driver API
 onto torch's current stream).  The cubin comes from the artifact, the kdtree cache or NVRTC/nvcc
 (plugins/common/cubin.py).  CUDA, bf16 tokens and bf16 scales only (the op falls back elsewhere).
 """
@@ -188,16 +188,16 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
     if t == 0:
         return y
     if workspace is None:
-        workspace = torch.empty(MoEWorkspace.nbytes(t, top_k, e_local, d, i, x.dtype, x.device),
-                                dtype=torch.uint8, device=x.device)
+        workspace = torch.zeros(MoEWorkspace.nbytes(t, top_k, e_local, d, i, x.dtype, x.device),
+                                dtype=torch.uint8, device=x.device)  # zero counts (workspace.py)
     ws = MoEWorkspace.carve(workspace, t, top_k, e_local, d, i, x.dtype,
                             launch_plan(t, top_k, e_local, d, i, x.device).splits)
-    ws.counts.zero_()  # [e_local + 1]: the route kernel counts into it
+    mod = kernels(x.device)  # before the route kernel: a failure here leaves counts zero
+    # counts [e_local + 1] is zero here (MoEWorkspace.allocate zeroes it, every call's combine re-zeroes it)
     route_kernel[(t,)](logits, bias, ws.topk_idx, ws.topk_w, ws.counts, ws.active, ws.lists, t, e, e_start, e_local,
                        float(scaling), K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group, NORM=bool(norm_topk_prob),
                        BT=1, BE=next_pow2(e), BKK=next_pow2(top_k), BG=next_pow2(n_group), num_warps=1)
 
-    mod = kernels(x.device)
     sms = device_facts(x.device).sms
     i32, ptr = ctypes.c_int, ctypes.c_void_p
     nt = token_tile(t)
@@ -214,6 +214,7 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
             (w2.data_ptr(), w2_scale.data_ptr(), ws.h.data_ptr(), ws.topk_w.data_ptr(), ws.counts.data_ptr(),
              ws.lists.data_ptr(), ws.out.data_ptr(), t, e_local, i // GROUP, c2, pairs2, d),
             (ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32))
-    combine_kernel[(t, cdiv(d, min(1024, next_pow2(d))))](ws.out, ws.topk_idx, y, d, e_start, e_local, K=top_k,
-                                                          BD=min(1024, next_pow2(d)), num_warps=4)
+    combine_kernel[(t, cdiv(d, min(1024, next_pow2(d))))](ws.out, ws.topk_idx, y, ws.counts, d, e_start, e_local,
+                                                          K=top_k, BD=min(1024, next_pow2(d)),
+                                                          BC=next_pow2(e_local + 1), num_warps=4)
     return y

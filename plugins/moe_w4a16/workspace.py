@@ -5,7 +5,9 @@ plan's k splits of gate_up (plan.py).  The caller allocates the buffer once for 
 MoEWorkspace.allocate(max_tokens, top_k, e_local, d, i, dtype, device), and passes its .buffer to every
 kdtree::moe_w4a16 call with t <= max_tokens and the same (top_k, e_local, d, i, dtype) on that device (one
 buffer serves every MoE layer: they run one after another); each call carves its own views
-(plugins/common/workspace.py).
+(plugins/common/workspace.py).  The routing counts, always the first view, must be zero when a call starts:
+allocate zeroes the buffer and every call leaves them zero again (its last kernel re-zeroes them), which
+saves a memset launch per MoE layer; a buffer made any other way must zero its first 4 * (e_local + 1) bytes.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ class MoEWorkspace:
     """The scratch views of one moe_w4a16 call and the buffer they are carved from (allocate once for a
     capacity; pass .buffer to kdtree::moe_w4a16, which carves its call's views with carve)."""
     buffer: torch.Tensor    # [nbytes] uint8: every view below, 256-byte aligned
-    counts: torch.Tensor    # [e_local + 1] int32 tokens per local expert | number of active experts (zeroed per call)
+    counts: torch.Tensor    # [e_local + 1] int32 tokens per local expert | number of active experts: zero between
+    #                         calls (allocate zeroes it; each call's combine kernel re-zeroes it after its last read)
     active: torch.Tensor    # [e_local] int32 local ids of the active experts
     lists: torch.Tensor     # [e_local, t] int32 slot ids (token * K + j) per expert
     topk_idx: torch.Tensor  # [t * K] int32 global expert ids
@@ -40,7 +43,7 @@ class MoEWorkspace:
         if max_tokens < 1:
             raise ValueError(f"moe_w4a16: workspace capacity max_tokens must be >= 1, got {max_tokens}")
         need = max(cls.nbytes(t, top_k, e_local, d, i, dtype, device, config) for t in range(1, max_tokens + 1))
-        buffer = torch.empty(need, dtype=torch.uint8, device=device)
+        buffer = torch.zeros(need, dtype=torch.uint8, device=device)  # counts start at zero (kept so by the op)
         return cls.carve(buffer, max_tokens, top_k, e_local, d, i, dtype,
                          launch_plan(max_tokens, top_k, e_local, d, i, device, config).splits)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from core.config import ModelConfig
-from plugins.layer_fusion import mla_rope_kv, mla_rope_q, rms_norm
+from plugins.layer_fusion import mla_rope_kv, mla_rope_q
 from plugins.tree_verify_mla import tree_verify_mla
 from runtime.model.layers import linear
 from runtime.model.rope import Rope
@@ -46,17 +46,15 @@ def mla_forward(cfg: ModelConfig, w: AttentionWeights, rope: Rope, x: torch.Tens
         q_low, latent = both[:, :w.q_a.shape[0]], both[:, w.q_a.shape[0]:]  # [t, q], [t, c+r]
     else:
         q_low, latent = (linear(xt, w.q_a) if w.q_a is not None else None), linear(xt, w.kv_a)
-    if q_low is not None:
-        q = linear(rms_norm(q_low, w.q_a_norm, cfg.rms_norm_eps), w.q_b)
-    else:
-        q = linear(xt, w.q_b)
-    q = q.view(t, h, p + r)
-    q_lat = torch.bmm(q[..., :p].transpose(0, 1), w.w_uk)  # [h, t, c] = q_nope . W_UK (strided read, no copy)
     cos_t, sin_t = cos.reshape(t, -1), sin.reshape(t, -1)  # [t, r/2]
-    q_full = mla_rope_q(q, q_lat.transpose(0, 1), cos_t, sin_t, rope.interleave).view(b, n, h, c + r)
-
     tree_kv = scratch[:, :n]  # [b, n, c+r]: [rms_norm(c_kv) | rope(k_pe)] written in place
-    mla_rope_kv(latent, w.kv_a_norm, cfg.rms_norm_eps, cos_t, sin_t, rope.interleave, tree_kv)
+    # both latent rows' norms in one kernel: the kv row into tree_kv, the query's low-rank row into q_n
+    q_n = None if q_low is None else torch.empty(q_low.shape, dtype=q_low.dtype, device=q_low.device)  # [t, q]
+    mla_rope_kv(latent, w.kv_a_norm, cfg.rms_norm_eps, cos_t, sin_t, rope.interleave, tree_kv,
+                q_low, w.q_a_norm if q_low is not None else None, q_n)
+    q = linear(q_n if q_n is not None else xt, w.q_b).view(t, h, p + r)  # [t, h, p+r]
+    q_lat = torch.bmm(q[..., :p].transpose(0, 1), w.w_uk)  # [h, t, c] = q_nope . W_UK (strided read, no copy)
+    q_full = mla_rope_q(q, q_lat.transpose(0, 1), cos_t, sin_t, rope.interleave).view(b, n, h, c + r)
 
     o_lat, lse = ws.attention(b, n, h, c)  # [b, n, h, c], [b, n, h]
     tree_verify_mla(q_full, kv, lens, tree_kv, tree_mask, cfg.softmax_scale, o_lat, lse)
