@@ -150,7 +150,8 @@ def _interp_case(t, e, d, i, k, n_group, topk_group, e_start, e_local, int4, dty
     from plugins.moe_w4a16.launch import moe_w4a16_triton
     g = torch.Generator().manual_seed(0)
     x = torch.randn(t, d, generator=g).to(dtype)
-    logits = torch.randn(t, e, generator=g)
+    # the router's columns of a wider fp32 GEMM output (runtime/model/moe: router and shared gate_up in one GEMM)
+    logits = torch.randn(t, e + 6, generator=g)[:, :e]
     if hot is not None:
         logits[:, hot] += 8.0  # every token picks `hot`: its list is longer than one tile of 16
     bias = torch.randn(e, generator=g) * 0.1

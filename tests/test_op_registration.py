@@ -17,7 +17,7 @@ import sys, torch
 import plugins.layer_fusion, plugins.tree_accept.posterior
 x, w = torch.randn(3, 8), torch.rand(8)
 torch.ops.kdtree.rms_norm(x, w, 1e-6)
-plugins.layer_fusion.silu_mul_op(torch.randn(2, 8))
+plugins.layer_fusion.silu_mul_op(torch.randn(2, 8), torch.bfloat16)
 logits, out = torch.randn(3, 11), torch.empty(3, dtype=torch.int64)
 torch.ops.kdtree.posterior(logits, True, torch.zeros(3, 2, dtype=torch.int64), torch.ones(3), out)
 assert out.tolist() == logits.argmax(-1).tolist()

@@ -195,31 +195,34 @@ def _mla_rope_kv_cuda(latent: torch.Tensor, weight: torch.Tensor, eps: float, co
 
 # ---- the MLP's activation
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [..., 2i] (gate, then up) -> silu(gate) * up [..., i]."""
-    if not _fused(gate_up):
-        return silu_mul_reference(gate_up)
-    return silu_mul_op(gate_up)
+def silu_mul(gate_up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """gate_up [..., 2i] (gate, then up) -> silu(gate) * up [..., i] in out_dtype (default gate_up's).  A wider
+    gate_up (an fp32 GEMM output) is rounded to out_dtype first: the model-dtype GEMM output it stands for."""
+    out_dtype = out_dtype or gate_up.dtype
+    if not (_fused(gate_up) and out_dtype in _KERNEL_DTYPES and
+            (out_dtype == gate_up.dtype or gate_up.dtype == torch.float32)):
+        return silu_mul_reference(gate_up, out_dtype if out_dtype != gate_up.dtype else None)
+    return silu_mul_op(gate_up, out_dtype)
 
 
 @kdtree_op("silu_mul", mutates_args=())
-def silu_mul_op(gate_up: torch.Tensor) -> torch.Tensor:
-    return silu_mul_reference(gate_up)
+def silu_mul_op(gate_up: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    return silu_mul_reference(gate_up, out_dtype if out_dtype != gate_up.dtype else None)
 
 
 @silu_mul_op.register_fake
-def _(gate_up):
-    return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+def _(gate_up, out_dtype):
+    return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2, dtype=out_dtype)
 
 
 @silu_mul_op.register_kernel("cuda")
-def _silu_mul_cuda(gate_up: torch.Tensor) -> torch.Tensor:
+def _silu_mul_cuda(gate_up: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     if not _fused(gate_up):
-        return silu_mul_reference(gate_up)
+        return silu_mul_reference(gate_up, out_dtype if out_dtype != gate_up.dtype else None)
     from plugins.layer_fusion.kernel import silu_mul_triton
     two_i = gate_up.shape[-1]
     rows = gate_up.reshape(-1, two_i)
     _check_rows("silu_mul", two_i, gate_up=rows)
-    out = torch.empty(rows.shape[0], two_i // 2, dtype=gate_up.dtype, device=gate_up.device)  # [t, i]
+    out = torch.empty(rows.shape[0], two_i // 2, dtype=out_dtype, device=gate_up.device)  # [t, i]
     silu_mul_triton(rows, out)
     return out.view(*gate_up.shape[:-1], two_i // 2)

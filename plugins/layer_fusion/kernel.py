@@ -164,9 +164,10 @@ def _silu_mul_kernel(gu_ptr, out_ptr, I, s_g, s_o, BLOCK: tl.constexpr, IEEE_EXP
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = j < I
-    g = tl.load(gu_ptr + t * s_g + j, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptr + t * s_g + I + j, mask=m, other=0.0).to(tl.float32)
     dt = out_ptr.dtype.element_ty
+    # a wider gate_up (fp32 GEMM output) is rounded to out's dtype first, as the reference does
+    g = tl.load(gu_ptr + t * s_g + j, mask=m, other=0.0).to(dt).to(tl.float32)
+    u = tl.load(gu_ptr + t * s_g + I + j, mask=m, other=0.0).to(dt).to(tl.float32)
     if IEEE_EXP:  # torch's expf (libdevice); the interpreter has no libdevice
         e = libdevice.exp(-g)
     else:
@@ -176,7 +177,7 @@ def _silu_mul_kernel(gu_ptr, out_ptr, I, s_g, s_o, BLOCK: tl.constexpr, IEEE_EXP
 
 
 def silu_mul_triton(gate_up: torch.Tensor, out: torch.Tensor) -> None:
-    """gate_up [t, 2i] (unit stride along the last dim) -> out [t, i]."""
+    """gate_up [t, 2i] (unit stride along the last dim; out's dtype or wider) -> out [t, i]."""
     t, i = out.shape
     if t == 0:
         return

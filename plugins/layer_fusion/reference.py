@@ -67,7 +67,10 @@ def mla_rope_kv_reference(latent: torch.Tensor, weight: torch.Tensor, eps: float
     out.copy_(torch.cat([c_kv, k_pe], dim=-1).view(out.shape))
 
 
-def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [t, 2i] (gate columns, then up columns) -> silu(gate) * up [t, i]."""
+def silu_mul_reference(gate_up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """gate_up [t, 2i] (gate columns, then up columns) -> silu(gate) * up [t, i].  out_dtype: gate_up is first
+    rounded to it (a GEMM's fp32 output taken as the model-dtype output it stands for)."""
+    if out_dtype is not None:
+        gate_up = gate_up.to(out_dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -71,7 +71,8 @@ def moe_w4a16_triton(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
     workspace: a MoEWorkspace's .buffer (uint8) for at least this call (allocated with the same config);
     None allocates the scratch here.
     """
-    x, logits = x.contiguous(), logits.contiguous()
+    x = x.contiguous()
+    logits = logits if logits.dim() == 2 and logits.stride(1) == 1 else logits.contiguous()  # rows may be strided
     e, e_local, i, int4 = _check(x, logits, bias, w13, w13_scale, w2, w2_scale, top_k, n_group, topk_group, e_start)
     t, d = x.shape
     y = torch.empty_like(x)
@@ -90,8 +91,8 @@ def moe_w4a16_triton(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
 
     be = next_pow2(e)
     route_kernel[(t,)](  # one token per one-warp program: each pick is a warp-shuffle reduction
-        logits, bias, topk_idx, topk_w, counts, active, lists, t, e, e_start, e_local, float(scaling),
-        K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group, NORM=bool(norm_topk_prob),
+        logits, bias, topk_idx, topk_w, counts, active, lists, t, e, logits.stride(0), e_start, e_local,
+        float(scaling), K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group, NORM=bool(norm_topk_prob),
         BT=1, BE=be, BKK=next_pow2(top_k), BG=next_pow2(n_group), num_warps=1)
 
     interp = os.environ.get("TRITON_INTERPRET") == "1"

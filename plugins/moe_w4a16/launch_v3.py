@@ -173,7 +173,8 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
     w2 int32 [e_l, d/32, kp_i/32, 32, 4], w2_scale bf16 [e_l, d/32, kp_i/32, 8, 4].  workspace: as v2 (a
     MoEWorkspace's .buffer sized by launch_plan), or None to allocate the scratch per call.
     """
-    x, logits = x.contiguous(), logits.contiguous()
+    x = x.contiguous()
+    logits = logits if logits.dim() == 2 and logits.stride(1) == 1 else logits.contiguous()  # rows may be strided
     check_fragments(x, logits, bias, w13, w13_scale, w2, w2_scale, top_k, e_start)
     t, d = x.shape
     if t > MAX_TOKENS:  # the entry lists live in shared memory: longer inputs go in pieces (rows are independent)
@@ -194,8 +195,8 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
                             launch_plan(t, top_k, e_local, d, i, x.device).splits)
     mod = kernels(x.device)  # before the route kernel: a failure here leaves counts zero
     # counts [e_local + 1] is zero here (MoEWorkspace.allocate zeroes it, every call's combine re-zeroes it)
-    route_kernel[(t,)](logits, bias, ws.topk_idx, ws.topk_w, ws.counts, ws.active, ws.lists, t, e, e_start, e_local,
-                       float(scaling), K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group, NORM=bool(norm_topk_prob),
+    route_kernel[(t,)](logits, bias, ws.topk_idx, ws.topk_w, ws.counts, ws.active, ws.lists, t, e, logits.stride(0),
+                       e_start, e_local, float(scaling), K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group, NORM=bool(norm_topk_prob),
                        BT=1, BE=next_pow2(e), BKK=next_pow2(top_k), BG=next_pow2(n_group), num_warps=1)
 
     sms = device_facts(x.device).sms

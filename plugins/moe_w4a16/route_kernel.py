@@ -26,7 +26,7 @@ KEY_NONE = tl.constexpr(-(2**63))  # below every packed key: a lane already pick
 
 @triton.jit
 def route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, counts_ptr, active_ptr, lists_ptr,
-                 T, E, e_start, e_local, scaling,
+                 T, E, stride_l, e_start, e_local, scaling,
                  K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr,
                  BT: tl.constexpr, BE: tl.constexpr, BKK: tl.constexpr, BG: tl.constexpr):
     NEG = float("-inf")
@@ -35,7 +35,7 @@ def route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, counts_ptr, active_ptr, l
     re = tl.arange(0, BE)  # [BE] experts (padded to a power of two)
     tmask = rt < T
     emask = re < E
-    lg = tl.load(logits_ptr + rt[:, None] * E + re[None, :], mask=tmask[:, None] & emask[None, :], other=0.0)
+    lg = tl.load(logits_ptr + rt[:, None] * stride_l + re[None, :], mask=tmask[:, None] & emask[None, :], other=0.0)
     scores = tl.sigmoid(lg.to(tl.float32))  # [BT, BE]
     bias = tl.load(bias_ptr + re, mask=emask, other=0.0).to(tl.float32)  # [BE]
     choice = tl.where(emask[None, :], scores + bias[None, :], NEG)  # [BT, BE]
@@ -70,7 +70,7 @@ def route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, counts_ptr, active_ptr, l
         sel_i = tl.where(rk[None, :] == j, ij[:, None], sel_i)
     kmask = tmask[:, None] & (rk[None, :] < K)  # [BT, BKK]
     # the unbiased scores of the picks, re-read from the logits (same sigmoid as above, bit for bit)
-    sel_w = tl.sigmoid(tl.load(logits_ptr + rt[:, None] * E + sel_i, mask=kmask, other=0.0).to(tl.float32))
+    sel_w = tl.sigmoid(tl.load(logits_ptr + rt[:, None] * stride_l + sel_i, mask=kmask, other=0.0).to(tl.float32))
     sel_w = tl.where(kmask, sel_w, 0.0)
     if NORM:
         sel_w = sel_w / (tl.sum(sel_w, axis=1)[:, None] + 1e-20)

@@ -167,7 +167,7 @@ def serving_form(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w
 
 def stack_rows(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """a [m, d], b [k, d] -> the same values as row views of one [m + k, d] tensor (copied once, the originals
-    freed with their last reference), so the forward multiplies both in one GEMM (AttentionWeights.latent_inputs)."""
+    freed with their last reference), so the forward multiplies both in one GEMM (AttentionWeights.latent_inputs, MoEWeights.router_inputs)."""
     both = torch.cat([a, b])  # [m + k, d]
     return both[:a.shape[0]], both[a.shape[0]:]
 
@@ -197,9 +197,14 @@ def assemble_weights(cfg: ModelConfig, flat: dict[str, torch.Tensor]) -> TargetW
                                                flat[p + "attn_norm"].dtype, cfg.hidden_size, v3_verdicts))
             else:
                 experts = Experts(get(p + "moe.w13"), None, get(p + "moe.w2"), None)
-            shared = (MLPWeights(get(p + "moe.shared.gate_up"), get(p + "moe.shared.down"))
-                      if cfg.n_shared_experts else None)
-            mlp: MLPWeights | MoEWeights = MoEWeights(gate=get(p + "moe.gate"), gate_bias=get(p + "moe.gate_bias"),
+            gate = get(p + "moe.gate")
+            shared = None
+            if cfg.n_shared_experts:
+                gate_up = get(p + "moe.shared.gate_up")
+                if gate.dtype == gate_up.dtype and gate.shape[1] == gate_up.shape[1]:  # one GEMM for both
+                    gate, gate_up = stack_rows(gate, gate_up)
+                shared = MLPWeights(gate_up, get(p + "moe.shared.down"))
+            mlp: MLPWeights | MoEWeights = MoEWeights(gate=gate, gate_bias=get(p + "moe.gate_bias"),
                                                       experts=experts, shared=shared)
         else:
             mlp = MLPWeights(get(p + "mlp.gate_up"), get(p + "mlp.down"))

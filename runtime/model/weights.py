@@ -30,12 +30,17 @@ class AttentionWeights:
     def latent_inputs(self) -> torch.Tensor | None:
         """[q+c+r, d]: q_a and kv_a as one matrix when they are consecutive rows of one tensor (as
         runtime/load/artifact.assemble_weights holds them), so x multiplies both in one GEMM; else None."""
-        a, b = self.q_a, self.kv_a
-        if a is None or not (a.is_contiguous() and b.is_contiguous()) or a.dtype != b.dtype or a.device != b.device \
-                or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() \
-                or b.storage_offset() != a.storage_offset() + a.numel() or a.shape[1] != b.shape[1]:
-            return None
-        return torch.as_strided(a, (a.shape[0] + b.shape[0], a.shape[1]), (a.shape[1], 1))
+        return stacked(self.q_a, self.kv_a)
+
+
+def stacked(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    """[m+k, d]: a [m, d] and b [k, d] as one matrix when they are consecutive rows of one tensor (as
+    runtime/load/artifact.stack_rows holds them), else None."""
+    if a is None or b is None or not (a.is_contiguous() and b.is_contiguous()) or a.dtype != b.dtype \
+            or a.device != b.device or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() \
+            or b.storage_offset() != a.storage_offset() + a.numel() or a.shape[1] != b.shape[1]:
+        return None
+    return torch.as_strided(a, (a.shape[0] + b.shape[0], a.shape[1]), (a.shape[1], 1))
 
 
 @dataclass
@@ -68,6 +73,12 @@ class MoEWeights:
     gate_bias: torch.Tensor  # [e] fp32 e_score_correction_bias
     experts: Experts  # this rank's routed experts (whole under ep, intermediate-sliced under tp)
     shared: MLPWeights | None
+
+    def router_inputs(self) -> torch.Tensor | None:
+        """[e+2i, d]: the router and the shared expert's gate_up as one matrix when they are consecutive rows of
+        one tensor (runtime/load/artifact.assemble_weights stacks them when their dtypes agree), so the MoE
+        input multiplies both in one GEMM; else None."""
+        return stacked(self.gate, self.shared.gate_up if self.shared is not None else None)
 
 
 @dataclass
