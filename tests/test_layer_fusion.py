@@ -24,6 +24,7 @@ import torch
 
 from plugins.layer_fusion.reference import (
     add_rms_norm_reference,
+    head_norm_rope_reference,
     mla_rope_kv_reference,
     mla_rope_q_reference,
     rms_norm_reference,
@@ -50,6 +51,7 @@ def run_cases(device: str, count: int, seed: int = 0) -> list[dict]:
     """count random cases per op through the Triton launchers; one record per case."""
     from plugins.layer_fusion.kernel import (
         add_rms_norm_triton,
+        head_norm_rope_triton,
         mla_rope_kv_triton,
         mla_rope_q_triton,
         silu_mul_triton,
@@ -121,6 +123,19 @@ def run_cases(device: str, count: int, seed: int = 0) -> list[dict]:
                         err=max(err, q_err)))
 
         # silu_mul: gate_up [t, 2i] rows of a wider buffer
+        # head_norm_rope: the drafter's k heads, read from a [t, 2, g, e] GEMM output (k rows | v rows)
+        hh, e = pick((1, 4, 8)), pick((128, 16, 6))
+        kv = rnd(t, 2, hh, e, dtype=dt, scale=2)
+        hw = rnd(e, dtype=dt)
+        cos, sin = rnd(t, e // 2, dtype=dt), rnd(t, e // 2, dtype=dt)
+        got = torch.empty(t, hh, e, dtype=dt, device=device)
+        head_norm_rope_triton(kv[:, 0], hw, 1e-6, cos, sin, interleave, got)
+        want = head_norm_rope_reference(kv[:, 0], hw, 1e-6, cos, sin, interleave)
+        # rope's differences cancel: a one-ulp change of the norm shows relative to the row's scale, not the element's
+        err = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
+        ok = bool(torch.isfinite(got.float()).all()) and err <= 2 * ULP[dt]
+        out.append(dict(op="head_norm_rope", case=f"t{t} h{hh} e{e} {dt} il={interleave}", ok=ok, err=err))
+
         # odd cases: gate_up is an fp32 GEMM output (the router's GEMM, runtime/model/moe), rounded to dt first
         i = pick((5, 256, 2304))
         wide_in = k % 2 == 1
@@ -145,7 +160,8 @@ def interpreter_results():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("op", ["add_rms_norm", "rms_norm", "mla_rope_q", "mla_rope_kv", "silu_mul"])
+@pytest.mark.parametrize("op", ["add_rms_norm", "rms_norm", "mla_rope_q", "mla_rope_kv", "silu_mul",
+                                "head_norm_rope"])
 def test_kernel_matches_reference_in_interpreter(interpreter_results, op):
     cases = [c for c in interpreter_results if c["op"] == op]
     assert cases and all(c["ok"] for c in cases), [c for c in cases if not c["ok"]]

@@ -16,6 +16,7 @@ import torch
 from plugins.common.op import kdtree_op
 from plugins.layer_fusion.reference import (
     add_rms_norm_reference,
+    head_norm_rope_reference,
     mla_rope_kv_reference,
     mla_rope_q_reference,
     rms_norm_reference,
@@ -23,7 +24,7 @@ from plugins.layer_fusion.reference import (
     silu_mul_reference,
 )
 
-__all__ = ["rms_norm", "add_rms_norm", "mla_rope_q", "mla_rope_kv", "silu_mul", "rotate_reference"]
+__all__ = ["rms_norm", "add_rms_norm", "mla_rope_q", "mla_rope_kv", "silu_mul", "head_norm_rope", "rotate_reference"]
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # KDTREE_FUSION=0 (read once, at import): the references on CUDA too, i.e. the unfused torch ops, the peer
@@ -191,6 +192,44 @@ def _mla_rope_kv_cuda(latent: torch.Tensor, weight: torch.Tensor, eps: float, co
         if q_low.shape[0] != b * n or q_out.shape[0] != b * n:
             raise ValueError(f"mla_rope_kv: q_low / q_out need {b * n} rows, got {q_low.shape[0]} / {q_out.shape[0]}")
     mla_rope_kv_triton(latent, weight, eps, cos, sin, interleave, out, q_low, q_weight, q_out)
+
+
+# ---- the drafter's attention heads
+
+def head_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                   interleave: bool) -> torch.Tensor:
+    """x [t, h, e] (unit stride along e; e.g. heads of a GEMM output), weight [e], cos/sin [t, e/2] ->
+    [t, h, e] = rope(rms_norm(x) * weight), de-interleaved (Qwen3-style q / k norm, then rope)."""
+    if not _fused(x, weight, cos, sin):
+        return head_norm_rope_reference(x, weight, eps, cos, sin, interleave)
+    return head_norm_rope_op(x, weight, eps, cos, sin, interleave)
+
+
+@kdtree_op("head_norm_rope", mutates_args=())
+def head_norm_rope_op(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                      interleave: bool) -> torch.Tensor:
+    return head_norm_rope_reference(x, weight, eps, cos, sin, interleave)
+
+
+@head_norm_rope_op.register_fake
+def _(x, weight, eps, cos, sin, interleave):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@head_norm_rope_op.register_kernel("cuda")
+def _head_norm_rope_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                         interleave: bool) -> torch.Tensor:
+    if not _fused(x, weight, cos, sin):
+        return head_norm_rope_reference(x, weight, eps, cos, sin, interleave)
+    from plugins.layer_fusion.kernel import head_norm_rope_triton
+    t, h, e = x.shape
+    if x.stride(2) != 1 or e % 2 or weight.shape != (e,) or cos.shape != (t, e // 2) or cos.stride(1) != 1 \
+            or sin.stride() != cos.stride():
+        raise ValueError(f"head_norm_rope: need x [t, h, e] with unit last stride, weight [e], cos/sin [t, e/2]; got "
+                         f"x {tuple(x.shape)} {x.stride()}, weight {tuple(weight.shape)}, cos {tuple(cos.shape)}")
+    out = torch.empty(t, h, e, dtype=x.dtype, device=x.device)
+    head_norm_rope_triton(x, weight, eps, cos, sin, interleave, out)
+    return out
 
 
 # ---- the MLP's activation

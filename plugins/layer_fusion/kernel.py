@@ -7,6 +7,7 @@ KB of data.  Each kernel here is one launch per stage and reads its inputs once:
   mla_rope_q    q_full[t, h] = [q_lat[t, h] | rope(q_pe[t, h])]         (one program per (token, head))
   mla_rope_kv   out[t] = [rms_norm(c_kv[t]) * w | rope(k_pe[t])]        (one program per token)
   silu_mul      h[t, j] = silu(gate[t, j]) * up[t, j]                   (programs over (t, i) tiles)
+  head_norm_rope  out[t, h] = rope(rms_norm(x[t, h]) * w)              (the drafter's q / k heads; per (t, h))
 Rounding: every value the reference rounds to the storage dtype is rounded here at the same point
 (`.to(dtype)` then back to fp32); fp contraction is off, so fp32 models also match the reference's
 products; exp and division are the IEEE ones torch uses (rsqrt, as torch's, is
@@ -157,6 +158,49 @@ def mla_rope_kv_triton(latent: torch.Tensor, weight: torch.Tensor, eps: float, c
         out.stride(0), out.stride(1), ql.stride(0), qo.stride(0), eps, INTERLEAVE=interleave,
         BLOCK_C=triton.next_power_of_2(c), BLOCK_R=triton.next_power_of_2(r2),
         BLOCK_Q=triton.next_power_of_2(q) if has_q else 2, num_warps=_warps(max(c, q)), **_OPTS)
+
+
+@triton.jit
+def _head_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, E2, s_xt, s_xh, s_ct, s_ot, s_oh, eps,
+                           INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (t, h): out[t, h] = rope(rms_norm(x[t, h]) * w), the row held in registers as its two rope
+    halves (pairs (2j, 2j+1) when INTERLEAVE, else (j, j + E2)); rounded where the reference rounds."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    j = tl.arange(0, BLOCK)
+    m = j < E2
+    if INTERLEAVE:
+        i1, i2 = 2 * j, 2 * j + 1
+    else:
+        i1, i2 = j, E2 + j
+    src = x_ptr + t * s_xt + h * s_xh
+    x1 = tl.load(src + i1, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(src + i2, mask=m, other=0.0).to(tl.float32)
+    dt = out_ptr.dtype.element_ty
+    r = tl.math.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * E2) + eps)
+    w1 = tl.load(w_ptr + i1, mask=m, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + i2, mask=m, other=0.0).to(tl.float32)
+    y1 = (w1 * (x1 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    y2 = (w2 * (x2 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    cos = tl.load(cos_ptr + t * s_ct + j, mask=m, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + t * s_ct + j, mask=m, other=0.0).to(tl.float32)
+    lo = (y1 * cos).to(dt).to(tl.float32) - (y2 * sin).to(dt).to(tl.float32)
+    hi = (y2 * cos).to(dt).to(tl.float32) + (y1 * sin).to(dt).to(tl.float32)
+    out = out_ptr + t * s_ot + h * s_oh
+    tl.store(out + j, lo.to(dt), mask=m)
+    tl.store(out + E2 + j, hi.to(dt), mask=m)
+
+
+def head_norm_rope_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                          interleave: bool, out: torch.Tensor) -> None:
+    """x [t, h, e] (unit stride along e), cos/sin [t, e/2] -> out [t, h, e] = rope(rms_norm(x) * weight)."""
+    t, h, e = x.shape
+    if t * h == 0:
+        return
+    e2 = e // 2
+    _head_norm_rope_kernel[(t, h)](x, weight, cos, sin, out, e2, x.stride(0), x.stride(1), cos.stride(0),
+                                   out.stride(0), out.stride(1), eps, INTERLEAVE=interleave,
+                                   BLOCK=triton.next_power_of_2(e2), num_warps=1, **_OPTS)
 
 
 @triton.jit

@@ -74,3 +74,10 @@ def silu_mul_reference(gate_up: torch.Tensor, out_dtype: torch.dtype | None = No
         gate_up = gate_up.to(out_dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def head_norm_rope_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                             interleave: bool) -> torch.Tensor:
+    """Per-head q / k norm then rope (the DFlash drafter's heads): x [t, h, e], weight [e], cos/sin [t, e/2]
+    -> [t, h, e] = rotate(rms_norm(x) * weight), de-interleaved."""
+    return rotate_reference(rms_norm_reference(x, weight, eps), cos[:, None], sin[:, None], interleave)

@@ -26,9 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from core.drafter_config import DrafterConfig
-from plugins.common.precision import acc
 from plugins.layer_fusion import add_rms_norm
-from runtime.model.layers import linear, rms_norm, swiglu_mlp
+from runtime.model.layers import bmm_acc, linear, rms_norm, swiglu_mlp
 from runtime.model.rope import Rope
 from runtime.model.target import TargetModel
 
@@ -114,19 +113,19 @@ class DFlashDrafter:
         rows = torch.arange(b, device=dev)[:, None]  # [b, 1]
         write = ctx_pos.clamp(max=cap - 1)  # rows past ctx_len land at [start, ...): the block overwrites them
         write_blk = blk_pos.clamp(max=cap - 1)  # the block's own rows, past the committed length
-        visible = torch.arange(cap, device=dev)[None, :] < (start + s)[:, None]  # [b, cap] context + block
+        hidden = torch.arange(cap, device=dev)[None, :] >= (start + s)[:, None]  # [b, cap] past context + block
         layers = w.layers
         xn = rms_norm(x, layers[0].attn_norm, c.rms_norm_eps) if layers else x  # [b, s, H]
         for li, lw in enumerate(layers):
             k_ctx, v_ctx = self._kv(lw, ctx, cos_c, sin_c)  # [b, a, g_l, e]
             cache.k[li, rows, write] = k_ctx
             cache.v[li, rows, write] = v_ctx
-            q = self.rope.apply(rms_norm(linear(xn, lw.q).view(b, s, self.heads, c.head_dim), lw.q_norm,
-                                         c.rms_norm_eps), cos_b, sin_b)  # [b, s, h_l, e]
+            q = self.rope.apply_normed(linear(xn, lw.q).view(b, s, self.heads, c.head_dim), lw.q_norm,
+                                       c.rms_norm_eps, cos_b, sin_b)  # [b, s, h_l, e]
             k_blk, v_blk = self._kv(lw, xn, cos_b, sin_b)  # [b, s, g_l, e]
             cache.k[li, rows, write_blk] = k_blk  # scratch rows: the next call's context overwrites them
             cache.v[li, rows, write_blk] = v_blk
-            attn = self._attend(q, cache.k[li], cache.v[li], visible)  # [b, s, h_l*e]
+            attn = self._attend(q, cache.k[li], cache.v[li], hidden)  # [b, s, h_l*e]
             x, hn = add_rms_norm(x, self._reduce(linear(attn, lw.o)), lw.mlp_norm, c.rms_norm_eps)  # residual, norm
             nxt = layers[li + 1].attn_norm if li + 1 < len(layers) else w.norm  # the next norm (the final one last)
             x, xn = add_rms_norm(x, self._reduce(swiglu_mlp(hn, lw.gate_up, lw.down)), nxt, c.rms_norm_eps)
@@ -142,20 +141,25 @@ class DFlashDrafter:
         c = self.cfg
         b, n, _ = x.shape
         k, v = linear(x, lw.kv).view(b, n, 2, self.kv_heads, c.head_dim).unbind(2)
-        return self.rope.apply(rms_norm(k, lw.k_norm, c.rms_norm_eps), cos, sin), v
+        return self.rope.apply_normed(k, lw.k_norm, c.rms_norm_eps, cos, sin), v
 
-    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, visible: torch.Tensor
+    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, hidden: torch.Tensor
                 ) -> torch.Tensor:
-        """GQA without a causal mask: q [b, s, h_l, e] over the cache rows where visible [b, cap] (the
+        """GQA without a causal mask: q [b, s, h_l, e] over the cache rows not hidden [b, cap] (visible: the
         context and, written just before, the block).  Each kv head's rep = h_l / g_l query heads are
         folded into its s queries, so K/V are never repeated or concatenated, and the two products are
         plain GEMMs over the cache rows (parallel over them: a fused attention kernel gets one block
-        for these few queries and walks 32K rows alone).  Scores and softmax in fp32."""
+        for these few queries and walks 32K rows alone).  Both GEMMs read the cache as stored (with b = 1 the
+        [g_l, cap, e] operands are strided views: no copy) and accumulate in fp32 (runtime/model/layers.bmm_acc);
+        scores and softmax in fp32, the probabilities rounded to the cache dtype for the second product (as
+        flash attention rounds them)."""
         b, s, h, e = q.shape
         g, rep = self.kv_heads, h // self.kv_heads
-        qg = acc(q).view(b, s, g, rep, e).permute(0, 2, 3, 1, 4).reshape(b, g, rep * s, e)  # [b, g_l, rep*s, e]
-        k = acc(k_cache).transpose(1, 2)  # [b, g_l, cap, e]
-        scores = torch.matmul(qg, k.transpose(-1, -2)) * e ** -0.5  # [b, g_l, rep*s, cap]
-        p = scores.masked_fill(~visible[:, None, None, :], float("-inf")).softmax(-1)
-        out = torch.matmul(p, acc(v_cache).transpose(1, 2)).to(q.dtype)  # [b, g_l, rep*s, e]
+        cap = k_cache.shape[1]
+        qg = q.view(b, s, g, rep, e).permute(0, 2, 3, 1, 4).reshape(b * g, rep * s, e)  # [b*g_l, rep*s, e]
+        k = k_cache.transpose(1, 2).reshape(b * g, cap, e)  # [b*g_l, cap, e]
+        v = v_cache.transpose(1, 2).reshape(b * g, cap, e)
+        scores = bmm_acc(qg, k.transpose(1, 2)).view(b, g, rep * s, cap) * e ** -0.5  # [b, g_l, rep*s, cap] fp32
+        p = scores.masked_fill(hidden[:, None, None, :], float("-inf")).softmax(-1)
+        out = bmm_acc(p.view(b * g, rep * s, cap).to(v.dtype), v).to(q.dtype)  # [b*g_l, rep*s, e]
         return out.view(b, g, rep, s, e).permute(0, 3, 1, 2, 4).reshape(b, s, h * e)
