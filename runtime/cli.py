@@ -421,7 +421,8 @@ def serve(
     device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
     spec: Optional[str] = typer.Option(None, "--spec", help="default none | chain | ddtree (a request's `spec` "
                                        "field overrides it; default ddtree with a drafter, else none)"),
-    budget: int = typer.Option(16, "--budget", help="default DDTree budget (a request's `budget` overrides it)"),
+    budget: str = typer.Option("16", "--budget", help="default DDTree budget: B, or auto / auto:B_MAX (chosen per "
+                               "round on the device; a request's `budget` overrides it)"),
     graphs: bool = typer.Option(True, "--graphs/--no-graphs", help="CUDA: replay captured graphs of a round"),
     dtype: str = typer.Option("auto", "--dtype", help="auto (fp32 on CPU, bf16 on CUDA) | float32 | float64 | bfloat16"),
     name: Optional[str] = typer.Option(None, "--served-model-name", help="model id of /v1/models (default: "
@@ -432,6 +433,7 @@ def serve(
     def go():
         import torch
 
+        from runtime.decode.params import parse_budget
         from runtime.serve.server import serve as run_server
 
         if device not in ("cpu", "cuda"):
@@ -440,8 +442,9 @@ def serve(
             raise ValueError(f"--dtype must be auto, float32, float64 or bfloat16, got {dtype!r}")
         if not 0 <= port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {port}")
+        size, auto = parse_budget(budget)  # a bad --budget fails here, before anything loads
         code = run_server(path, drafter, host, port, tp, max_batch, max_queue, max_model_len, api_key, device, spec,
-                          budget, graphs, None if dtype == "auto" else getattr(torch, dtype), name, echo=typer.echo)
+                          f"auto:{size}" if auto else size, graphs, None if dtype == "auto" else getattr(torch, dtype), name, echo=typer.echo)
         raise typer.Exit(code)
 
     _guard(go)

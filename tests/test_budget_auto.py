@@ -302,6 +302,16 @@ def test_budget_flags():
         SpecConfig.of("ddtree", 16, CURVE)
 
 
+def test_serve_budget_flag_fails_before_loading(tmp_path):
+    """`kdtree serve --budget` takes B, auto or auto:B_MAX (the server's default for requests; the API's budget
+    field takes the same, tests/test_serve.py); a bad one is one error line, before anything loads."""
+    from typer.testing import CliRunner
+
+    from runtime.cli import app
+    r = CliRunner().invoke(app, ["serve", str(tmp_path), "--budget", "auto:x"])
+    assert r.exit_code != 0 and "budget must be an integer, auto or auto:N, got 'auto:x'" in r.output, r.output
+
+
 
 
 def test_kdtree_run_budget_auto(pair, tmp_path):

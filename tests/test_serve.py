@@ -213,13 +213,14 @@ def test_chat_template_renders_as_transformers_does():
 
 
 def test_concurrent_requests_batch_and_stay_lossless(servers, engine):
-    """Six requests at once (prompts as token ids, other lengths and speculation modes) through 4 slots:
-    each equals its own greedy decode; requests joined and left the batch between rounds."""
+    """Seven requests at once (prompts as token ids, other lengths and speculation modes, budget auto:4 among
+    them: its lane measures a cost curve on first use) through 4 slots: each equals its own greedy decode;
+    requests joined and left the batch between rounds."""
     main, _ = servers
     rng = random.Random(3)
     jobs = [([rng.randrange(1000) for _ in range(n)], spec, budget)
             for n, spec, budget in ((3, "ddtree", 8), (11, "ddtree", 8), (40, "none", 8), (7, "chain", 8),
-                                    (5, "ddtree", 4), (2, "ddtree", 8))]
+                                    (5, "ddtree", 4), (2, "ddtree", 8), (6, "ddtree", "auto:4"))]
     out: dict[int, list[int]] = {}
 
     def one(i: int) -> None:
@@ -333,6 +334,13 @@ def test_bad_requests_get_openai_errors(servers):
         client.chat.completions.create(model="kimi-hf", messages=[{"role": "user", "content": "x"}], n=2)
     with pytest.raises(openai.BadRequestError, match="temperature must be >= 0"):
         client.completions.create(model="kimi-hf", prompt=PROMPT, max_tokens=4, temperature=-1)
+    for bad in ("many", True, 2.5, "auto:x"):
+        with pytest.raises(openai.BadRequestError, match="budget must be an integer, auto or auto:N") as e:
+            client.completions.create(model="kimi-hf", prompt=PROMPT, max_tokens=4, extra_body={"budget": bad})
+        assert e.value.body["param"] == "budget"
+    with pytest.raises(openai.BadRequestError, match="budget auto applies to spec ddtree"):
+        client.completions.create(model="kimi-hf", prompt=PROMPT, max_tokens=4,
+                                  extra_body={"spec": "chain", "budget": "auto"})
     with pytest.raises(openai.BadRequestError, match="spec must be none, chain or ddtree"):
         client.completions.create(model="kimi-hf", prompt=PROMPT, max_tokens=4, extra_body={"spec": "beam"})
     with pytest.raises(openai.BadRequestError, match=r"outside the vocabulary"):

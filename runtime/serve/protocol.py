@@ -4,7 +4,8 @@ the stream's chunks, and OpenAI's error JSON.
 Fields honoured (both endpoints): `max_tokens` (chat: also `max_completion_tokens`), `temperature`
 (OpenAI's default 1.0), `seed` (a random one when absent), `stop` (a string or a list of strings and
 token ids), `stop_token_ids` (vLLM's), `n` = 1, `stream`, `stream_options.include_usage`, `model`;
-this engine's extras: `spec` (none | chain | ddtree) and `budget` (DDTree nodes per round), and
+this engine's extras: `spec` (none | chain | ddtree) and `budget` (DDTree nodes per round: an integer, or
+"auto" / "auto:N" to let each round choose its tree size on the device, runtime/decode/budget.py), and
 `return_token_ids` (each choice then carries the generated ids, the stop token included, as
 `kdtree run --json` prints them).  `/v1/completions` takes `prompt` as text or as a list of token
 ids; `/v1/chat/completions` takes `messages` (runtime/serve/chat.py).  A field the sampler cannot
@@ -120,11 +121,16 @@ def parse(body, prompt_ids: list[int], chat: bool, model: str, default_ids: tupl
     seed = _number(body, "seed", None, int)
     stop_ids, stop_texts = stops(body, vocab)
     ids = tuple(sorted(set(default_ids) | set(stop_ids)))
-    spec_mode, budget = body.get("spec", default_spec.mode), _number(body, "budget", default_spec.budget, int)
+    spec_mode = body.get("spec", default_spec.mode)
+    budget = body.get("budget")
+    if budget is None:  # the server's default budget (auto included) where it applies, i.e. to ddtree
+        budget = default_spec.budget_label if spec_mode == "ddtree" else default_spec.budget
+    if isinstance(budget, bool) or not isinstance(budget, (int, str)):
+        raise ApiError(400, f"budget must be an integer, auto or auto:N, got {budget!r}", "budget")
     opts = body.get("stream_options") or {}
     try:
         params = SamplingParams(max_tokens, temperature, secrets.randbits(62) if seed is None else seed, ids)
-        spec = SpecConfig(spec_mode, budget)
+        spec = SpecConfig.of(spec_mode, budget)  # budget: B, "auto" or "auto:B_MAX" (chosen per round)
     except InvalidParam as exc:
         raise ApiError(400, str(exc).replace("max_new_tokens", name), exc.name.replace("max_new_tokens", name)) \
             from None

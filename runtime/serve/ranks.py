@@ -17,7 +17,8 @@ from core.config import ModelConfig
 from core.errors import NonFiniteLogits
 from core.plan import ParallelPlan
 from runtime.decode.graphs import GraphPool
-from runtime.decode.params import SpecConfig
+from runtime.decode.budget import AUTOTUNE_DIR
+from runtime.decode.params import SpecConfig, parse_budget
 from runtime.decode.slots import Prefilled, RowEmission
 from runtime.engine.engine import Engine
 from runtime.engine.ranks import RanksRunner
@@ -29,9 +30,11 @@ from runtime.serve.lanes import LaneKey, new_slot_batch
 
 
 def _rank_body(comm: Comm, conn, art_dir: str, plan: ParallelPlan, drafter, spec: SpecConfig | None, graphs: bool,
-               dtype, max_batch: int, capacity: int) -> None:
+               dtype, max_batch: int, capacity: int, budget: int | str) -> None:
     models = load_models(art_dir, comm, plan, drafter, dtype=dtype)
-    spec = spec or SpecConfig("ddtree" if models.drafter is not None else "none")
+    # no --spec: ddtree at the server's --budget with a drafter, else none (as Engine.load decides)
+    spec = spec or (SpecConfig.of("ddtree", budget) if models.drafter is not None else SpecConfig("none"))
+    autotune_dir = Path(art_dir) / AUTOTUNE_DIR
     dev = models.target.device
     pool = GraphPool(dev) if graphs and dev.type == "cuda" else None
     lanes = {}
@@ -42,7 +45,8 @@ def _rank_body(comm: Comm, conn, art_dir: str, plan: ParallelPlan, drafter, spec
             return
         op, key, arg = msg
         if key not in lanes:
-            lanes[key] = new_slot_batch(models.target, models.drafter, key, max_batch, capacity, pool, graphs)
+            lanes[key] = new_slot_batch(models.target, models.drafter, key, max_batch, capacity, pool, graphs,
+                                        autotune_dir)
         lane = lanes[key]
         if op == "release":
             lane.release(arg)
@@ -135,13 +139,15 @@ class RankLanes:
         self.lanes.clear()
 
 
-def load_ranks(path: str | Path, tp: int, device: str, drafter, spec: str | None, budget: int, graphs: bool, dtype,
+def load_ranks(path: str | Path, tp: int, device: str, drafter, spec: str | None, budget: int | str, graphs: bool, dtype,
                max_batch: int, max_model_len) -> tuple[Engine, RankLanes, int]:
     """Start `tp` rank processes holding the server's lanes -> (the Engine over them, its lanes,
     max_model_len resolved: a callable of the model's config)."""
     art, plan = resolve_artifact(path, ParallelPlan(tp=tp), drafter)
     cfg = ModelConfig.from_dict(read_manifest(art)["model"])
     capacity = max_model_len(cfg)
-    want = SpecConfig(spec, budget) if spec is not None else None
-    runner = RanksRunner.start(art, cfg, plan, device, drafter, want, graphs, dtype, _rank_body, (max_batch, capacity))
+    want = None if spec is None else SpecConfig.of(spec, budget) if spec == "ddtree" \
+        else SpecConfig(spec, parse_budget(budget)[0])
+    runner = RanksRunner.start(art, cfg, plan, device, drafter, want, graphs, dtype, _rank_body,
+                               (max_batch, capacity, budget))
     return Engine(runner, load_tokenizer(art)), RankLanes(runner.group, max_batch), capacity

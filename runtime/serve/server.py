@@ -14,7 +14,6 @@ from pathlib import Path
 
 import uvicorn
 
-from runtime.decode.params import SpecConfig
 from runtime.engine.engine import Engine
 from runtime.serve.app import ServeConfig, build_app
 from runtime.serve.lanes import LocalLanes
@@ -26,7 +25,7 @@ DEFAULT_MAX_MODEL_LEN = 4096
 
 def serve(path: Path, drafter: Path | None = None, host: str = "127.0.0.1", port: int = 8000, tp: int = 1,
           max_batch: int = 8, max_queue: int = 64, max_model_len: int | None = None, api_key: str | None = None,
-          device: str = "cpu", spec: str | None = None, budget: int = 16, graphs: bool = True, dtype=None,
+          device: str = "cpu", spec: str | None = None, budget: int | str = 16, graphs: bool = True, dtype=None,
           model_name: str | None = None, echo=lambda line: print(line, flush=True)) -> int:
     """Serve until interrupted (0) or until the engine fails (1)."""
     if max_batch < 1:
@@ -64,7 +63,7 @@ def serve(path: Path, drafter: Path | None = None, host: str = "127.0.0.1", port
             server.should_exit = True
 
     scheduler = Scheduler(lanes, max_batch, max_queue, metrics, on_fatal)
-    cfg = ServeConfig(name, max_model_len, SpecConfig(engine.spec, engine.budget), engine.has_drafter,
+    cfg = ServeConfig(name, max_model_len, engine.spec_config, engine.has_drafter,
                       engine.stop_ids()[0], engine.cfg.vocab_size, api_key)
     try:
         app = build_app(cfg, engine.tokenizer, scheduler, metrics)  # a chat template that does not parse: here
@@ -88,6 +87,6 @@ def _announce(server: uvicorn.Server, name: str, engine: Engine, max_batch: int,
             return
         time.sleep(0.02)
     host, port = server.servers[0].sockets[0].getsockname()[:2]
-    spec = engine.spec + (f" budget {engine.budget}" if engine.spec == "ddtree" else "")
+    spec = engine.spec + (f" budget {engine.spec_config.budget_label}" if engine.spec == "ddtree" else "")
     echo(f"kdtree serve: {name} ({spec}, {engine.plan_flag or 'one rank'}, max batch {max_batch}, "
          f"max model len {max_model_len}) on http://{host}:{port}/v1")
