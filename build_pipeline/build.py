@@ -22,7 +22,7 @@ from build_pipeline.artifact_cache import FORMAT
 from build_pipeline.compile_kernels import compile_all, parse_archs
 from build_pipeline.export_onnx import export_rank
 from build_pipeline.integrity import sha256_file
-from build_pipeline.kernel_cache import UNWARMED, arch_of, not_warmed
+from build_pipeline.kernel_cache import UNWARMED, not_warmed
 from build_pipeline.shard import GLOBALS_FILE, layer_file, write_rank_shards
 from core.checkpoint import INDEX_NAME, Checkpoint
 from core.config import ModelConfig, load_config
@@ -31,6 +31,7 @@ from core.plan import ParallelPlan
 from core.safetensors_file import SafetensorsFile
 from core.staging import staged_dir
 from core.tokenizer import Tokenizer
+from plugins.common.device import device_facts
 
 DEFAULT_BUDGETS = (16, 32, 64)
 # what a manifest says of its rank files (every artifact, built or synthetic)
@@ -95,7 +96,7 @@ def build(model_dir: str | Path, out: str | Path | None = None, drafter_dir: str
     if out is not None:
         refuse_foreign_out(Path(out), force)  # before the build, not after it
     options = {"tp": tp, "ep": ep, "backend": backend, "archs": list(archs), "budgets": list(budgets)}
-    warm_arch = arch_of(torch.cuda.get_device_capability()) if warm and backend == "native" and tp == 1 \
+    warm_arch = device_facts(torch.device("cuda")).arch if warm and backend == "native" and tp == 1 \
         and torch.cuda.is_available() else None
     if warm_arch is not None:  # only then: the key of an unwarmed build stays what it was
         options["warm"] = warm_arch

@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from core.errors import KdtreeError
+from plugins.common.device import device_facts
 
 GROUP_PREFIX = "__grp__"  # Triton's group file: {"child_paths": {file name: path}}
 # prompt lengths of the warm-up: Triton's integer buckets (1, multiples of 16, other) for the prefill,
@@ -44,11 +45,6 @@ SAMPLED_LENGTHS = (1, 11)  # also decoded at temperature SAMPLED_T (the sampling
 SAMPLED_T = 0.8
 UNWARMED = ("built without a CUDA device, with --no-warm, with --tp > 1 (the warm-up decodes one rank), for tensorrt, "
             "synthetic, or by the runtime from a checkpoint")
-
-
-def arch_of(capability: tuple[int, int]) -> str:
-    """(9, 0) -> "sm_90": a device capability in --arch's vocabulary."""
-    return f"sm_{capability[0]}{capability[1]}"
 
 
 def cache_dir_name(arch: str) -> str:
@@ -156,7 +152,7 @@ def warm(stage: Path, manifest: dict, budgets: tuple[int, ...], progress: bool =
     import triton
 
     t0 = time.perf_counter()
-    arch = arch_of(torch.cuda.get_device_capability())
+    arch = device_facts(torch.device("cuda")).arch
     cases = warm_cases(budgets, manifest.get("drafter") is not None)
     (stage / "manifest.json").write_text(json.dumps({**manifest, "triton_cache": not_warmed("warm-up in progress")}))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -66,7 +66,7 @@ def probe(art: Path, triton_dir: Path) -> dict:
 
 
 def test_warm_artifact_compiles_nothing(warmed, tmp_path):
-    from build_pipeline.kernel_cache import arch_of
+    from plugins.common.device import arch_of
 
     rec = json.loads((warmed / "manifest.json").read_text())["triton_cache"]
     assert rec["warmed"] and rec["arch"] == arch_of(torch.cuda.get_device_capability()) and rec["entries"] > 0

@@ -32,6 +32,16 @@ class DeviceFacts:
     capability: tuple[int, int]  # (major, minor); (9, 0) without a CUDA device
     bytes_per_flop: float  # memory bandwidth / dense bf16 tensor rate (from RATES)
 
+    @property
+    def arch(self) -> str:
+        """The capability in --arch's vocabulary ("sm_90"): where kernels of this device sit in an artifact."""
+        return arch_of(self.capability)
+
+
+def arch_of(capability: tuple[int, int]) -> str:
+    """(9, 0) -> "sm_90"."""
+    return f"sm_{capability[0]}{capability[1]}"
+
 
 def device_facts(device: torch.device | str | None) -> DeviceFacts:
     """The facts of the device a tensor lives on (pass tensor.device); the H200's for CPU, meta or None."""

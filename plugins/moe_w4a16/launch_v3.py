@@ -2,8 +2,9 @@
 
 route_kernel (Triton, as v2) -> gate_up (v3: h = silu(gate) * up per slot) -> down (v3: the weighted expert
 output per slot) -> combine_kernel (Triton, as v2: y[tok] = sum of its local slots, in slot order; it also
-re-zeroes the routing counts for the next call, so no memset precedes the route kernel).  Four launches, no host sync, capturable in a CUDA graph (the CUDA C kernels go through the driver API
-onto torch's current stream).  The cubin comes from the artifact, the kdtree cache or NVRTC/nvcc
+re-zeroes the routing counts for the next call, so no memset precedes the route kernel).  Four launches, no
+host sync, capturable in a CUDA graph (the CUDA C kernels go through the driver API onto torch's current
+stream).  The cubin comes from the artifact, the kdtree cache or NVRTC/nvcc
 (plugins/common/cubin.py).  CUDA, bf16 tokens and bf16 scales only (the op falls back elsewhere).
 """
 
@@ -92,8 +93,7 @@ def kernels(device: torch.device) -> _Module:
     mod = _MODULES.get(index)
     if mod is None:
         from cuda.bindings import driver as cu
-        major, minor = device_facts(device).capability
-        data, where = cubin(SOURCE, f"sm_{major}{minor}", cache_root())
+        data, where = cubin(SOURCE, device_facts(device).arch, cache_root())
         with torch.cuda.device(index):
             torch.cuda.init()
             module = _ok(cu, cu.cuModuleLoadData(data), f"cuModuleLoadData ({where})")
@@ -196,8 +196,8 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
     mod = kernels(x.device)  # before the route kernel: a failure here leaves counts zero
     # counts [e_local + 1] is zero here (MoEWorkspace.allocate zeroes it, every call's combine re-zeroes it)
     route_kernel[(t,)](logits, bias, ws.topk_idx, ws.topk_w, ws.counts, ws.active, ws.lists, t, e, logits.stride(0),
-                       e_start, e_local, float(scaling), K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group, NORM=bool(norm_topk_prob),
-                       BT=1, BE=next_pow2(e), BKK=next_pow2(top_k), BG=next_pow2(n_group), num_warps=1)
+                       e_start, e_local, float(scaling), K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group,
+                       NORM=bool(norm_topk_prob), BT=1, BE=next_pow2(e), BKK=next_pow2(top_k), BG=next_pow2(n_group), num_warps=1)
 
     sms = device_facts(x.device).sms
     i32, ptr = ctypes.c_int, ctypes.c_void_p

@@ -35,6 +35,7 @@ import torch
 
 from core.cache_dir import cache_root
 from core.errors import NonFiniteLogits
+from plugins.common.device import device_facts
 from plugins.graph_conditional import SetterUnavailable, setter_cubin
 from plugins.tree_build import TreeBuildWorkspace
 from runtime.decode.autotune import SessionCurves
@@ -159,9 +160,9 @@ class DecodeSession:
                  for cap in choice.caps}
         bodies = [capture_graph(lambda b=b: verify_bucket(self.target, self.cache, buf, greedy, b + 1, None, choice),
                                 self.pool, f"{name}-b{b}", keep_graph=True) for b in choice.buckets]
-        arch = "sm_{}{}".format(*torch.cuda.get_device_capability(self.target.device))
         try:
-            cubin, _ = setter_cubin(arch, cache_root())  # the artifact's when loading registered it
+            # the artifact's cubin when loading registered it
+            cubin, _ = setter_cubin(device_facts(self.target.device).arch, cache_root())
             return ConditionalRound(heads, bodies, choice.hot, cubin, name)
         except (SetterUnavailable, GraphUnavailable) as exc:
             return HostChoiceRound(heads, bodies, choice.pick, f"budget auto without IF nodes ({exc}): the host "

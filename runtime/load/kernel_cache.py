@@ -15,9 +15,10 @@ import warnings
 from pathlib import Path
 
 from build_pipeline.integrity import check_files, member
-from build_pipeline.kernel_cache import arch_of, unpack
+from build_pipeline.kernel_cache import unpack
 from core.errors import CheckpointError
 from plugins.common.cubin import register_kernel_dir
+from plugins.common.device import device_facts
 
 
 class KernelCacheWarning(UserWarning):
@@ -92,5 +93,5 @@ def install_for_device(art_dir: str | Path, manifest: dict, device) -> dict | No
         return None
     import triton
 
-    arch = arch_of(torch.cuda.get_device_capability(torch.device(device)))
+    arch = device_facts(device).arch
     return install(art_dir, manifest, arch, triton.__version__, triton.knobs.cache.dir)
