@@ -73,14 +73,16 @@ def read_manifest(art_dir: str | Path) -> dict:
     return manifest
 
 
-def read_rank(art_dir: str | Path, rank: int, device: str | torch.device, dtype: torch.dtype) -> RankBundle:
+def read_rank(art_dir: str | Path, rank: int, device: str | torch.device, dtype: torch.dtype,
+              manifest: dict | None = None) -> RankBundle:
     """Read rank `rank`'s files of an artifact into TargetWeights on `device`.
 
     dtype: the float weights' dtype; the router stays >= fp32, INT4 experts stay int32 with their
     stored scales.  Only rank{rank}/ files are opened; each tensor goes to `device` as it is read, so
-    host memory holds one tensor at a time beyond the page cache.
+    host memory holds one tensor at a time beyond the page cache.  manifest: read_manifest(art_dir), when
+    the caller has it already.
     """
-    manifest = read_manifest(art_dir)
+    manifest = manifest if manifest is not None else read_manifest(art_dir)
     cfg = ModelConfig.from_dict(manifest["model"])
     plan = ParallelPlan.from_dict(manifest["plan"])
     if not 0 <= rank < plan.tp:

@@ -90,9 +90,10 @@ def load_models(path: str | Path, comm: Comm | None = None, plan: ParallelPlan |
         comm.barrier()
     if plan.tp != world:
         raise ValueError(f"--tp {world}: the artifact {art} was built with {plan.flag()}")
+    manifest = read_manifest(art)  # read once for the kernels and the weights
     if torch.device(device).type == "cuda":  # the artifact's CUDA C cubins (moe_w4a16 v3, the budget-auto
-        register_cuda_kernels(art, read_manifest(art))  # setter), before the weights' layout is chosen for them
-    bundle = read_rank(art, rank, device, dtype)
+        register_cuda_kernels(art, manifest)  # setter), before the weights' layout is chosen for them
+    bundle = read_rank(art, rank, device, dtype, manifest)
     install_for_device(art, bundle.manifest, device)  # the artifact's Triton kernels, before any launch
     drafter_dir = drafter_dir or bundle.drafter_dir
     features = load_drafter_config(drafter_dir).target_layer_ids if drafter_dir is not None else ()
