@@ -23,13 +23,15 @@ def linear(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None,
     out_dtype (default x's).  On CUDA a bf16 / fp16 product with an fp32 result is cuBLAS's fp32-output
     GEMM (aten::mm.dtype: the router's scores and the logits straight from the accumulator, no cast
     kernel); c is addmm's beta = 1 (the shared expert's down projection accumulates into the routed
-    output: one GEMM instead of a GEMM and an add).  Elsewhere both sides are upcast."""
+    output: one GEMM instead of a GEMM and an add), in place: c is consumed (a contiguous c is the
+    result's storage), because an out-of-place addmm first copies c into a new output (one more kernel).
+    Elsewhere both sides are upcast."""
     out_dtype = out_dtype or x.dtype
     n, k = w.shape
     if x.dtype == w.dtype == out_dtype and (c is None or c.dtype == x.dtype):
         if c is None:
             return F.linear(x, w)
-        return torch.addmm(c.reshape(-1, n), x.reshape(-1, k), w.t()).view(*x.shape[:-1], n)
+        return c.reshape(-1, n).addmm_(x.reshape(-1, k), w.t()).view(*x.shape[:-1], n)  # [..., n]
     if _MM_OUT_DTYPE and c is None and x.is_cuda and x.dtype == w.dtype and out_dtype == torch.float32 \
             and x.dtype in (torch.bfloat16, torch.float16):
         return torch.mm(x.reshape(-1, k), w.t(), out_dtype=torch.float32).view(*x.shape[:-1], n)
@@ -48,6 +50,6 @@ def bmm_acc(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def swiglu_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, c: torch.Tensor | None = None
                ) -> torch.Tensor:
-    """x [..., d], gate_up [2i, d] (gate rows | up rows), down [d, i] -> [..., d] (+ c, accumulated by the
-    down projection's GEMM)."""
+    """x [..., d], gate_up [2i, d] (gate rows | up rows), down [d, i] -> [..., d] (+ c, accumulated into c by
+    the down projection's GEMM: c is consumed)."""
     return linear(silu_mul(F.linear(x, gate_up)), down, c=c)
