@@ -314,7 +314,8 @@ def test_sampled_requests_share_one_batch(engine):
         got = asyncio.run(run())
     finally:
         sched.close()
-    assert list(lanes.lanes) == [("ddtree", 8, False)] and lanes.lanes[("ddtree", 8, False)].session.batch == 4
+    key = ("ddtree", 8, False, False)  # (mode, budget, auto, greedy)
+    assert list(lanes.lanes) == [key] and lanes.lanes[key].session.batch == 4
     assert got == [list(engine.generate_ids(p, 20, temperature=temp, seed=seed)) for p, seed, temp in reqs]
     assert got[0] != got[2] and got[0] != list(engine.generate_ids([5, 6, 7], 20))
 
