@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from plugins.dense_gemm import (
+    K26_SHAPES,
     GemmConfig,
     candidates,
     declines,
@@ -34,10 +35,6 @@ from plugins.dense_gemm import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-# one TP8 rank of K2.6 (n, k, out_dtype of the model's bf16 or fp32, accumulate input c)
-K26_SHAPES = {"qkv_a": (2112, 7168, "model", False), "q_b": (1536, 1536, "model", False),
-              "o_proj": (7168, 1024, "model", False), "router_gate_up": (896, 7168, "fp32", False),
-              "shared_down": (7168, 256, "model", True), "lm_head": (20480, 7168, "fp32", False)}
 
 
 def _inputs(t: int, n: int, k: int, dtype, strided: bool, with_c: bool, g: torch.Generator, device="cpu"):

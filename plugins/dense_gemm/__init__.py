@@ -16,10 +16,18 @@ import torch
 
 from plugins.common.device import device_facts
 from plugins.common.op import kdtree_op
-from plugins.dense_gemm.config import GemmConfig, candidates, declines, default_config, pick_config, t_bucket
+from plugins.dense_gemm.config import (
+    K26_SHAPES,
+    GemmConfig,
+    candidates,
+    declines,
+    default_config,
+    pick_config,
+    t_bucket,
+)
 from plugins.dense_gemm.reference import skinny_linear_reference
 
-__all__ = ["GemmConfig", "candidates", "check_inputs", "declines", "default_config", "pick_config", "skinny_linear",
+__all__ = ["K26_SHAPES", "GemmConfig", "candidates", "check_inputs", "declines", "default_config", "pick_config", "skinny_linear",
            "skinny_linear_reference", "t_bucket"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -18,6 +18,16 @@ IN_FLIGHT_BYTES = 48 * 1024  # weight bytes a program keeps in flight (stages - 
 #                              bandwidth x loaded latency / SMs = 4.25 TB/s x ~1.2 us / 132 ~ 39 KB, rounded up
 MIN_ROW_BLOCKS = 0.5  # decline when cdiv(n, 16) < this fraction of the SMs (n = 896 of a 132-SM H200: 56 < 66)
 T_BUCKETS = (16, 32, 64, 1 << 30)  # a t bucket is the first bound >= t; the last holds every larger t
+# One TP8 rank of K2.6 per layer (and the lm_head slice once per step): name -> (n, k, output "model" (bf16) or
+# "fp32", whether c [t, n] is accumulated).  The tests and benchmarks/dense_gemm.py use these.
+K26_SHAPES: dict[str, tuple[int, int, str, bool]] = {
+    "qkv_a": (2112, 7168, "model", False),  # q_a and kv_a stacked (runtime/load/artifact.stack_rows)
+    "q_b": (1536, 1536, "model", False),
+    "o_proj": (7168, 1024, "model", False),
+    "router_gate_up": (896, 7168, "fp32", False),  # router and shared expert's gate_up stacked
+    "shared_down": (7168, 256, "model", True),  # accumulates into the routed experts' output
+    "lm_head": (20480, 7168, "fp32", False),
+}
 
 
 @dataclass(frozen=True)
