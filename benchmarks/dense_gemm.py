@@ -13,7 +13,7 @@ config ("declined": true: skinny_linear returns None there and the caller keeps 
     python3 benchmarks/dense_gemm.py [--out DIR] [--shapes qkv_a,lm_head] [--t 1,17]
     python3 benchmarks/dense_gemm.py --sweep [--out DIR]     # every config.candidates entry per (shape, t)
 
-Writes <out>/dense_gemm.json (--sweep: dense_gemm_sweep.json, with the winners as config.TABLE lines)
+Writes <out>/dense_gemm[_TAG].json (--sweep: dense_gemm_sweep[_TAG].json, with the winners as TABLE lines)
 after every shape, so a timeout keeps what was measured.
 """
 
@@ -127,10 +127,11 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(K26_SHAPES))
     ap.add_argument("--t", default=",".join(map(str, T_VALUES)))
     ap.add_argument("--sweep", action="store_true", help="also time every config.candidates entry")
+    ap.add_argument("--tag", default="", help="suffix of the result file's name (a sweep split over device calls)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     ts = [int(v) for v in args.t.split(",")]
-    op = "dense_gemm_sweep" if args.sweep else "dense_gemm"
+    op = ("dense_gemm_sweep" if args.sweep else "dense_gemm") + (f"_{args.tag}" if args.tag else "")
     rows: list[dict] = []
     extra = {"peers": {"cublas": "runtime.model.layers.linear: F.linear (bf16 out), torch.mm(out_dtype=fp32) "
                                  "(fp32 out), torch.addmm (with c)",
