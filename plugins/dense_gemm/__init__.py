@@ -27,8 +27,8 @@ from plugins.dense_gemm.config import (
 )
 from plugins.dense_gemm.reference import skinny_linear_reference
 
-__all__ = ["K26_SHAPES", "GemmConfig", "candidates", "check_inputs", "declines", "default_config", "pick_config", "skinny_linear",
-           "skinny_linear_reference", "t_bucket"]
+__all__ = ["K26_SHAPES", "GemmConfig", "candidates", "check_inputs", "declines", "default_config", "pick_config",
+           "skinny_linear", "skinny_linear_reference", "t_bucket"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

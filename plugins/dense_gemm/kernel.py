@@ -13,8 +13,8 @@ and is stored transposed into y's rows.  Grid axis 0 is the token block, so the 
 same weight rows are launched next to each other (the second reads them from L2).  W is loaded
 evict_first (read once), x evict_last (every row block reads it again).  K is a compile-time constant
 (a model has four: 7168, 1536, 1024, 256): the trip count is known to the pipeliner, and Triton's
-interpreter cannot loop over a run-time scalar argument (NumPy 2 refuses int() of its 1-element array).  fp32 inputs use the IEEE dot
-(no TF32), so fp32 matches the reference to summation order.
+interpreter cannot loop over a run-time scalar argument (NumPy 2 refuses int() of its 1-element array).
+fp32 inputs use the IEEE dot (no TF32), so fp32 matches the reference to summation order.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from plugins.dense_gemm.config import GemmConfig
 
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, c_ptr, y_ptr, T, N, s_x, s_c, s_y, K: tl.constexpr, HAS_C: tl.constexpr,
-                   IEEE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   IEEE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
     toks = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] token rows of x and y
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] weight rows = output columns
     tok_ok, row_ok = toks < T, rows < N

@@ -3,9 +3,10 @@
 Letters: t tokens (1 for AR decode, 2..65 for a speculative round, up to 257), n output features (W's rows),
 k input features.  x [t, k] (row stride may exceed k), w [n, k] (nn.Linear's layout, contiguous), c [t, n].
 
-The products of the stored values are summed in fp32 (in fp64 when x or w is fp64: the GPU test's reference), c is added in the same precision,
-and the sum is rounded once to out_dtype: runtime/model/layers.linear's contract, so the kernel may stand in
-for cuBLAS's F.linear / mm(out_dtype=fp32) / addmm without changing what a caller rounds where.
+The products of the stored values are summed in fp32 (in fp64 when x or w is fp64: the GPU test's reference),
+c is added in the same precision, and the sum is rounded once to out_dtype: runtime/model/layers.linear's
+contract, so the kernel may stand in for cuBLAS's F.linear / mm(out_dtype=fp32) / addmm without changing what
+a caller rounds where.
 """
 
 from __future__ import annotations
