@@ -444,7 +444,8 @@ def serve(
             raise ValueError(f"--port must be in [0, 65535], got {port}")
         size, auto = parse_budget(budget)  # a bad --budget fails here, before anything loads
         code = run_server(path, drafter, host, port, tp, max_batch, max_queue, max_model_len, api_key, device, spec,
-                          f"auto:{size}" if auto else size, graphs, None if dtype == "auto" else getattr(torch, dtype), name, echo=typer.echo)
+                          f"auto:{size}" if auto else size, graphs, None if dtype == "auto" else getattr(torch, dtype),
+                          name, echo=typer.echo)
         raise typer.Exit(code)
 
     _guard(go)

@@ -197,7 +197,8 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
     # counts [e_local + 1] is zero here (MoEWorkspace.allocate zeroes it, every call's combine re-zeroes it)
     route_kernel[(t,)](logits, bias, ws.topk_idx, ws.topk_w, ws.counts, ws.active, ws.lists, t, e, logits.stride(0),
                        e_start, e_local, float(scaling), K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group,
-                       NORM=bool(norm_topk_prob), BT=1, BE=next_pow2(e), BKK=next_pow2(top_k), BG=next_pow2(n_group), num_warps=1)
+                       NORM=bool(norm_topk_prob), BT=1, BE=next_pow2(e), BKK=next_pow2(top_k), BG=next_pow2(n_group),
+                       num_warps=1)
 
     sms = device_facts(x.device).sms
     i32, ptr = ctypes.c_int, ctypes.c_void_p

@@ -169,7 +169,8 @@ def serving_form(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w
 
 def stack_rows(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """a [m, d], b [k, d] -> the same values as row views of one [m + k, d] tensor (copied once, the originals
-    freed with their last reference), so the forward multiplies both in one GEMM (AttentionWeights.latent_inputs, MoEWeights.router_inputs)."""
+    freed with their last reference), so the forward multiplies both in one GEMM (AttentionWeights.latent_inputs,
+    MoEWeights.router_inputs)."""
     both = torch.cat([a, b])  # [m + k, d]
     return both[:a.shape[0]], both[a.shape[0]:]
 

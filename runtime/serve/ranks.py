@@ -139,8 +139,8 @@ class RankLanes:
         self.lanes.clear()
 
 
-def load_ranks(path: str | Path, tp: int, device: str, drafter, spec: str | None, budget: int | str, graphs: bool, dtype,
-               max_batch: int, max_model_len) -> tuple[Engine, RankLanes, int]:
+def load_ranks(path: str | Path, tp: int, device: str, drafter, spec: str | None, budget: int | str, graphs: bool,
+               dtype, max_batch: int, max_model_len) -> tuple[Engine, RankLanes, int]:
     """Start `tp` rank processes holding the server's lanes -> (the Engine over them, its lanes,
     max_model_len resolved: a callable of the model's config)."""
     art, plan = resolve_artifact(path, ParallelPlan(tp=tp), drafter)
