@@ -38,6 +38,7 @@ from plugins.tree_verify_mla.reference import tree_verify_mla_reference  # noqa:
 
 D_QK, D_V, D_NOPE, D_ROPE = 576, 512, 128, 64  # latent row; per-head decompressed dims for the SDPA peer
 SHAPES = [  # (b, h, N, L)
+    (1, 8, 1, 4096), (1, 8, 17, 4096),  # the K2.6 rank's 4K AR step and DDTree-16 round (k26-rank.json)
     (1, 8, 1, 32768), (1, 8, 2, 32768), (1, 8, 4, 32768), (1, 8, 8, 32768),
     (1, 8, 1, 131072), (1, 8, 2, 131072), (1, 8, 4, 131072), (1, 8, 8, 131072),
     (1, 8, 64, 32768), (1, 64, 64, 32768), (1, 16, 256, 32768), (1, 128, 8, 32768), (8, 8, 8, 32768),
@@ -52,6 +53,12 @@ DV2_64 = Config(64, 64, 4, 2, dv_split=2)
 DV2_32 = Config(64, 32, 4, 3, dv_split=2)
 W8_64 = Config(64, 64, 8, 2)
 SWEEP = {
+    # 4K (first: the K2.6 rank profile of 2026-12-04 has split + combine at ~17 µs a layer for 4.7 MB at N = 1,
+    # ~34 µs at N = 17): without PDL the combine's own time shows; fewer splits shorten the combine
+    (1, 8, 1, 4096): [(X2, None, True), (X2, None, False), (X2, 16, True), (X2, 32, True), (X2, 1, True),
+                      (KM16, None, True)],
+    (1, 8, 17, 4096): [(DV2_32, None, True), (DV2_32, None, False), (DV2_32, 8, True), (DV2_32, 22, True),
+                       (DV2_32, 1, True)],
     (1, 8, 1, 32768): [(X2, None, True), (KM16, None, True), (X2, None, False), (Config(16, 32, 4, 4), None, True),
                        (Config(16, 64, 4, 3), None, True), (Config(16, 32, 4, 2, ctas_per_sm=3), None, True),
                        (Config(16, 64, 4, 2, ctas_per_sm=2), None, True), (X2, 132, True), (KM16, 264, True)],
