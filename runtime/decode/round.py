@@ -140,7 +140,7 @@ def spec_round(target: TargetModel, drafter, cache: LatentCache, dcache, buf: Ro
 @dataclass
 class CapTrees:
     """Flat buffers a capped head builds its tree in (tree_build writes contiguous [b, n] outputs; a prefix
-    of the round buffers is not contiguous for b > 1), sized for the largest capped tree."""
+    of the round buffers is not contiguous for b > 1, the mask's never), sized for the largest capped tree."""
 
     tokens: torch.Tensor  # [b * n] int64
     parents: torch.Tensor  # [b * n] int32
@@ -182,13 +182,16 @@ def draft_tree(drafter, cache: LatentCache, dcache, buf: RoundBuffers, topk: int
         else:
             b, n = buf.tokens.shape[0], choice.buckets[cap] + 1
             tokens, parents, depth, positions, mask, scores = capped.views(b, n)
+            # the bodies read tokens, parents, positions and the first mask words of the first n nodes
+            rows = (buf.tokens, buf.parents, buf.positions, buf.scores)
+            if b == 1:  # one request: those prefixes are contiguous, the tree is built straight into them
+                tokens, parents, positions, scores = (t[:, :n] for t in rows)
             tree_build(logits, buf.bonus, cache.lens.long(), topk, tokens, parents, depth, positions, mask, tree_ws,
                        scores)
-            # the bodies read tokens, parents, positions and the first mask words of the first n nodes
-            for dst, src in ((buf.tokens, tokens), (buf.parents, parents), (buf.positions, positions),
-                             (buf.scores, scores)):
-                dst[:, :n].copy_(src)
-            buf.mask[:, :n, :mask.shape[2]].copy_(mask)
+            if b > 1:
+                for dst, src in zip(rows, (tokens, parents, positions, scores)):
+                    dst[:, :n].copy_(src)
+            buf.mask[:, :n, :mask.shape[2]].copy_(mask)  # [b, n, w_n] into [b, N, w]: never contiguous
         if choice is not None:
             choice.select(buf.scores, buf.live, cap)  # choice.pick [], choice.hot [nb] on the device
             if full:
