@@ -22,8 +22,8 @@ import torch
 
 from plugins.common.bitmask import mask_words
 from plugins.tree_build import build_from_topk_reference, topk_logprobs_reference, tree_build
-from runtime.decode.budget import (BucketChoice, CostCurve, CurveError, choose, default_buckets, expected_tokens,
-                                   extra_tokens)
+from plugins.budget_choice import choose, expected_tokens, extra_tokens
+from runtime.decode.budget import BucketChoice, CostCurve, CurveError, default_buckets
 from runtime.decode.params import InvalidParam, SpecConfig, parse_budget
 from test_tree_build_kernel import check_prefix_closed
 

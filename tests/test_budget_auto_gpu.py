@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.decode.budget import CostCurve, expected_tokens
+from plugins.budget_choice import expected_tokens
+from runtime.decode.budget import CostCurve
 
 pytestmark = pytest.mark.gpu
 

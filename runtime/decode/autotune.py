@@ -81,8 +81,7 @@ def session_curve(session, graph) -> tuple[CostCurve, str]:
         where = str(folder / CURVE_FILE) if folder is not None else "rank 0's stored curve"
         verify, head = [0.0] * len(buckets), [0.0] * len(buckets)
         if stored is not None:
-            head = stored.head_at(buckets, where)
-            verify = [c - head[-1] for c in stored.cost_at(buckets, where)]
+            verify, head = stored.verify_at(buckets, where), stored.head_at(buckets, where)
         values = _share(comm, verify + head, target.device)
         nb = len(buckets)
         return CostCurve(buckets, tuple(values[:nb]), values[-1], stored.source if stored else where,

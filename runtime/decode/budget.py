@@ -42,7 +42,7 @@ its JSON is {"buckets": [...], "verify_us": [...], "fixed_us": C, "head_us": [..
 the largest bucket).  A session takes the curve
 it is given, else ART/autotune/<curve_name>/curve.json, else measures its own and stores it there
 when the artifact folder is writable (runtime/decode/autotune.py).  Buckets missing from a curve are
-interpolated linearly in b (`cost_at`); a bucket beyond its range is an error.
+interpolated linearly in b (`verify_at`, `head_at`); a bucket beyond its range is an error.
 """
 
 from __future__ import annotations
@@ -57,8 +57,7 @@ import torch
 
 from core.errors import KdtreeError
 from core.staging import staged_dir
-from plugins.budget_choice import (DECAY, S_MAX, S_MIN, budget_observe, budget_select, calibration,  # noqa: F401
-                                   choose, expected_tokens, extra_tokens)  # the math: plugins/budget_choice
+from plugins.budget_choice import budget_observe, budget_select, calibration  # the math: plugins/budget_choice
 
 AUTOTUNE_DIR = "autotune"  # beside the artifact's manifest; not listed in it (measured at run time)
 CURVE_FILE = "curve.json"
@@ -98,13 +97,17 @@ class CostCurve:
         """T(b) + C in µs for each b, linear in b between the curve's buckets (C: the head's cost with the
         tree built at buckets[-1])."""
         c = self.head_at(buckets[-1:], where)[0]
-        return [t + c for t in _interpolate(self.buckets, self.verify_us, buckets, where)]
+        return [t + c for t in self.verify_at(buckets, where)]
+
+    def verify_at(self, buckets: tuple[int, ...], where: str = "cost curve") -> list[float]:
+        """T(b) in µs for each b, linear in b between the curve's buckets."""
+        return _interpolate(self.buckets, self.verify_us, buckets, where)
 
     def head_at(self, buckets: tuple[int, ...], where: str = "cost curve") -> list[float]:
         """C_j in µs with the tree built at each of `buckets` (linear in b between the curve's; fixed_us at
         every bucket when the curve has no head_us)."""
         if not self.head_us:
-            _interpolate(self.buckets, self.verify_us, buckets, where)  # the range check
+            self.verify_at(buckets, where)  # the range check
             return [self.fixed_us] * len(buckets)
         return _interpolate(self.buckets, self.head_us, buckets, where)
 
@@ -256,8 +259,7 @@ class BucketChoice:
         """Copy T(b) + C_j of this session's buckets and caps to the device (outside any capture: a host copy);
         the caps' values start over (they were scored on another curve)."""
         where = f"cost curve ({curve.source})" if curve.source else "cost curve"
-        verify = [c - curve.head_at(self.buckets[-1:], where)[0] for c in curve.cost_at(self.buckets, where)]
-        head = curve.head_at(self.buckets, where)
+        verify, head = curve.verify_at(self.buckets, where), curve.head_at(self.buckets, where)
         cap_cost = [[t + c for t in verify] for c in head]  # [cap, bucket] in fp64, then rounded once
         self.cap_cost.copy_(torch.tensor(cap_cost, dtype=torch.float32))
         self.value.zero_()
