@@ -19,6 +19,7 @@ import torch
 from core.cache_dir import cache_root
 from plugins.common.cubin import CubinUnavailable, cubin
 from plugins.common.device import device_facts
+from plugins.common.driver import checked
 from plugins.moe_w4a16.expert_kernels import combine_kernel
 from plugins.moe_w4a16.fragment_layout import ROWS
 from plugins.moe_w4a16.layout import GROUP, padded_k
@@ -60,7 +61,8 @@ def max_entries(t: int, top_k: int, e_local: int, nt: int) -> int:
 
 def gate_up_smem(t: int, top_k: int, e_local: int, nt: int) -> int:
     """reduction [2][8 warps][2][nt][4][32] fp32 + h rows staged [8 nt][16] bf16 + entry list."""
-    return 2 * WARPS * (2 * nt * 4 * 32) * 4 + 8 * nt * 16 * 2 + (WARPS + e_local + max_entries(t, top_k, e_local, nt)) * 4
+    return (2 * WARPS * (2 * nt * 4 * 32) * 4 + 8 * nt * 16 * 2
+            + (WARPS + e_local + max_entries(t, top_k, e_local, nt)) * 4)
 
 
 def down_smem(t: int, top_k: int, e_local: int, nt: int) -> int:
@@ -81,10 +83,7 @@ _MODULES: dict[int, _Module] = {}
 
 
 def _ok(cu, res, what: str):
-    err, *rest = res if isinstance(res, tuple) else (res,)
-    if err != cu.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"moe_w4a16 v3: {what} failed: {getattr(err, 'name', err)}")
-    return rest[0] if len(rest) == 1 else tuple(rest) if rest else None
+    return checked(cu, res, f"moe_w4a16 v3: {what}")
 
 
 def kernels(device: torch.device) -> _Module:
@@ -115,7 +114,8 @@ def _func(mod: _Module, name: str, smem: int):
     cu = mod.cu
     func = mod.funcs.get(name)
     if func is None:
-        func = mod.funcs[name] = _ok(cu, cu.cuModuleGetFunction(mod.module, name.encode()), f"cuModuleGetFunction {name}")
+        func = mod.funcs[name] = _ok(cu, cu.cuModuleGetFunction(mod.module, name.encode()),
+                                     f"cuModuleGetFunction {name}")
     if smem > 48 * 1024 and mod.smem_set.get(name, 0) < smem:
         _ok(cu, cu.cuFuncSetAttribute(func, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                       smem), f"cuFuncSetAttribute {name}")
@@ -131,7 +131,8 @@ def _launch(mod: _Module, name: str, grid: int, smem: int, args: tuple, types: t
 
 
 def check_fragments(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13: torch.Tensor,
-                    w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, top_k: int, e_start: int) -> None:
+                    w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, top_k: int,
+                    e_start: int) -> None:
     """ValueError naming the tensor when the inputs do not fit v3 (the kernels read every size from these
     shapes: a wrong one would read out of bounds)."""
     if x.dim() != 2 or x.dtype != torch.bfloat16 or x.shape[1] % GROUP:

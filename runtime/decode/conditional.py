@@ -31,6 +31,7 @@ import ctypes
 
 import torch
 
+from plugins.common.driver import checked
 from runtime.decode.graphs import GraphUnavailable
 
 
@@ -99,10 +100,7 @@ class ConditionalRound:
             cu.cuGraphDestroy(graph)  # the executable graph is independent of it
 
     def _ok(self, res, what: str):
-        err, *rest = res if isinstance(res, tuple) else (res,)
-        if err != self.cu.CUresult.CUDA_SUCCESS:
-            raise GraphUnavailable(f"composing {self.name}: {what} failed: {getattr(err, 'name', err)}")
-        return rest[0] if len(rest) == 1 else tuple(rest)
+        return checked(self.cu, res, f"composing {self.name}: {what}", GraphUnavailable)
 
     def launch(self, cap: int | None = None) -> None:
         """Enqueue one replay of cap's graph (None: the full tree) on torch's current stream (no host sync)."""
