@@ -100,14 +100,20 @@ def kernels(device: torch.device) -> _Module:
     return mod
 
 
+_UNAVAILABLE: dict[int, str] = {}  # device index -> why v3 does not load there (a failure is final per process)
+
+
 def unavailable(device: torch.device) -> str | None:
     """None when the v3 kernels load on `device` (a CUDA device), else why not (one line: no cubin for its arch
-    and neither NVRTC nor nvcc to compile one, no cuda-python, or the driver refused the module)."""
-    try:
-        kernels(device)
-    except (CubinUnavailable, ImportError, RuntimeError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return None
+    and neither NVRTC nor nvcc to compile one, no cuda-python, or the driver refused the module).  A failure is
+    remembered per device, so asking again (every MoE layer of a load) tries no compiler twice."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _UNAVAILABLE and index not in _MODULES:
+        try:
+            kernels(device)
+        except (CubinUnavailable, ImportError, RuntimeError) as exc:
+            _UNAVAILABLE[index] = f"{type(exc).__name__}: {exc}"
+    return _UNAVAILABLE.get(index)
 
 
 def _func(mod: _Module, name: str, smem: int):

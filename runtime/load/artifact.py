@@ -130,18 +130,14 @@ class MoEKernelWarning(UserWarning):
 
 
 def kernel_form(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
-                dtype: torch.dtype, d: int, problems: dict
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                dtype: torch.dtype, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """INT4 experts in the layout the op's path for this run reads: as stored, except fragment order on CUDA
     where v3 does not serve (v3_problem), which becomes the planar layout of the Triton path, once, here.  The
-    CPU reference reads either layout.  problems: the v3 verdicts of this load by (device, dtypes), so the
-    check (which may try to compile) runs once, not per layer."""
+    CPU reference reads either layout.  (launch_v3.unavailable remembers its verdict per device: the check,
+    which may try to compile, runs once per process, not per layer.)"""
     if w13.dim() != 5 or not w13.is_cuda:
         return w13, w13_scale, w2, w2_scale
-    key = (w13.device, dtype, w13_scale.dtype)
-    if key not in problems:
-        problems[key] = v3_problem(*key)
-    return serving_form(w13, w13_scale, w2, w2_scale, d, problems[key])
+    return serving_form(w13, w13_scale, w2, w2_scale, d, v3_problem(w13.device, dtype, w13_scale.dtype))
 
 
 def v3_problem(device: torch.device, dtype: torch.dtype, scale_dtype: torch.dtype) -> str | None:
@@ -182,7 +178,6 @@ def assemble_weights(cfg: ModelConfig, flat: dict[str, torch.Tensor]) -> TargetW
             raise CheckpointError(f"artifact: tensor {key!r} missing from this rank's files")
         return flat.pop(key)
 
-    v3_verdicts: dict = {}  # kernel_form's, shared by the layers
     layers = []
     for li in range(cfg.num_layers):
         p = f"layers.{li}."
@@ -197,7 +192,7 @@ def assemble_weights(cfg: ModelConfig, flat: dict[str, torch.Tensor]) -> TargetW
             if p + "moe.w13_packed" in flat:  # INT4, in a moe_w4a16 kernel layout (fragment order or planar)
                 experts = Experts(*kernel_form(get(p + "moe.w13_packed"), get(p + "moe.w13_scale"),
                                                get(p + "moe.w2_packed"), get(p + "moe.w2_scale"),
-                                               flat[p + "attn_norm"].dtype, cfg.hidden_size, v3_verdicts))
+                                               flat[p + "attn_norm"].dtype, cfg.hidden_size))
             else:
                 experts = Experts(get(p + "moe.w13"), None, get(p + "moe.w2"), None)
             gate = get(p + "moe.gate")
