@@ -29,15 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import print_table, roofline_us, time_us, write_result  # noqa: E402
-from plugins.dense_gemm import (  # noqa: E402
-    K26_SHAPES,
-    candidates,
-    declines,
-    pick_config,
-    skinny_linear,
-    skinny_linear_reference,
-    t_bucket,
-)
+from plugins.dense_gemm import skinny_linear, skinny_linear_reference  # noqa: E402
+from plugins.dense_gemm.config import K26_SHAPES, candidates, declines, pick_config, t_bucket  # noqa: E402
 from runtime.model.layers import linear  # noqa: E402
 
 T_VALUES = (1, 2, 5, 9, 17, 33, 65)

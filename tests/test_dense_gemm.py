@@ -22,17 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from plugins.dense_gemm import (
-    K26_SHAPES,
-    GemmConfig,
-    candidates,
-    declines,
-    default_config,
-    pick_config,
-    skinny_linear,
-    skinny_linear_reference,
-    t_bucket,
-)
+from plugins.dense_gemm import skinny_linear, skinny_linear_reference
+from plugins.dense_gemm.config import (K26_SHAPES, GemmConfig, candidates, declines, default_config, pick_config,
+                                      t_bucket)
 
 ROOT = Path(__file__).resolve().parent.parent
 
