@@ -135,6 +135,17 @@ __device__ int build_entries(const int* __restrict__ counts, int e_local, int ti
     return base;
 }
 
+// acc [2 row tiles][NT token tiles][4 floats of the m16n8 fragment] = 0
+template <int NT>
+__device__ __forceinline__ void zero_acc(float (&acc)[2][NT][4]) {
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) acc[m][j][r] = 0.f;
+}
+
 // The load side of a warp: walks the CTA's (or warp's) items in chunks of P groups and fills the ring.
 // Within a chunk nothing branches: a chunk's P groups are consumed and the next chunk's P groups loaded in
 // one straight-line block (past the last chunk the cursor stays put and the loads re-read it, harmlessly).
@@ -217,12 +228,7 @@ __device__ void gate_up(const uint4* __restrict__ w13, const uint2* __restrict__
     };
     w_prefetch(c_wi);
     float acc[2][NT][4];
-#pragma unroll
-    for (int m = 0; m < 2; ++m)
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) acc[m][j][r] = 0.f;
+    zero_acc<NT>(acc);
 
     for (int ch = 0; ch < total; ++ch) {
         const int base = warp + WARPS * P * ring.chunk;
@@ -335,12 +341,7 @@ __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2,
     };
     prefetch_slots(c_wi);
     float acc[2][NT][4];
-#pragma unroll
-    for (int m = 0; m < 2; ++m)
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) acc[m][j][r] = 0.f;
+    zero_acc<NT>(acc);
 
     for (int ch = 0; ch < total; ++ch) {
         const int base = P * ring.chunk;
