@@ -32,7 +32,6 @@ from pathlib import Path
 
 from build_pipeline.integrity import check_files, sha256_file
 from core.errors import CheckpointError
-from core.cache_dir import cache_root  # noqa: F401  (re-exported: the cache root of builds)
 
 log = logging.getLogger("kdtree.cache")
 

@@ -24,6 +24,7 @@ from build_pipeline.export_onnx import export_rank
 from build_pipeline.integrity import sha256_file
 from build_pipeline.kernel_cache import UNWARMED, not_warmed
 from build_pipeline.shard import GLOBALS_FILE, layer_file, write_rank_shards
+from core.cache_dir import cache_root
 from core.checkpoint import INDEX_NAME, Checkpoint
 from core.config import ModelConfig, load_config
 from core.errors import ConfigError, KdtreeError
@@ -101,7 +102,7 @@ def build(model_dir: str | Path, out: str | Path | None = None, drafter_dir: str
     if warm_arch is not None:  # only then: the key of an unwarmed build stays what it was
         options["warm"] = warm_arch
 
-    root = cache.cache_root()
+    root = cache_root()
     memo = cache.HashMemo(root)
     inputs = _input_hashes(model_dir, drafter_dir, memo)
     memo.save()

@@ -154,10 +154,10 @@ def test_host_choice_fallback_gives_the_same_rounds(ref, monkeypatch):
     from test_graphs_gpu import NEW, _diff
 
     import runtime.decode.session as session_mod
-    from plugins.graph_conditional import SetterUnavailable
+    from plugins.common.cubin import CubinUnavailable
 
     def unavailable(*args, **kwargs):
-        raise SetterUnavailable("disabled by the test")
+        raise CubinUnavailable("disabled by the test")
 
     flat = CostCurve((1, 16), (1.0, 2.0), 1.0, "flat")
     eng = ref.gpu.configure(spec="ddtree", budget=AUTO, graphs=True, budget_curve=flat)

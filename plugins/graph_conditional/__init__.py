@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from plugins.common.cubin import CubinUnavailable, cubin
+from plugins.common.cubin import cubin
 
 SOURCE = Path(__file__).with_name("set_conditionals.cu")
 KERNEL = b"kdtree_set_conditionals"  # (const u64* handles [n], const bool* hot [n], int n)
-SetterUnavailable = CubinUnavailable  # the name runtime/decode/session.py catches
 
 
 def setter_cubin(arch: str, cache: Path) -> tuple[bytes, str]:

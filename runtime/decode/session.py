@@ -36,7 +36,8 @@ import torch
 from core.cache_dir import cache_root
 from core.errors import NonFiniteLogits
 from plugins.common.device import device_facts
-from plugins.graph_conditional import SetterUnavailable, setter_cubin
+from plugins.common.cubin import CubinUnavailable
+from plugins.graph_conditional import setter_cubin
 from plugins.tree_build import TreeBuildWorkspace
 from runtime.decode.autotune import SessionCurves
 from runtime.decode.budget import EXPLORE, BucketChoice, default_buckets
@@ -164,7 +165,7 @@ class DecodeSession:
             # the artifact's cubin when loading registered it
             cubin, _ = setter_cubin(device_facts(self.target.device).arch, cache_root())
             return ConditionalRound(heads, bodies, choice.hot, cubin, name)
-        except (SetterUnavailable, GraphUnavailable) as exc:
+        except (CubinUnavailable, GraphUnavailable) as exc:
             return HostChoiceRound(heads, bodies, choice.pick, f"budget auto without IF nodes ({exc}): the host "
                                                                f"reads each round's bucket (one sync per round)")
 
