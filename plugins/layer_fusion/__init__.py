@@ -240,13 +240,13 @@ def silu_mul(gate_up: torch.Tensor, out_dtype: torch.dtype | None = None) -> tor
     out_dtype = out_dtype or gate_up.dtype
     if not (_fused(gate_up) and out_dtype in _KERNEL_DTYPES and
             (out_dtype == gate_up.dtype or gate_up.dtype == torch.float32)):
-        return silu_mul_reference(gate_up, out_dtype if out_dtype != gate_up.dtype else None)
+        return silu_mul_reference(gate_up, out_dtype)
     return silu_mul_op(gate_up, out_dtype)
 
 
 @kdtree_op("silu_mul", mutates_args=())
 def silu_mul_op(gate_up: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    return silu_mul_reference(gate_up, out_dtype if out_dtype != gate_up.dtype else None)
+    return silu_mul_reference(gate_up, out_dtype)
 
 
 @silu_mul_op.register_fake
@@ -257,7 +257,7 @@ def _(gate_up, out_dtype):
 @silu_mul_op.register_kernel("cuda")
 def _silu_mul_cuda(gate_up: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     if not _fused(gate_up):
-        return silu_mul_reference(gate_up, out_dtype if out_dtype != gate_up.dtype else None)
+        return silu_mul_reference(gate_up, out_dtype)
     from plugins.layer_fusion.kernel import silu_mul_triton
     two_i = gate_up.shape[-1]
     rows = gate_up.reshape(-1, two_i)
