@@ -9,7 +9,8 @@ Three runs, in this order:
   warm   the same again with everything in the page cache: the issue's "<= 5 s with a warm page cache"
 A row: first_token_s (the first byte on stdout: tokens stream there, progress and stats go to stderr),
 total_s, new_triton_entries (Triton cache folders beyond the artifact's: a compiled kernel or launcher), and
-prefill / decode seconds from the run's stats line.  Writes OUT/startup.json; prints a table last.
+from the run's stats line: load_s (Engine.load), prefill_s, capture_s (the decode graph, captured after the first
+token is out) and decode_s.  Writes OUT/startup.json; prints a table last.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def one_run(art: Path, pycache: Path, prompt_ids: str, new_tokens: int, device: 
             break
     return {"first_token_s": round(first_s, 2) if first else None, "total_s": round(total_s, 2),
             "triton_entries": entries, "prefill_s": stats.get("prefill_s"), "decode_s": stats.get("decode_s"),
-            "new_tokens": stats.get("new_tokens"), "spec": stats.get("spec"),
+            "load_s": stats.get("load_s"), "capture_s": stats.get("capture_s"), "new_tokens": stats.get("new_tokens"), "spec": stats.get("spec"),
             "warned": "KernelCacheWarning" in err}
 
 
@@ -110,7 +111,8 @@ def main() -> None:
                         f"{a.max_new_tokens}", "goal_first_token_s": 5.0}
     path = write_result("startup", rows, extra, a.out)
     print(f"wrote {path}; page cache emptied by {method}; artifact ships {shipped} Triton cache entries")
-    print_table(rows, ["run", "first_token_s", "total_s", "new_triton_entries", "prefill_s", "decode_s", "spec",
+    print_table(rows, ["run", "first_token_s", "total_s", "new_triton_entries", "load_s", "prefill_s", "capture_s",
+                       "decode_s", "spec",
                        "warned"])
 
 

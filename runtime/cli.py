@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -170,9 +171,11 @@ def run(
         if budget is not None and spec is None and drafter is None and not (Path(model_dir) / "drafter").is_dir():
             raise ValueError("--budget applies to --spec ddtree, which needs a drafter (--drafter DIR)")
         # spec None: Engine.load's rule (ddtree with a drafter, else none), as from Python
+        t_load = time.perf_counter()
         eng = Engine.load(model_dir, device=device, drafter=drafter, spec=spec, budget=16 if budget is None else budget,
                           graphs=graphs, progress=not as_json, tp=tp, ep=ep,
                           dtype=None if dtype == "auto" else getattr(torch, dtype), budget_curve=curve)
+        load_s = round(time.perf_counter() - t_load, 3)
         if eng.rank != 0:  # under torchrun: every rank decodes, rank 0 alone prints
             sys.stdout = open(os.devnull, "w")
         tok = eng.tokenizer
@@ -197,11 +200,11 @@ def run(
         text = tok.decode([t for t in out if t not in stops])
         if not as_json:
             sys.stdout.write(text_out.flush())
+        st = {**eng.last_stats, "load_s": load_s}
         if as_json:
-            typer.echo(json.dumps({"token_ids": out, "text": text, "stats": eng.last_stats}))
+            typer.echo(json.dumps({"token_ids": out, "text": text, "stats": st}))
         else:
             typer.echo("")
-            st = eng.last_stats
             if st.get("tau") is not None and st.get("decode_tokens_per_s") is not None:
                 typer.echo(f"{st['new_tokens']} tokens in {st['rounds']} rounds: tau {st['tau']:.2f} tokens/round, "
                            f"{st['decode_tokens_per_s']:.1f} tokens/s decode ({st.get('spec', '')}, {st['device']})",

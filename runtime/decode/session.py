@@ -199,20 +199,8 @@ class DecodeSession:
         if len(req.stop_ids) > self.max_stops:
             raise ValueError(f"at most {self.max_stops} stop ids, got {len(req.stop_ids)}")
         greedy = req.temperature <= 0
-        graph = None
-        if graphs:
-            try:
-                graph = self.capture(greedy)
-            except GraphUnavailable as exc:
-                self.graph_note = f"graphs off: {exc}"
         stats.prompt_tokens = sum(len(p) for p in prompts)
-        stats.extra.update(graphs=graph is not None, graph_via=graph.via if graph else None,
-                           graph_note=(graph.note if graph else self.graph_note) or None)
-        budgets: Counter[int] = Counter()  # rounds per verified budget (budget auto)
-        caps: Counter[int] = Counter()  # rounds per built tree (budget auto)
-        if self.choice is not None:
-            stats.extra.update(budget_curve=self.curves.use(self, graph), budget_buckets=list(self.choice.buckets))
-
+        stats.extra.update(graphs=False, graph_via=None, graph_note=None)
         t0 = time.perf_counter()
         first = self._start(prompts, req, greedy)
         stats.prefill_s = time.perf_counter() - t0
@@ -221,6 +209,22 @@ class DecodeSession:
         yield [[t] for t in first]
         if not any(live):
             return
+        # the decode graph is captured (once per session and greedy/sampled) after the first token is out:
+        # capture restores every buffer it touches (frozen), so the prefill's state is what the rounds see
+        graph = None
+        t0 = time.perf_counter()
+        if graphs:
+            try:
+                graph = self.capture(greedy)
+            except GraphUnavailable as exc:
+                self.graph_note = f"graphs off: {exc}"
+        stats.extra.update(graphs=graph is not None, graph_via=graph.via if graph else None,
+                           graph_note=(graph.note if graph else self.graph_note) or None,
+                           capture_s=round(time.perf_counter() - t0, 6))
+        budgets: Counter[int] = Counter()  # rounds per verified budget (budget auto)
+        caps: Counter[int] = Counter()  # rounds per built tree (budget auto)
+        if self.choice is not None:
+            stats.extra.update(budget_curve=self.curves.use(self, graph), budget_buckets=list(self.choice.buckets))
 
         clock = None if graph is not None else StageClock(dev)
         launch = graph.launch if graph is not None else (lambda *cap: self.raw_step(greedy, clock, *cap))
