@@ -25,8 +25,9 @@ import torch
 from plugins.layer_fusion.reference import (
     add_rms_norm_reference,
     head_norm_rope_reference,
+    mla_q_absorb_reference,
     mla_rope_kv_reference,
-    mla_rope_q_reference,
+    mla_v_absorb_reference,
     rms_norm_reference,
     silu_mul_reference,
 )
@@ -52,8 +53,9 @@ def run_cases(device: str, count: int, seed: int = 0) -> list[dict]:
     from plugins.layer_fusion.kernel import (
         add_rms_norm_triton,
         head_norm_rope_triton,
+        mla_q_absorb_triton,
         mla_rope_kv_triton,
-        mla_rope_q_triton,
+        mla_v_absorb_triton,
         silu_mul_triton,
     )
 
@@ -88,16 +90,35 @@ def run_cases(device: str, count: int, seed: int = 0) -> list[dict]:
         ok, err = _close(y2, rms_norm_reference(wide, w, 1e-5), exact=False)
         out.append(dict(op="rms_norm", case=f"t{t} d{d} {dt}", ok=ok, err=err))
 
-        # mla_rope_q: q [t, h, p+r] from a [t, h*(p+r)] GEMM output, q_lat read through [h, t, c] strides
-        h, p, c, r2 = pick((1, 8, 16)), pick((128, 16)), pick((512, 24)), pick((32, 3))
+        # mla_q_absorb: q [t, h, p+r] from a [t, h*(p+r)] GEMM output, W_UK [h, p, c]; the product within 4 ulp of
+        # the dot's absolute-value bound (summation order), the rope part bit for bit
+        h, p, c, r2 = pick((1, 8, 16)), pick((128, 16, 24)), pick((512, 24)), pick((32, 3))
         interleave = bool(k % 2)
         q = rnd(t, h * (p + 2 * r2), dtype=dt).view(t, h, p + 2 * r2)
-        q_lat = rnd(h, t, c, dtype=dt).transpose(0, 1)  # [t, h, c] strided
+        w_uk = rnd(h, p, c, dtype=dt, scale=0.1)
         cos, sin = rnd(t, r2, dtype=dt), rnd(t, r2, dtype=dt)
         got = torch.empty(t, h, c + 2 * r2, dtype=dt, device=device)
-        mla_rope_q_triton(q, q_lat, cos, sin, interleave, got)
-        ok, err = _close(got, mla_rope_q_reference(q, q_lat, cos, sin, interleave), exact=True)
-        out.append(dict(op="mla_rope_q", case=f"t{t} h{h} p{p} c{c} r{2 * r2} {dt} il={interleave}", ok=ok, err=err))
+        mla_q_absorb_triton(q, w_uk, cos, sin, interleave, got)
+        want = mla_q_absorb_reference(q, w_uk, cos, sin, interleave)
+        bound = torch.bmm(q[..., :p].transpose(0, 1).double().abs(), w_uk.double().abs()).transpose(0, 1)  # [t, h, c]
+        diff = (got[..., :c].double() - want[..., :c].double()).abs()
+        ok = bool(torch.isfinite(got).all() and (diff <= 4 * ULP[dt] * bound + 1e-30).all()
+                  and torch.equal(got[..., c:], want[..., c:]))
+        err = float((diff / bound.clamp_min(1e-30)).max())
+        out.append(dict(op="mla_q_absorb", case=f"t{t} h{h} p{p} c{c} r{2 * r2} {dt} il={interleave}", ok=ok, err=err))
+
+        # mla_v_absorb: o_lat read through [h, t, c] strides (the bmm's view), W_UV [h, u, c]; the same bound
+        u = pick((128, 16, 20))
+        o_lat = rnd(h, t, c, dtype=dt).transpose(0, 1)  # [t, h, c] strided
+        w_uv = rnd(h, u, c, dtype=dt, scale=0.1)
+        got = torch.empty(t, h, u, dtype=dt, device=device)
+        mla_v_absorb_triton(o_lat, w_uv, got)
+        want = mla_v_absorb_reference(o_lat, w_uv)
+        bound = torch.bmm(o_lat.transpose(0, 1).double().abs(), w_uv.double().abs().transpose(1, 2)).transpose(0, 1)
+        diff = (got.double() - want.double()).abs()
+        ok = bool(torch.isfinite(got).all() and (diff <= 4 * ULP[dt] * bound + 1e-30).all())
+        out.append(dict(op="mla_v_absorb", case=f"t{t} h{h} c{c} u{u} {dt}", ok=ok,
+                        err=float((diff / bound.clamp_min(1e-30)).max())))
 
         # mla_rope_kv: into scratch rows [b, n, c+r] of a [b, n_max, c+r] buffer; untouched rows stay
         bq = pick((1, 2, 3))
@@ -160,7 +181,7 @@ def interpreter_results():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("op", ["add_rms_norm", "rms_norm", "mla_rope_q", "mla_rope_kv", "silu_mul",
+@pytest.mark.parametrize("op", ["add_rms_norm", "rms_norm", "mla_q_absorb", "mla_v_absorb", "mla_rope_kv", "silu_mul",
                                 "head_norm_rope"])
 def test_kernel_matches_reference_in_interpreter(interpreter_results, op):
     cases = [c for c in interpreter_results if c["op"] == op]
@@ -169,15 +190,17 @@ def test_kernel_matches_reference_in_interpreter(interpreter_results, op):
 
 def test_cpu_ops_are_the_references():
     """On CPU (and for fp64) the public functions are the references: the layer computes what it did."""
-    from plugins.layer_fusion import add_rms_norm, mla_rope_kv, mla_rope_q, rms_norm, silu_mul
+    from plugins.layer_fusion import add_rms_norm, mla_q_absorb, mla_rope_kv, mla_v_absorb, rms_norm, silu_mul
     g = torch.Generator().manual_seed(3)
     x, d, w = torch.randn(2, 5, 16, generator=g), torch.randn(2, 5, 16, generator=g), torch.randn(16, generator=g)
     assert torch.equal(rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6))
     s, y = add_rms_norm(x.double(), d.double(), w.double(), 1e-6)
     ws, wy = add_rms_norm_reference(x.double(), d.double(), None, w.double(), 1e-6)
     assert torch.equal(s, ws) and torch.equal(y, wy) and s.dtype == torch.float64
-    q, lat, cs = torch.randn(4, 2, 10, generator=g), torch.randn(4, 2, 6, generator=g), torch.randn(4, 2, generator=g)
-    assert torch.equal(mla_rope_q(q, lat, cs, cs, True), mla_rope_q_reference(q, lat, cs, cs, True))
+    q, w_uk, cs = torch.randn(4, 2, 10, generator=g), torch.randn(2, 6, 5, generator=g), torch.randn(4, 2, generator=g)
+    assert torch.equal(mla_q_absorb(q, w_uk, cs, cs, True), mla_q_absorb_reference(q, w_uk, cs, cs, True))
+    o_lat, w_uv = torch.randn(2, 4, 6, generator=g).transpose(0, 1), torch.randn(2, 3, 6, generator=g)
+    assert torch.equal(mla_v_absorb(o_lat, w_uv), mla_v_absorb_reference(o_lat, w_uv))
     got, want = torch.zeros(2, 2, 10), torch.zeros(2, 2, 10)
     ql, qw, q_out = torch.randn(4, 12, generator=g), torch.randn(12, generator=g), torch.zeros(4, 12)
     mla_rope_kv(torch.randn(4, 10, generator=g), torch.randn(6, generator=g), 1e-6, cs, cs, False, got, ql, qw, q_out)
@@ -207,17 +230,25 @@ def test_kernels_on_gpu_many_cases():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_ops_dispatch_to_kernels_on_gpu():
     """The registered ops on CUDA tensors run the kernels (fp64 the reference) and agree with the CPU path."""
-    from plugins.layer_fusion import add_rms_norm, mla_rope_q, silu_mul
+    from plugins.layer_fusion import add_rms_norm, mla_q_absorb, mla_v_absorb, silu_mul
     g = torch.Generator().manual_seed(2)
     x, d, w = torch.randn(3, 4, 7168, generator=g), torch.randn(3, 4, 7168, generator=g), torch.randn(7168, generator=g)
     for dt in (torch.bfloat16, torch.float64):
         s, y = add_rms_norm(x.to("cuda", dt), d.to("cuda", dt), w.to("cuda", dt), 1e-6)
         ws, wy = add_rms_norm_reference(x.to(dt), d.to(dt), None, w.to(dt), 1e-6)
         assert torch.equal(s.cpu(), ws) and _close(y.cpu(), wy, exact=False)[0]
-    q, lat, cs = torch.randn(5, 8, 192, generator=g), torch.randn(5, 8, 512, generator=g), torch.randn(5, 32, generator=g)
-    got = mla_rope_q(*(v.to("cuda", torch.bfloat16) for v in (q, lat, cs, cs)), True)
-    want = mla_rope_q_reference(*(v.to(torch.bfloat16) for v in (q, lat, cs, cs)), True)
-    assert torch.equal(got.cpu(), want)
+    q, w_uk, cs = torch.randn(5, 8, 192, generator=g), torch.randn(8, 128, 512, generator=g) * 0.1, \
+        torch.randn(5, 32, generator=g)
+    got = mla_q_absorb(*(v.to("cuda", torch.bfloat16) for v in (q, w_uk, cs, cs)), True).cpu()
+    want = mla_q_absorb_reference(*(v.to(torch.bfloat16) for v in (q, w_uk, cs, cs)), True)
+    bound = torch.bmm(q[..., :128].transpose(0, 1).abs(), w_uk.abs()).transpose(0, 1)  # [5, 8, 512] fp32
+    assert torch.equal(got[..., 512:], want[..., 512:])
+    assert ((got[..., :512].float() - want[..., :512].float()).abs() <= 4 * ULP[torch.bfloat16] * bound).all()
+    o_lat, w_uv = torch.randn(5, 8, 512, generator=g), torch.randn(8, 128, 512, generator=g) * 0.1
+    got = mla_v_absorb(*(v.to("cuda", torch.bfloat16) for v in (o_lat, w_uv))).cpu()
+    want = mla_v_absorb_reference(*(v.to(torch.bfloat16) for v in (o_lat, w_uv)))
+    bound = torch.bmm(o_lat.transpose(0, 1).abs(), w_uv.abs().transpose(1, 2)).transpose(0, 1)  # [5, 8, 128] fp32
+    assert ((got.float() - want.float()).abs() <= 4 * ULP[torch.bfloat16] * bound).all()
     gu = torch.randn(6, 512, generator=g).to(torch.bfloat16)
     assert torch.equal(silu_mul(gu.cuda()).cpu(), silu_mul_reference(gu))
 

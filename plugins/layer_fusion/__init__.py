@@ -17,14 +17,16 @@ from plugins.common.op import kdtree_op
 from plugins.layer_fusion.reference import (
     add_rms_norm_reference,
     head_norm_rope_reference,
+    mla_q_absorb_reference,
     mla_rope_kv_reference,
-    mla_rope_q_reference,
+    mla_v_absorb_reference,
     rms_norm_reference,
     rotate_reference,
     silu_mul_reference,
 )
 
-__all__ = ["rms_norm", "add_rms_norm", "mla_rope_q", "mla_rope_kv", "silu_mul", "head_norm_rope", "rotate_reference"]
+__all__ = ["rms_norm", "add_rms_norm", "mla_q_absorb", "mla_v_absorb", "mla_rope_kv", "silu_mul", "head_norm_rope",
+           "rotate_reference"]
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # KDTREE_FUSION=0 (read once, at import): the references on CUDA too, i.e. the unfused torch ops, the peer
@@ -112,41 +114,75 @@ def _add_rms_norm_cuda(x: torch.Tensor, delta: torch.Tensor, delta2: torch.Tenso
 
 # ---- MLA: the query and the latent row
 
-def mla_rope_q(q: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               interleave: bool) -> torch.Tensor:
-    """q [t, h, p+r], q_lat [t, h, c] (any strides), cos/sin [t, r/2] -> q_full [t, h, c+r] = [q_lat | rope(q_pe)]."""
-    if not _fused(q, q_lat, cos, sin):
-        return mla_rope_q_reference(q, q_lat, cos, sin, interleave)
-    return mla_rope_q_op(q, q_lat, cos, sin, interleave)
+def mla_q_absorb(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 interleave: bool) -> torch.Tensor:
+    """q [t, h, p+r] (q_b's output, any strides), w_uk [h, p, c], cos/sin [t, r/2] -> q_full [t, h, c+r] =
+    [q_nope . W_UK | rope(q_pe)]: the per-head absorption product and the rope in one kernel."""
+    if not _fused(q, w_uk, cos, sin):
+        return mla_q_absorb_reference(q, w_uk, cos, sin, interleave)
+    return mla_q_absorb_op(q, w_uk, cos, sin, interleave)
 
 
-@kdtree_op("mla_rope_q", mutates_args=())
-def mla_rope_q_op(q: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  interleave: bool) -> torch.Tensor:
-    return mla_rope_q_reference(q, q_lat, cos, sin, interleave)
+@kdtree_op("mla_q_absorb", mutates_args=())
+def mla_q_absorb_op(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    interleave: bool) -> torch.Tensor:
+    return mla_q_absorb_reference(q, w_uk, cos, sin, interleave)
 
 
-@mla_rope_q_op.register_fake
-def _(q, q_lat, cos, sin, interleave):
-    t, h, c = q_lat.shape
-    return q_lat.new_empty(t, h, c + 2 * cos.shape[-1])
+@mla_q_absorb_op.register_fake
+def _(q, w_uk, cos, sin, interleave):
+    return q.new_empty(q.shape[0], q.shape[1], w_uk.shape[2] + 2 * cos.shape[-1])
 
 
-@mla_rope_q_op.register_kernel("cuda")
-def _mla_rope_q_cuda(q: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     interleave: bool) -> torch.Tensor:
-    if not _fused(q, q_lat, cos, sin):
-        return mla_rope_q_reference(q, q_lat, cos, sin, interleave)
-    from plugins.layer_fusion.kernel import mla_rope_q_triton
-    t, h, c = q_lat.shape
-    r2 = cos.shape[-1]
-    if q.dim() != 3 or q.shape[:2] != (t, h) or q.shape[2] < 2 * r2 or cos.shape != (t, r2) or sin.shape != (t, r2) \
-            or q.stride(2) != 1 or q_lat.stride(2) != 1 or cos.stride(1) != 1 or sin.stride() != cos.stride():
-        raise ValueError(f"mla_rope_q: need q [{t}, {h}, p+r], cos/sin [{t}, r/2] with unit last strides; got q "
-                         f"{tuple(q.shape)} {q.stride()}, q_lat {tuple(q_lat.shape)} {q_lat.stride()}, cos "
-                         f"{tuple(cos.shape)} {cos.stride()}, sin {tuple(sin.shape)} {sin.stride()}")
+@mla_q_absorb_op.register_kernel("cuda")
+def _mla_q_absorb_cuda(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       interleave: bool) -> torch.Tensor:
+    if not _fused(q, w_uk, cos, sin):
+        return mla_q_absorb_reference(q, w_uk, cos, sin, interleave)
+    from plugins.layer_fusion.kernel import mla_q_absorb_triton
+    t, h = q.shape[:2]
+    p, c, r2 = w_uk.shape[1], w_uk.shape[2], cos.shape[-1]
+    if q.dim() != 3 or w_uk.dim() != 3 or w_uk.shape[0] != h or q.shape[2] != p + 2 * r2 or cos.shape != (t, r2) \
+            or sin.shape != (t, r2) or q.stride(2) != 1 or w_uk.stride(2) != 1 or cos.stride(1) != 1 \
+            or sin.stride() != cos.stride():
+        raise ValueError(f"mla_q_absorb: need q [{t}, {h}, p+r], w_uk [{h}, p, c], cos/sin [{t}, r/2] with unit last "
+                         f"strides; got q {tuple(q.shape)} {q.stride()}, w_uk {tuple(w_uk.shape)} {w_uk.stride()}, "
+                         f"cos {tuple(cos.shape)} {cos.stride()}, sin {tuple(sin.shape)} {sin.stride()}")
     out = torch.empty(t, h, c + 2 * r2, dtype=q.dtype, device=q.device)
-    mla_rope_q_triton(q, q_lat, cos, sin, interleave, out)
+    mla_q_absorb_triton(q, w_uk, cos, sin, interleave, out)
+    return out
+
+
+def mla_v_absorb(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """o_lat [t, h, c] (the attention's latent output, any strides), w_uv [h, u, c] -> o [t, h, u] contiguous:
+    o_lat . W_UV^T per head, o_proj's input rows."""
+    if not _fused(o_lat, w_uv):
+        return mla_v_absorb_reference(o_lat, w_uv)
+    return mla_v_absorb_op(o_lat, w_uv)
+
+
+@kdtree_op("mla_v_absorb", mutates_args=())
+def mla_v_absorb_op(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    return mla_v_absorb_reference(o_lat, w_uv)
+
+
+@mla_v_absorb_op.register_fake
+def _(o_lat, w_uv):
+    return o_lat.new_empty(o_lat.shape[0], o_lat.shape[1], w_uv.shape[1])
+
+
+@mla_v_absorb_op.register_kernel("cuda")
+def _mla_v_absorb_cuda(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    if not _fused(o_lat, w_uv):
+        return mla_v_absorb_reference(o_lat, w_uv)
+    from plugins.layer_fusion.kernel import mla_v_absorb_triton
+    t, h, c = o_lat.shape
+    if o_lat.dim() != 3 or w_uv.dim() != 3 or w_uv.shape[0] != h or w_uv.shape[2] != c or o_lat.stride(2) != 1 \
+            or w_uv.stride(2) != 1:
+        raise ValueError(f"mla_v_absorb: need o_lat [{t}, {h}, c], w_uv [{h}, u, c] with unit last strides; got "
+                         f"o_lat {tuple(o_lat.shape)} {o_lat.stride()}, w_uv {tuple(w_uv.shape)} {w_uv.stride()}")
+    out = torch.empty(t, h, w_uv.shape[1], dtype=o_lat.dtype, device=o_lat.device)
+    mla_v_absorb_triton(o_lat, w_uv, out)
     return out
 
 

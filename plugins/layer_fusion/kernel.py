@@ -4,7 +4,10 @@ Why: a layer's glue (norms, residual adds, rope, the latent row's assembly, SiLU
 torch kernels per layer per round, each a launch (~1.5-3 us of GPU time at decode sizes) around a few
 KB of data.  Each kernel here is one launch per stage and reads its inputs once:
   add_rms_norm  s = x + (delta [+ delta2]); y = rms_norm(s) * w        (one program per row)
-  mla_rope_q    q_full[t, h] = [q_lat[t, h] | rope(q_pe[t, h])]         (one program per (token, head))
+  mla_q_absorb  q_full[t, h] = [q_nope[t, h] . W_UK[h] | rope(q_pe[t, h])]  (programs over (token block, head,
+                64 latent columns); the product in fp32, rounded once, as the bmm it replaces)
+  mla_v_absorb  o[t, h] = o_lat[t, h] . W_UV[h]^T                     (programs over (token block, head, 16
+                value dims) at decode sizes; fp32 accumulation rounded once, as the bmm it replaces)
   mla_rope_kv   out[t] = [rms_norm(c_kv[t]) * w | rope(k_pe[t])]        (one program per token)
   silu_mul      h[t, j] = silu(gate[t, j]) * up[t, j]                   (programs over (t, i) tiles)
   head_norm_rope  out[t, h] = rope(rms_norm(x[t, h]) * w)              (the drafter's q / k heads; per (t, h))
@@ -12,8 +15,10 @@ Rounding: every value the reference rounds to the storage dtype is rounded here 
 (`.to(dtype)` then back to fp32); fp contraction is off, so fp32 models also match the reference's
 products; exp and division are the IEEE ones torch uses (rsqrt, as torch's, is
 the hardware approximation).  Only the RMS reduction's summation order
-differs.  Strides are passed (views of q_b's output, of the bmm's [h, t, c] output, of the cache's
-scratch are read and written in place).
+differs.  Strides are passed (views of q_b's output and of the cache's
+scratch are read and written in place).  The two absorb kernels hold a GEMM: a per-head
+[t, p] x [p, c] or [t, c] x [c, u] product is too small for cuBLAS to be more than a launch (~5-6 us at t = 1
+on the H200); their summation order is the tensor core's, not the bmm's.
 """
 
 from __future__ import annotations
@@ -89,29 +94,106 @@ def _rotate_store(src_ptr, cos_ptr, sin_ptr, dst_ptr, R2, INTERLEAVE: tl.constex
 
 
 @triton.jit
-def _mla_rope_q_kernel(q_ptr, lat_ptr, cos_ptr, sin_ptr, out_ptr, P, C, R2, s_qt, s_qh, s_lt, s_lh, s_ct,
-                       s_ot, s_oh, INTERLEAVE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+def _mla_q_absorb_kernel(q_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, T, P, C, R2, s_qt, s_qh, s_wh, s_wp, s_ct, s_ot,
+                         s_oh, INTERLEAVE: tl.constexpr, IEEE: tl.constexpr, N_CB: tl.constexpr, BT: tl.constexpr,
+                         BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Program (token block, head, c block): out[rows, h, c block] = q_nope[rows, h] . W_UK[h][:, c block],
+    fp32 accumulation rounded once; the program past the last c block ropes the rows' q_pe instead."""
+    rt = tl.program_id(0) * BT + tl.arange(0, BT)  # [BT] tokens
     h = tl.program_id(1).to(tl.int64)
-    offs = tl.arange(0, BLOCK_C)
-    m = offs < C
-    out = out_ptr + t * s_ot + h * s_oh
-    tl.store(out + offs, tl.load(lat_ptr + t * s_lt + h * s_lh + offs, mask=m, other=0.0), mask=m)
-    _rotate_store(q_ptr + t * s_qt + h * s_qh + P, cos_ptr + t * s_ct, sin_ptr + t * s_ct, out + C, R2,
-                  INTERLEAVE, BLOCK_R)
+    cb = tl.program_id(2)
+    tm = rt < T
+    dt = out_ptr.dtype.element_ty
+    q_rows = q_ptr + rt.to(tl.int64) * s_qt + h * s_qh  # [BT] pointers
+    o_rows = out_ptr + rt.to(tl.int64) * s_ot + h * s_oh  # [BT] pointers
+    if cb == N_CB:  # rope(q_pe) into out[..., C:], as _rotate_store, one row per token
+        j = tl.arange(0, BLOCK_R)
+        m = tm[:, None] & (j < R2)[None, :]  # [BT, BLOCK_R]
+        src = q_rows[:, None] + P
+        if INTERLEAVE:
+            x1 = tl.load(src + 2 * j[None, :], mask=m, other=0.0).to(tl.float32)
+            x2 = tl.load(src + 2 * j[None, :] + 1, mask=m, other=0.0).to(tl.float32)
+        else:
+            x1 = tl.load(src + j[None, :], mask=m, other=0.0).to(tl.float32)
+            x2 = tl.load(src + R2 + j[None, :], mask=m, other=0.0).to(tl.float32)
+        cs = rt.to(tl.int64)[:, None] * s_ct + j[None, :]
+        cos = tl.load(cos_ptr + cs, mask=m, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + cs, mask=m, other=0.0).to(tl.float32)
+        lo = (x1 * cos).to(dt).to(tl.float32) - (x2 * sin).to(dt).to(tl.float32)
+        hi = (x2 * cos).to(dt).to(tl.float32) + (x1 * sin).to(dt).to(tl.float32)
+        tl.store(o_rows[:, None] + C + j[None, :], lo.to(dt), mask=m)
+        tl.store(o_rows[:, None] + C + R2 + j[None, :], hi.to(dt), mask=m)
+    else:
+        rp = tl.arange(0, BLOCK_P)
+        rc = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+        pm = rp < P
+        qn = tl.load(q_rows[:, None] + rp[None, :], mask=tm[:, None] & pm[None, :], other=0.0)  # [BT, BLOCK_P]
+        w = tl.load(w_ptr + h * s_wh + rp[:, None] * s_wp + rc[None, :], mask=pm[:, None] & (rc < C)[None, :],
+                    other=0.0)  # [BLOCK_P, BLOCK_C]
+        if IEEE:
+            acc = tl.dot(qn, w, input_precision="ieee")
+        else:
+            acc = tl.dot(qn, w)  # [BT, BLOCK_C] fp32
+        tl.store(o_rows[:, None] + rc[None, :], acc.to(dt), mask=tm[:, None] & (rc < C)[None, :])
 
 
-def mla_rope_q_triton(q: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool,
-                      out: torch.Tensor) -> None:
-    """q [t, h, p+r], q_lat [t, h, c], cos/sin [t, r/2] (unit stride along the last dim) -> out [t, h, c+r]."""
-    t, h, c = q_lat.shape
+def mla_q_absorb_triton(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool,
+                        out: torch.Tensor) -> None:
+    """q [t, h, p+r], w_uk [h, p, c], cos/sin [t, r/2] (unit stride along each last dim) -> out [t, h, c+r]."""
+    t, h, _ = q.shape
+    p, c = w_uk.shape[1], w_uk.shape[2]
     r2 = cos.shape[-1]
     if t == 0:
         return
-    _mla_rope_q_kernel[(t, h)](q, q_lat, cos, sin, out, q.shape[-1] - 2 * r2, c, r2, q.stride(0), q.stride(1),
-                               q_lat.stride(0), q_lat.stride(1), cos.stride(0), out.stride(0), out.stride(1),
-                               INTERLEAVE=interleave, BLOCK_C=triton.next_power_of_2(c),
-                               BLOCK_R=triton.next_power_of_2(r2), num_warps=_warps(c), **_OPTS)
+    bt = min(64, max(16, triton.next_power_of_2(t)))
+    block_c = min(64, max(16, triton.next_power_of_2(c)))  # 8 heads x 8 blocks of the 512 latent columns
+    n_cb = triton.cdiv(c, block_c)
+    _mla_q_absorb_kernel[(triton.cdiv(t, bt), h, n_cb + 1)](
+        q, w_uk, cos, sin, out, t, p, c, r2, q.stride(0), q.stride(1), w_uk.stride(0), w_uk.stride(1),
+        cos.stride(0), out.stride(0), out.stride(1), INTERLEAVE=interleave, IEEE=q.dtype == torch.float32,
+        N_CB=n_cb, BT=bt, BLOCK_P=max(16, triton.next_power_of_2(p)), BLOCK_C=block_c,
+        BLOCK_R=triton.next_power_of_2(r2), num_warps=4, **_OPTS)
+
+
+@triton.jit
+def _mla_v_absorb_kernel(o_ptr, w_ptr, out_ptr, T, U, s_ot, s_oh, s_wh, s_wu, s_yt, s_yh, C: tl.constexpr,
+                         IEEE: tl.constexpr, BT: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (token block, head, u block): out[rows, h, u block] = o_lat[rows, h] . W_UV[h][u block]^T, the
+    latent width C (a compile-time constant: the loop's trip count) in BLOCK_K slices, fp32 accumulation rounded
+    once."""
+    rt = tl.program_id(0) * BT + tl.arange(0, BT)  # [BT] tokens
+    h = tl.program_id(1).to(tl.int64)
+    ru = tl.program_id(2) * BLOCK_U + tl.arange(0, BLOCK_U)  # [BLOCK_U] value dims
+    tm = rt < T
+    um = ru < U
+    rk = tl.arange(0, BLOCK_K)
+    o_rows = o_ptr + rt.to(tl.int64) * s_ot + h * s_oh  # [BT] pointers
+    w_rows = w_ptr + h * s_wh + ru.to(tl.int64) * s_wu  # [BLOCK_U] pointers
+    acc = tl.zeros([BT, BLOCK_U], dtype=tl.float32)
+    for k0 in range(0, C, BLOCK_K):
+        km = (k0 + rk) < C
+        o = tl.load(o_rows[:, None] + k0 + rk[None, :], mask=tm[:, None] & km[None, :], other=0.0)  # [BT, BLOCK_K]
+        w = tl.load(w_rows[None, :] + k0 + rk[:, None], mask=km[:, None] & um[None, :], other=0.0)  # [BLOCK_K, BLOCK_U]
+        if IEEE:
+            acc = tl.dot(o, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(o, w, acc)
+    y = out_ptr + rt.to(tl.int64)[:, None] * s_yt + h * s_yh + ru[None, :]
+    tl.store(y, acc.to(out_ptr.dtype.element_ty), mask=tm[:, None] & um[None, :])
+
+
+def mla_v_absorb_triton(o_lat: torch.Tensor, w_uv: torch.Tensor, out: torch.Tensor) -> None:
+    """o_lat [t, h, c], w_uv [h, u, c] (unit stride along c) -> out [t, h, u] (unit stride along u)."""
+    t, h, c = o_lat.shape
+    u = w_uv.shape[1]
+    if t == 0:
+        return
+    bt = min(64, max(16, triton.next_power_of_2(t)))
+    block_u = max(16, min(16 if t <= 16 else 64, triton.next_power_of_2(u)))  # decode: 8 heads x 8 blocks of 128
+    _mla_v_absorb_kernel[(triton.cdiv(t, bt), h, triton.cdiv(u, block_u))](
+        o_lat, w_uv, out, t, u, o_lat.stride(0), o_lat.stride(1), w_uv.stride(0), w_uv.stride(1), out.stride(0),
+        out.stride(1), C=c, IEEE=o_lat.dtype == torch.float32, BT=bt, BLOCK_U=block_u,
+        BLOCK_K=min(128, max(16, triton.next_power_of_2(c))), num_warps=4, **_OPTS)
 
 
 @triton.jit

@@ -53,6 +53,25 @@ def mla_rope_q_reference(q: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor
     return torch.cat([q_lat, q_pe], dim=-1).contiguous()
 
 
+def mla_q_absorb_reference(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           interleave: bool) -> torch.Tensor:
+    """The absorbed MLA query from q_b's output: q [t, h, p+r], w_uk [h, p, c], cos/sin [t, r/2] -> q_full
+    [t, h, c+r] = [q_nope . W_UK | rope(q_pe)], contiguous; q_nope . W_UK is one product per head rounded
+    once to q's dtype (the batched GEMM, q read through its strides: no copy)."""
+    q_lat = torch.bmm(q[..., :w_uk.shape[1]].transpose(0, 1), w_uk)  # [h, t, c]
+    return mla_rope_q_reference(q, q_lat.transpose(0, 1), cos, sin, interleave)
+
+
+def mla_v_absorb_reference(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """The attention's latent output back to value heads: o_lat [t, h, c] (any strides), w_uv [h, u, c] ->
+    o [t, h, u] contiguous (o_proj's input rows), o_lat[:, j] . W_UV[j]^T per head rounded once to o_lat's
+    dtype (the batched GEMM writes through o's strides: no transpose copy)."""
+    t, h, _ = o_lat.shape
+    o = torch.empty(t, h, w_uv.shape[1], dtype=o_lat.dtype, device=o_lat.device)  # [t, h, u]
+    torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2), out=o.transpose(0, 1))
+    return o
+
+
 def mla_rope_kv_reference(latent: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
                           sin: torch.Tensor, interleave: bool, out: torch.Tensor, q_low: torch.Tensor | None = None,
                           q_weight: torch.Tensor | None = None, q_out: torch.Tensor | None = None) -> None:

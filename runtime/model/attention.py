@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from core.config import ModelConfig
-from plugins.layer_fusion import mla_rope_kv, mla_rope_q
+from plugins.layer_fusion import mla_q_absorb, mla_rope_kv, mla_v_absorb
 from plugins.tree_verify_mla import tree_verify_mla
 from runtime.model.layers import linear
 from runtime.model.rope import Rope
@@ -53,13 +53,9 @@ def mla_forward(cfg: ModelConfig, w: AttentionWeights, rope: Rope, x: torch.Tens
     mla_rope_kv(latent, w.kv_a_norm, cfg.rms_norm_eps, cos_t, sin_t, rope.interleave, tree_kv,
                 q_low, w.q_a_norm if q_low is not None else None, q_n)
     q = linear(q_n if q_n is not None else xt, w.q_b).view(t, h, p + r)  # [t, h, p+r]
-    q_lat = torch.bmm(q[..., :p].transpose(0, 1), w.w_uk)  # [h, t, c] = q_nope . W_UK (strided read, no copy)
-    q_full = mla_rope_q(q, q_lat.transpose(0, 1), cos_t, sin_t, rope.interleave).view(b, n, h, c + r)
+    q_full = mla_q_absorb(q, w.w_uk, cos_t, sin_t, rope.interleave).view(b, n, h, c + r)  # [q_nope . W_UK | rope]
 
     o_lat, lse = ws.attention(b, n, h, c)  # [b, n, h, c], [b, n, h]
     tree_verify_mla(q_full, kv, lens, tree_kv, tree_mask, cfg.softmax_scale, o_lat, lse)
-    o = torch.empty(t, h, u, dtype=o_lat.dtype, device=o_lat.device)  # [t, h, u]: o_proj's input rows
-    # o_lat . W_UV^T per head, written as [h, t, u] through o's strides: cuBLAS takes them, so no transpose copy
-    # before o_proj (H200, K2.6 rank: 61 strided copies fewer per DDTree-16 round; at t = 1 it was a view anyway)
-    torch.bmm(o_lat.view(t, h, c).transpose(0, 1), w.w_uv.transpose(1, 2), out=o.transpose(0, 1))
+    o = mla_v_absorb(o_lat.view(t, h, c), w.w_uv)  # [t, h, u] = o_lat . W_UV^T per head: o_proj's input rows
     return linear(o.view(b, n, h * u), w.o)
