@@ -26,8 +26,8 @@ from typing import Callable
 import torch
 
 # the ops of a round; each needs a CUDA kernel (the references synchronise with the host)
-ROUND_OPS = ("kdtree::tree_build", "kdtree::tree_accept", "kdtree::kv_commit", "kdtree::tree_verify_mla",
-             "kdtree::moe_w4a16", "kdtree::posterior")
+ROUND_OPS = ("kdtree::tree_build", "kdtree::tree_accept", "kdtree::kv_commit", "kdtree::round_emit",
+             "kdtree::tree_verify_mla", "kdtree::moe_w4a16", "kdtree::posterior")
 
 
 class GraphUnavailable(RuntimeError):

@@ -38,6 +38,7 @@ import torch
 
 from plugins.common.bitmask import causal_mask, mask_words
 from plugins.kv_commit import kv_commit
+from plugins.round_emit import round_emit
 from plugins.tree_accept import tree_accept
 from plugins.tree_accept.posterior import posterior
 from plugins.tree_build import tree_build
@@ -221,7 +222,7 @@ def verify_bucket(target: TargetModel, cache: LatentCache, buf: RoundBuffers, gr
         last = (buf.accept_len.long() - 1)[:, None]  # [b, 1]
         shifted = torch.cat([path[:, 1:], path[:, :1]], dim=1)  # [b, a] path tokens after the root
         cand = torch.where(slot[None, :] == last, buf.bonus[:, None], shifted)  # [b, a]
-        _emit(buf, cand, buf.accept_len)
+        round_emit(cand, buf.accept_len, buf.stop_ids, buf.produced, buf.max_new, buf.live, buf.nonfinite, buf.out)
     if choice is not None:
         with clock("accept"):
             buf.out[:, a + 4].fill_(n - 1)  # the budget column (fixed sessions leave it unread)
@@ -247,29 +248,9 @@ def ar_step(target: TargetModel, cache: LatentCache, buf: RoundBuffers, one: tor
         nxt = pick(target, hidden[:, 0], greedy, buf)  # [b]
     with clock("commit"):
         kv_commit(cache.kv, cache.lens, cache.scratch, buf.accept_idx, buf.live)
-        buf.accept_len.copy_(buf.live)
-        buf.bonus.copy_(torch.where(buf.live.bool(), nxt, buf.bonus))
-        _emit(buf, nxt[:, None], buf.accept_len)
-
-
-def _emit(buf: RoundBuffers, cand: torch.Tensor, count: torch.Tensor) -> None:
-    """cand [b, a] candidate tokens in order, the first count[r] real (0 for frozen requests):
-    keep them up to and including the first stop token or the max_new-th token."""
-    b, a = cand.shape
-    slot = torch.arange(a, device=cand.device)[None, :]  # [1, a]
-    valid = slot < count[:, None]  # [b, a]
-    stop = (cand[:, :, None] == buf.stop_ids[:, None, :]).any(-1)  # [b, a]
-    full = (buf.produced[:, None] + slot + 1) >= buf.max_new[:, None]  # [b, a]
-    fin = (valid & (stop | full)).to(torch.int32)  # [b, a]
-    keep = valid & ((fin.cumsum(1) - fin) == 0)  # nothing finished before this slot
-    n = keep.sum(1).to(torch.int32)  # [b]
-    buf.produced.add_(n)
-    buf.live.mul_(1 - fin.amax(1))
-    buf.out[:, :a].copy_(cand)  # out is [b, a + 6]
-    buf.out[:, a].copy_(n)
-    buf.out[:, a + 1].copy_(buf.live)
-    buf.out[:, a + 2].copy_(count)
-    buf.out[:, a + 3].copy_(buf.nonfinite)
+        # accept_len := live, bonus := nxt where live, then the emission (one kernel on CUDA)
+        round_emit(nxt[:, None], buf.accept_len, buf.stop_ids, buf.produced, buf.max_new, buf.live, buf.nonfinite,
+                   buf.out, buf.bonus)
 
 
 def one_token_mask(b: int, device) -> torch.Tensor:

@@ -1,0 +1,39 @@
+"""round_emit: the end of a decode round for b requests, in torch (the CPU path and the kernel's oracle).
+
+A round proposes cand [b, a] tokens per request, the first count[r] of them real (0 for a frozen request).
+Emitted are those up to and including the first stop token or the max_new-th token of the request; the
+request stops there.  Written: produced += emitted, live = 0 for a request that stopped, and the round's
+host row out[r] = [cand[r, :a] | emitted | live | count | nonfinite] (out's later columns untouched).
+
+AR rounds (bonus given): one candidate, the next token, real for live requests: count := live (count is
+the round's accept length) and bonus := cand[:, 0] where live, before the emission above.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def round_emit_reference(cand: torch.Tensor, count: torch.Tensor, stop_ids: torch.Tensor, produced: torch.Tensor,
+                         max_new: torch.Tensor, live: torch.Tensor, nonfinite: torch.Tensor, out: torch.Tensor,
+                         bonus: torch.Tensor | None = None) -> None:
+    """cand [b, a] int64, count [b] int32, stop_ids [b, S] int64 (-1 padded), produced / max_new / live [b]
+    int32, nonfinite [b] int64, out [b, >= a + 4] int64, bonus [b] int64 or None (see the module doc)."""
+    b, a = cand.shape
+    if bonus is not None:  # AR: the next token is real for live requests
+        count.copy_(live)
+        bonus.copy_(torch.where(live.bool(), cand[:, 0], bonus))
+    slot = torch.arange(a, device=cand.device)[None, :]  # [1, a]
+    valid = slot < count[:, None]  # [b, a]
+    stop = (cand[:, :, None] == stop_ids[:, None, :]).any(-1)  # [b, a]
+    full = (produced[:, None] + slot + 1) >= max_new[:, None]  # [b, a]
+    fin = (valid & (stop | full)).to(torch.int32)  # [b, a]
+    keep = valid & ((fin.cumsum(1) - fin) == 0)  # nothing finished before this slot
+    n = keep.sum(1).to(torch.int32)  # [b]
+    produced.add_(n)
+    live.mul_(1 - fin.amax(1))
+    out[:, :a].copy_(cand)
+    out[:, a].copy_(n)
+    out[:, a + 1].copy_(live)
+    out[:, a + 2].copy_(count)
+    out[:, a + 3].copy_(nonfinite)

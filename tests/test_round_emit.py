@@ -1,0 +1,109 @@
+"""round_emit: the Triton kernel against the torch reference (reference.py) on random rounds: stop tokens at
+random slots (or none), max_new reached inside the round or not, frozen requests (count 0, live 0), AR rounds
+(one candidate, count and bonus written too).  CPU: the interpreter in a subprocess; GPU (-m gpu): more cases.
+Every output must equal the reference's bit for bit (integers)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from plugins.round_emit.reference import round_emit_reference
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def random_round(g: torch.Generator, device: str, ar: bool) -> dict:
+    """One random round's inputs (fresh tensors)."""
+    def ints(lo, hi, *shape, dt=torch.int64):
+        return torch.randint(lo, hi, shape, generator=g).to(device=device, dtype=dt)
+
+    b = int(torch.randint(1, 6, (1,), generator=g))
+    a = 1 if ar else int(torch.randint(1, 20, (1,), generator=g))
+    s = int(torch.randint(1, 5, (1,), generator=g))
+    vocab = 12  # small: stop tokens turn up among the candidates
+    stop_ids = ints(0, vocab, b, s)
+    stop_ids[ints(0, 2, b, s, dt=torch.bool)] = -1  # padding
+    live = ints(0, 2, b, dt=torch.int32)
+    live[0] = 1
+    count = torch.where(live.bool(), ints(1, a + 1, b, dt=torch.int32), torch.zeros_like(live))
+    produced = ints(0, 30, b, dt=torch.int32)
+    max_new = produced + ints(1, a + 4, b, dt=torch.int32)
+    return dict(cand=ints(0, vocab, b, a), count=count, stop_ids=stop_ids, produced=produced, max_new=max_new,
+                live=live, nonfinite=ints(0, 2, b), out=ints(-9, 9, b, a + 6), bonus=ints(0, vocab, b) if ar else None)
+
+
+def run_cases(device: str, count: int, seed: int = 0) -> list[dict]:
+    from plugins.round_emit.kernel import round_emit_triton
+    g = torch.Generator().manual_seed(seed)
+    results = []
+    for k in range(count):
+        ar = k % 3 == 0
+        args = random_round(g, device, ar)
+        mine = {n: (t.clone() if t is not None else None) for n, t in args.items()}
+        want = {n: (t.clone() if t is not None else None) for n, t in args.items()}
+        round_emit_triton(**mine)
+        round_emit_reference(**want)
+        bad = [n for n in args if mine[n] is not None and not torch.equal(mine[n], want[n])]
+        results.append(dict(case=f"b{args['cand'].shape[0]} a{args['cand'].shape[1]} ar={ar}", ok=not bad, bad=bad))
+    return results
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.run([sys.executable, __file__, "--interpreter"], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_kernel_matches_reference_in_interpreter(interpreter_results):
+    assert len(interpreter_results) >= 30 and all(c["ok"] for c in interpreter_results), \
+        [c for c in interpreter_results if not c["ok"]]
+
+
+def test_reference_stops_at_the_first_stop_or_max_new():
+    """Hand-made rows: the emission and the host row the round's reader relies on."""
+    cand = torch.tensor([[5, 7, 9, 7], [1, 2, 3, 4], [6, 6, 6, 6]])
+    count = torch.tensor([4, 3, 0], dtype=torch.int32)
+    stop_ids = torch.tensor([[7, -1], [-1, -1], [6, -1]])
+    produced = torch.tensor([0, 10, 0], dtype=torch.int32)
+    max_new = torch.tensor([100, 12, 100], dtype=torch.int32)
+    live = torch.tensor([1, 1, 0], dtype=torch.int32)
+    nonfinite = torch.tensor([0, 1, 0])
+    out = torch.full((3, 10), -5)
+    round_emit_reference(cand, count, stop_ids, produced, max_new, live, nonfinite, out)
+    assert produced.tolist() == [2, 12, 0]  # up to the stop token 7; 2 more reach max_new 12; frozen: none
+    assert live.tolist() == [0, 0, 0]
+    assert out[:, 4:8].tolist() == [[2, 0, 4, 0], [2, 0, 3, 1], [0, 0, 0, 0]] and out[:, 8:].eq(-5).all()
+    bonus = torch.tensor([3, 3, 3])
+    count, live, produced = torch.zeros(3, dtype=torch.int32), torch.tensor([1, 0, 1], dtype=torch.int32), \
+        torch.zeros(3, dtype=torch.int32)
+    round_emit_reference(cand[:, :1], count, stop_ids, produced, max_new, live, nonfinite, out, bonus)
+    assert count.tolist() == [1, 0, 1] and bonus.tolist() == [5, 3, 6] and live.tolist() == [1, 0, 0]
+
+
+def test_bad_arguments_name_the_tensor():
+    from plugins.round_emit import round_emit
+    z32 = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="max_new"):
+        round_emit(torch.zeros(2, 3, dtype=torch.int64), z32, torch.zeros(2, 1, dtype=torch.int64), z32.clone(),
+                   torch.zeros(2), z32.clone(), torch.zeros(2, dtype=torch.int64), torch.zeros(2, 9, dtype=torch.int64))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kernel_matches_reference_on_gpu():
+    cases = run_cases("cuda", 300, seed=7)
+    assert all(c["ok"] for c in cases), [c for c in cases if not c["ok"]][:10]
+
+
+if __name__ == "__main__" and "--interpreter" in sys.argv:
+    print(json.dumps(run_cases("cpu", 40)))
