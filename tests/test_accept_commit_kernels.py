@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from interpreter import interpreted
 
 from plugins.kv_commit.reference import kv_commit_reference
 from plugins.tree_accept.reference import tree_accept_reference
@@ -301,11 +302,7 @@ def _capacity_guard(fn, device) -> bool:
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    proc = subprocess.run([sys.executable, __file__, "--interpreter"], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreted(__file__, timeout=300)
 
 
 @pytest.mark.parametrize("op", ["tree_accept", "kv_commit", "posterior"])

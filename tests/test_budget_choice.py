@@ -7,16 +7,12 @@ runs in every budget-auto test of tests/test_budget_auto.py."""
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parent.parent
+from interpreter import interpreted
 
 
 def _state(rng: random.Random, g: torch.Generator) -> dict:
@@ -91,11 +87,7 @@ def test_gpu_programs_match_the_reference():
 
 
 def test_triton_programs_match_the_reference():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    res = subprocess.run([sys.executable, __file__, "--interpreter", "40"], capture_output=True, text=True, env=env,
-                         timeout=600, check=False)
-    assert res.returncode == 0, res.stderr[-2000:]
-    cases = json.loads(res.stdout.strip().splitlines()[-1])
+    cases = interpreted(__file__, "40")
     assert len(cases) == 40
     _check(cases)
 

@@ -13,20 +13,23 @@ Letters: t tokens, n output features (W's rows), k input features.
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from interpreter import interpreted
 
 from plugins.dense_gemm import skinny_linear, skinny_linear_reference
-from plugins.dense_gemm.config import (K26_SHAPES, GemmConfig, candidates, declines, default_config, pick_config,
-                                      t_bucket)
-
-ROOT = Path(__file__).resolve().parent.parent
+from plugins.dense_gemm.config import (
+    K26_SHAPES,
+    GemmConfig,
+    candidates,
+    declines,
+    default_config,
+    pick_config,
+    t_bucket,
+)
 
 
 def _inputs(t: int, n: int, k: int, dtype, strided: bool, with_c: bool, g: torch.Generator, device="cpu"):
@@ -89,11 +92,7 @@ def interpreter_worker() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> list[dict]:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    proc = subprocess.run([sys.executable, __file__, "--interpreter"], env=env, capture_output=True, text=True,
-                          timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreted(__file__)
 
 
 def test_kernel_matches_reference_in_interpreter(interpreter_results):

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from interpreter import interpreted
 
 from plugins.layer_fusion.reference import (
     add_rms_norm_reference,
@@ -32,7 +32,6 @@ from plugins.layer_fusion.reference import (
     silu_mul_reference,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
 ULP = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10, torch.float32: 2e-6, torch.float64: 1e-12}
 
 
@@ -174,11 +173,7 @@ def run_cases(device: str, count: int, seed: int = 0) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    proc = subprocess.run([sys.executable, __file__, "--interpreter"], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreted(__file__)
 
 
 @pytest.mark.parametrize("op", ["add_rms_norm", "rms_norm", "mla_q_absorb", "mla_v_absorb", "mla_rope_kv", "silu_mul",
@@ -190,7 +185,14 @@ def test_kernel_matches_reference_in_interpreter(interpreter_results, op):
 
 def test_cpu_ops_are_the_references():
     """On CPU (and for fp64) the public functions are the references: the layer computes what it did."""
-    from plugins.layer_fusion import add_rms_norm, mla_q_absorb, mla_rope_kv, mla_v_absorb, rms_norm, silu_mul
+    from plugins.layer_fusion import (
+        add_rms_norm,
+        mla_q_absorb,
+        mla_rope_kv,
+        mla_v_absorb,
+        rms_norm,
+        silu_mul,
+    )
     g = torch.Generator().manual_seed(3)
     x, d, w = torch.randn(2, 5, 16, generator=g), torch.randn(2, 5, 16, generator=g), torch.randn(16, generator=g)
     assert torch.equal(rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6))

@@ -6,17 +6,13 @@ Every output must equal the reference's bit for bit (integers)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from interpreter import interpreted
 
 from plugins.round_emit.reference import round_emit_reference
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def random_round(g: torch.Generator, device: str, ar: bool) -> dict:
@@ -57,11 +53,7 @@ def run_cases(device: str, count: int, seed: int = 0) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    proc = subprocess.run([sys.executable, __file__, "--interpreter"], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreted(__file__)
 
 
 def test_kernel_matches_reference_in_interpreter(interpreter_results):
