@@ -56,11 +56,12 @@ SWEEP = {
     # 4K (first: the K2.6 rank profile of 2026-12-04 has split + combine at ~17 µs a layer for 4.7 MB at N = 1,
     # ~34 µs at N = 17): without PDL the combine's own time shows; fewer splits shorten the combine
     # (2026-12-04: each key tile costs a program ~1.9 us in series (16 -> 32 -> 64 splits: 24.7 -> 17.3 -> 13.3 us);
-    # one tile per split: 129 splits 9.85 us, 64-key tiles x 65 splits 9.69 us; the plan now takes 129)
+    # one tile per split: 129 splits 9.85 us, 64-key tiles x 65 splits 9.69 us; the plan now takes 129; N = 17:
+    # 22 splits 18.1 us against the partial cap's 13 at 21.7 us, the plan now takes 22 (launcher.L2_SHARE))
     (1, 8, 1, 4096): [(X2, None, True), (X2, 64, True), (X2, 65, True), (X2, 96, True),
                       (Config(16, 16, 4, 3, ctas_per_sm=2), 257, True), (Config(16, 64, 4, 2), 65, True),
                       (X2, None, False), (X2, 32, True), (KM16, None, True)],
-    (1, 8, 17, 4096): [(DV2_32, None, True), (DV2_32, 22, True), (DV2_32, 33, True), (DV2_32, 44, True),
+    (1, 8, 17, 4096): [(DV2_32, None, True), (DV2_32, 13, True), (DV2_32, 33, True), (DV2_32, 44, True),
                        (DV2_32, 65, True), (DV2_32, None, False), (DV2_32, 8, True)],
     (1, 8, 1, 32768): [(X2, None, True), (KM16, None, True), (X2, None, False), (Config(16, 32, 4, 4), None, True),
                        (Config(16, 64, 4, 3), None, True), (Config(16, 32, 4, 2, ctas_per_sm=3), None, True),

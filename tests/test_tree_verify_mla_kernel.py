@@ -207,6 +207,20 @@ def test_plan_and_workspace_size():
         1, 1, 8, 32768, torch.bfloat16, "cpu").num_splits
 
 
+def test_short_caches_split_to_one_wave(monkeypatch):
+    """h 8 at L = 4K (the K2.6 rank's 4K rounds): N = 1 splits one key tile per split; N = 17 fills one wave
+    (22 x 6 programs on 132 SMs) because its 6 MB of partials stay in the L2; with a small L2 the partial cap
+    (PARTIAL_SHARE of the request's bytes) binds again."""
+    import dataclasses
+
+    import plugins.tree_verify_mla.launcher as launcher
+    assert launcher.plan(1, 1, 8, 4096, torch.bfloat16, "cpu").num_splits == 129  # 128 cache tiles + 1 tree tile
+    assert launcher.plan(1, 17, 8, 4096, torch.bfloat16, "cpu").num_splits == 22
+    facts = launcher.device_facts("cpu")
+    monkeypatch.setattr(launcher, "device_facts", lambda device: dataclasses.replace(facts, l2_bytes=4 << 20))
+    assert launcher.plan(1, 17, 8, 4096, torch.bfloat16, "cpu").num_splits == 13
+
+
 def test_launcher_rejects_bad_workspace_and_layout():
     from plugins.tree_verify_mla.launcher import tree_verify_mla_triton
     gen = torch.Generator().manual_seed(0)
