@@ -29,6 +29,7 @@ from plugins.layer_fusion.reference import (
     mla_rope_kv_reference,
     mla_v_absorb_reference,
     rms_norm_reference,
+    rope_cos_sin_reference,
     silu_mul_reference,
 )
 
@@ -55,6 +56,7 @@ def run_cases(device: str, count: int, seed: int = 0) -> list[dict]:
         mla_q_absorb_triton,
         mla_rope_kv_triton,
         mla_v_absorb_triton,
+        rope_cos_sin_triton,
         silu_mul_triton,
     )
 
@@ -105,6 +107,19 @@ def run_cases(device: str, count: int, seed: int = 0) -> list[dict]:
                   and torch.equal(got[..., c:], want[..., c:]))
         err = float((diff / bound.clamp_min(1e-30)).max())
         out.append(dict(op="mla_q_absorb", case=f"t{t} h{h} p{p} c{c} r{2 * r2} {dt} il={interleave}", ok=ok, err=err))
+
+        # rope_cos_sin: positions up to 256K (the angles reach ~2.6e5 rad), the YaRN factor as scale; exact on the GPU
+        # (libdevice's cos / sin are the CUDA math library's, as torch's), within 2 ulp under the interpreter (NumPy)
+        if dt != torch.bfloat16 or device == "cuda":
+            r2 = pick((32, 3))
+            pos = torch.randint(0, 1 << 18, (t,), generator=g).to(device)
+            inv = (1.0 / (10000.0 ** (torch.arange(r2, dtype=torch.float32) / r2))).to(device)
+            cs, sn = torch.empty(t, r2, dtype=dt, device=device), torch.empty(t, r2, dtype=dt, device=device)
+            rope_cos_sin_triton(pos, inv, 1.25, cs, sn)
+            wc, ws_ = rope_cos_sin_reference(pos, inv, 1.25, dt)
+            exact = device == "cuda"
+            (ok_c, err_c), (ok_s, err_s) = _close(cs, wc, exact), _close(sn, ws_, exact)
+            out.append(dict(op="rope_cos_sin", case=f"t{t} r{2 * r2} {dt}", ok=ok_c and ok_s, err=max(err_c, err_s)))
 
         # mla_v_absorb: o_lat read through [h, t, c] strides (the bmm's view), W_UV [h, u, c]; the same bound
         u = pick((128, 16, 20))
@@ -176,8 +191,8 @@ def interpreter_results():
     return interpreted(__file__)
 
 
-@pytest.mark.parametrize("op", ["add_rms_norm", "rms_norm", "mla_q_absorb", "mla_v_absorb", "mla_rope_kv", "silu_mul",
-                                "head_norm_rope"])
+@pytest.mark.parametrize("op", ["add_rms_norm", "rms_norm", "rope_cos_sin", "mla_q_absorb", "mla_v_absorb",
+                                "mla_rope_kv", "silu_mul", "head_norm_rope"])
 def test_kernel_matches_reference_in_interpreter(interpreter_results, op):
     cases = [c for c in interpreter_results if c["op"] == op]
     assert cases and all(c["ok"] for c in cases), [c for c in cases if not c["ok"]]

@@ -21,12 +21,13 @@ from plugins.layer_fusion.reference import (
     mla_rope_kv_reference,
     mla_v_absorb_reference,
     rms_norm_reference,
+    rope_cos_sin_reference,
     rotate_reference,
     silu_mul_reference,
 )
 
-__all__ = ["rms_norm", "add_rms_norm", "mla_q_absorb", "mla_v_absorb", "mla_rope_kv", "silu_mul", "head_norm_rope",
-           "rotate_reference"]
+__all__ = ["rms_norm", "add_rms_norm", "rope_cos_sin", "mla_q_absorb", "mla_v_absorb", "mla_rope_kv", "silu_mul",
+           "head_norm_rope", "rotate_reference"]
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # KDTREE_FUSION=0 (read once, at import): the references on CUDA too, i.e. the unfused torch ops, the peer
@@ -110,6 +111,44 @@ def _add_rms_norm_cuda(x: torch.Tensor, delta: torch.Tensor, delta2: torch.Tenso
     y = torch.empty_like(s)
     add_rms_norm_triton(rows[0], rows[1], rows[2], weight, eps, s, y)
     return s.view(x.shape), y.view(x.shape)
+
+
+# ---- rope tables
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [...] integers, inv_freq [r/2] fp32 -> cos, sin [..., r/2] in dtype (reference.py)."""
+    if not (FUSION and positions.is_cuda and dtype in _KERNEL_DTYPES and inv_freq.dtype == torch.float32):
+        return rope_cos_sin_reference(positions, inv_freq, scale, dtype)
+    return rope_cos_sin_op(positions, inv_freq, scale, dtype)
+
+
+@kdtree_op("rope_cos_sin", mutates_args=())
+def rope_cos_sin_op(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    return rope_cos_sin_reference(positions, inv_freq, scale, dtype)
+
+
+@rope_cos_sin_op.register_fake
+def _(positions, inv_freq, scale, dtype):
+    shape = (*positions.shape, inv_freq.shape[0])
+    return positions.new_empty(shape, dtype=dtype), positions.new_empty(shape, dtype=dtype)
+
+
+@rope_cos_sin_op.register_kernel("cuda")
+def _rope_cos_sin_cuda(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    if inv_freq.dtype != torch.float32 or inv_freq.dim() != 1 or not inv_freq.is_contiguous() \
+            or positions.dtype.is_floating_point:
+        raise ValueError(f"rope_cos_sin: need integer positions and contiguous fp32 inv_freq [r/2], got positions "
+                         f"{positions.dtype}, inv_freq {inv_freq.dtype} {tuple(inv_freq.shape)}")
+    from plugins.layer_fusion.kernel import rope_cos_sin_triton
+    flat = positions.reshape(-1).contiguous()  # [t] (a view when positions is contiguous)
+    cos = torch.empty(flat.shape[0], inv_freq.shape[0], dtype=dtype, device=positions.device)  # [t, r/2]
+    sin = torch.empty_like(cos)
+    rope_cos_sin_triton(flat, inv_freq, scale, cos, sin)
+    shape = (*positions.shape, inv_freq.shape[0])
+    return cos.view(shape), sin.view(shape)
 
 
 # ---- MLA: the query and the latent row

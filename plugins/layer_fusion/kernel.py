@@ -4,6 +4,7 @@ Why: a layer's glue (norms, residual adds, rope, the latent row's assembly, SiLU
 torch kernels per layer per round, each a launch (~1.5-3 us of GPU time at decode sizes) around a few
 KB of data.  Each kernel here is one launch per stage and reads its inputs once:
   add_rms_norm  s = x + (delta [+ delta2]); y = rms_norm(s) * w        (one program per row)
+  rope_cos_sin  cos[t], sin[t] = cos / sin(position[t] * inv_freq) * scale  (the step's rope tables, one launch)
   mla_q_absorb  q_full[t, h] = [q_nope[t, h] . W_UK[h] | rope(q_pe[t, h])]  (programs over (token block, head,
                 64 latent columns); the product in fp32, rounded once, as the bmm it replaces)
   mla_v_absorb  o[t, h] = o_lat[t, h] . W_UV[h]^T                     (programs over (token block, head, 16
@@ -91,6 +92,41 @@ def _rotate_store(src_ptr, cos_ptr, sin_ptr, dst_ptr, R2, INTERLEAVE: tl.constex
     hi = (x2 * cos).to(dt).to(tl.float32) + (x1 * sin).to(dt).to(tl.float32)
     tl.store(dst_ptr + j, lo.to(dt), mask=m)
     tl.store(dst_ptr + R2 + j, hi.to(dt), mask=m)
+
+
+@triton.jit
+def _rope_cos_sin_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, T, R2, scale, IEEE: tl.constexpr, BT: tl.constexpr,
+                         BLOCK_R: tl.constexpr):
+    """Program (BT positions): cos / sin of position x inv_freq (fp32) times scale, rounded once.  IEEE (on the
+    GPU): libdevice's cos / sin, the CUDA math library's that torch calls (tl.cos is the approximate one);
+    the interpreter has only NumPy's."""
+    rt = tl.program_id(0) * BT + tl.arange(0, BT)  # [BT]
+    j = tl.arange(0, BLOCK_R)
+    tm = rt < T
+    jm = j < R2
+    pos = tl.load(pos_ptr + rt, mask=tm, other=0).to(tl.float32)  # [BT]
+    angle = pos[:, None] * tl.load(inv_ptr + j, mask=jm, other=0.0)[None, :]  # [BT, BLOCK_R] fp32
+    dt = cos_ptr.dtype.element_ty
+    at = rt.to(tl.int64)[:, None] * R2 + j[None, :]
+    m = tm[:, None] & jm[None, :]
+    if IEEE:
+        c, s = libdevice.cos(angle), libdevice.sin(angle)
+    else:
+        c, s = tl.cos(angle), tl.sin(angle)
+    tl.store(cos_ptr + at, (c * scale).to(dt), mask=m)
+    tl.store(sin_ptr + at, (s * scale).to(dt), mask=m)
+
+
+def rope_cos_sin_triton(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, cos: torch.Tensor,
+                        sin: torch.Tensor) -> None:
+    """positions [t] (contiguous integers), inv_freq [r/2] fp32 -> cos, sin [t, r/2] (contiguous)."""
+    t, r2 = cos.shape
+    if t == 0:
+        return
+    bt = min(64, triton.next_power_of_2(t))
+    _rope_cos_sin_kernel[(triton.cdiv(t, bt),)](positions, inv_freq, cos, sin, t, r2, float(scale),
+                                                IEEE=positions.is_cuda, BT=bt, BLOCK_R=triton.next_power_of_2(r2),
+                                                num_warps=1, **_OPTS)
 
 
 @triton.jit

@@ -53,6 +53,14 @@ def mla_rope_q_reference(q: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor
     return torch.cat([q_lat, q_pe], dim=-1).contiguous()
 
 
+def rope_cos_sin_reference(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [...] (integers), inv_freq [r/2] fp32 -> cos, sin [..., r/2] in dtype: the angle position x
+    inv_freq in fp32, as transformers computes it, cos / sin times scale (the YaRN attention factor), rounded once."""
+    freqs = positions[..., None].float() * inv_freq  # [..., r/2]
+    return (freqs.cos() * scale).to(dtype), (freqs.sin() * scale).to(dtype)
+
+
 def mla_q_absorb_reference(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                            interleave: bool) -> torch.Tensor:
     """The absorbed MLA query from q_b's output: q [t, h, p+r], w_uk [h, p, c], cos/sin [t, r/2] -> q_full

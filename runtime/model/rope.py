@@ -13,7 +13,7 @@ import math
 import torch
 
 from core.config import RopeConfig
-from plugins.layer_fusion import head_norm_rope, rotate_reference
+from plugins.layer_fusion import head_norm_rope, rope_cos_sin, rotate_reference
 
 
 def inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
@@ -47,9 +47,8 @@ class Rope:
         self.interleave = interleave
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [b, n] -> cos, sin [b, n, r/2] in `dtype`."""
-        freqs = positions[..., None].float() * self.inv_freq  # [b, n, r/2]
-        return (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
+        """positions [b, n] -> cos, sin [b, n, r/2] in `dtype` (one kernel on CUDA: plugins/layer_fusion)."""
+        return rope_cos_sin(positions, self.inv_freq, self.scale, dtype)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [b, n, (h,) r] with cos/sin [b, n, r/2] -> rotated, de-interleaved [b, n, (h,) r]."""
