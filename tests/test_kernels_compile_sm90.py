@@ -1,0 +1,69 @@
+"""The decode round's newer Triton kernels compile for sm_90 on this CPU machine (Triton's own ptxas), so a
+kernel that would not build fails here and not first on the GPU: the MLA absorption products, the rope tables
+and the round's emission, at the specialisations the runtime launches (bf16 K2.6 shapes at t = 1 .. 64, the
+fp32 tiny models).  Each gives an ELF cubin; the rope kernel must not use the approximate cos / sin."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def specialisations() -> list:
+    from plugins.common.aot import TritonKernel
+    from plugins.layer_fusion.kernel import _mla_q_absorb_kernel, _mla_v_absorb_kernel, _rope_cos_sin_kernel
+    from plugins.round_emit.kernel import _round_emit_kernel
+
+    def kernel(name, fn, types, consts, warps):
+        sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in inspect.signature(fn.fn).parameters}
+        return TritonKernel("check", name, fn, sig, consts, warps, 3)
+
+    out = []
+    for dt in ("*bf16", "*fp32"):
+        ieee = dt == "*fp32"
+        t = {"q_ptr": dt, "w_ptr": dt, "cos_ptr": dt, "sin_ptr": dt, "out_ptr": dt}
+        for bt in (16, 64):
+            c = dict(INTERLEAVE=True, IEEE=ieee, N_CB=8, BT=bt, BLOCK_P=128, BLOCK_C=64, BLOCK_R=32)
+            out.append(kernel(f"q_absorb_{dt[1:]}_bt{bt}", _mla_q_absorb_kernel, t, c, 4))
+        t = {"o_ptr": dt, "w_ptr": dt, "out_ptr": dt}
+        for bt, bu in ((16, 16), (64, 64)):
+            c = dict(C=512, IEEE=ieee, BT=bt, BLOCK_U=bu, BLOCK_K=128)
+            out.append(kernel(f"v_absorb_{dt[1:]}_bt{bt}", _mla_v_absorb_kernel, t, c, 4))
+        t = {"pos_ptr": "*i64", "inv_ptr": "*fp32", "cos_ptr": dt, "sin_ptr": dt, "scale": "fp32"}
+        out.append(kernel(f"rope_{dt[1:]}", _rope_cos_sin_kernel, t, dict(IEEE=True, BT=16, BLOCK_R=32), 1))
+    t = {"cand_ptr": "*i64", "count_ptr": "*i32", "stop_ptr": "*i64", "produced_ptr": "*i32", "max_new_ptr": "*i32",
+         "live_ptr": "*i32", "nonfinite_ptr": "*i64", "out_ptr": "*i64", "bonus_ptr": "*i64"}
+    for ar, block_a in ((True, 2), (False, 32)):
+        out.append(kernel(f"emit_ar{int(ar)}", _round_emit_kernel, t, dict(AR=ar, BLOCK_A=block_a, BLOCK_S=16), 1))
+    return out
+
+
+@pytest.mark.slow
+def test_round_kernels_compile_for_sm90(tmp_path):
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    proc = subprocess.run([sys.executable, __file__, "--compile", str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    recs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(recs) == 12
+    for r in recs:
+        assert (tmp_path / r["cubin"]).read_bytes()[:4] == b"\x7fELF", r
+        if r["name"].startswith("rope"):
+            ptx = (tmp_path / r["ptx"]).read_text()
+            assert "cos.approx" not in ptx and "sin.approx" not in ptx, r["name"]
+
+
+if __name__ == "__main__" and "--compile" in sys.argv:
+    from build_pipeline.compile_kernels import compile_triton
+    dest = Path(sys.argv[sys.argv.index("--compile") + 1])
+    print(json.dumps([compile_triton(k, "sm_90", dest) for k in specialisations()]))
