@@ -19,7 +19,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def specialisations() -> list:
     from plugins.common.aot import TritonKernel
-    from plugins.layer_fusion.kernel import _mla_q_absorb_kernel, _mla_v_absorb_kernel, _rope_cos_sin_kernel
+    from plugins.layer_fusion.kernel import (
+        _mla_q_absorb_kernel,
+        _mla_v_absorb_kernel,
+        _rope_cos_sin_kernel,
+    )
     from plugins.round_emit.kernel import _round_emit_kernel
 
     def kernel(name, fn, types, consts, warps):
