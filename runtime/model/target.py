@@ -82,7 +82,7 @@ class TargetModel:
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: LatentCache,
                 tree_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """tokens, positions [b, n]; tree_mask [b, n, w].
+        """tokens, positions [b, n] (positions int32 or int64); tree_mask [b, n, w].
 
         Returns (hidden [b, n, d] after the final norm, features [b, n, f*d] or None), where features
         concatenates the outputs of feature_layers in order.  Writes the tokens' latent rows into
