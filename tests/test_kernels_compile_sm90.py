@@ -41,7 +41,8 @@ def specialisations() -> list:
         for bt, bu in ((16, 16), (64, 64)):
             c = dict(C=512, IEEE=ieee, BT=bt, BLOCK_U=bu, BLOCK_K=128)
             out.append(kernel(f"v_absorb_{dt[1:]}_bt{bt}", _mla_v_absorb_kernel, t, c, 4))
-        t = {"pos_ptr": "*i64", "inv_ptr": "*fp32", "cos_ptr": dt, "sin_ptr": dt, "scale": "fp32"}
+        pos = "*i32" if dt == "*bf16" else "*i64"  # an AR step's positions are the int32 cache lengths
+        t = {"pos_ptr": pos, "inv_ptr": "*fp32", "cos_ptr": dt, "sin_ptr": dt, "scale": "fp32"}
         out.append(kernel(f"rope_{dt[1:]}", _rope_cos_sin_kernel, t, dict(IEEE=True, BT=16, BLOCK_R=32), 1))
     t = {"cand_ptr": "*i64", "count_ptr": "*i32", "stop_ptr": "*i64", "produced_ptr": "*i32", "max_new_ptr": "*i32",
          "live_ptr": "*i32", "nonfinite_ptr": "*i64", "out_ptr": "*i64", "bonus_ptr": "*i64"}
