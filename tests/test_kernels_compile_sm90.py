@@ -1,7 +1,7 @@
 """The decode round's newer Triton kernels compile for sm_90 on this CPU machine (Triton's own ptxas), so a
-kernel that would not build fails here and not first on the GPU: the MLA absorption products, the rope tables
-and the round's emission, at the specialisations the runtime launches (bf16 K2.6 shapes at t = 1 .. 64, the
-fp32 tiny models).  Each gives an ELF cubin; the rope kernel must not use the approximate cos / sin."""
+kernel that would not build fails here and not first on the GPU: the MLA absorption products, the rope tables,
+the round's emission and the two older rope kernels that share their rounding (_rotate), at the specialisations
+the runtime launches (bf16 K2.6 shapes at t = 1 .. 64, the fp32 tiny models).  Each gives an ELF cubin; the rope kernel must not use the approximate cos / sin."""
 
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ ROOT = Path(__file__).resolve().parent.parent
 def specialisations() -> list:
     from plugins.common.aot import TritonKernel
     from plugins.layer_fusion.kernel import (
+        _head_norm_rope_kernel,
         _mla_q_absorb_kernel,
+        _mla_rope_kv_kernel,
         _mla_v_absorb_kernel,
         _rope_cos_sin_kernel,
     )
@@ -44,6 +46,12 @@ def specialisations() -> list:
         pos = "*i32" if dt == "*bf16" else "*i64"  # an AR step's positions are the int32 cache lengths
         t = {"pos_ptr": pos, "inv_ptr": "*fp32", "cos_ptr": dt, "sin_ptr": dt, "scale": "fp32"}
         out.append(kernel(f"rope_{dt[1:]}", _rope_cos_sin_kernel, t, dict(IEEE=True, BT=16, BLOCK_R=32), 1))
+    t = {"lat_ptr": "*bf16", "w_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "out_ptr": "*bf16",
+         "ql_ptr": "*bf16", "qw_ptr": "*bf16", "qo_ptr": "*bf16", "eps": "fp32"}
+    out.append(kernel("rope_kv_bf16", _mla_rope_kv_kernel, t, dict(INTERLEAVE=True, BLOCK_C=512, BLOCK_R=32,
+                                                                   BLOCK_Q=2048), 4))
+    t = {"x_ptr": "*bf16", "w_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32"}
+    out.append(kernel("head_norm_rope_bf16", _head_norm_rope_kernel, t, dict(INTERLEAVE=False, BLOCK=64), 1))
     t = {"cand_ptr": "*i64", "count_ptr": "*i32", "stop_ptr": "*i64", "produced_ptr": "*i32", "max_new_ptr": "*i32",
          "live_ptr": "*i32", "nonfinite_ptr": "*i64", "out_ptr": "*i64", "bonus_ptr": "*i64"}
     for ar, block_a in ((True, 2), (False, 32)):
@@ -60,7 +68,7 @@ def test_round_kernels_compile_for_sm90(tmp_path):
                           text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     recs = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(recs) == 12
+    assert len(recs) == 14
     for r in recs:
         assert (tmp_path / r["cubin"]).read_bytes()[:4] == b"\x7fELF", r
         if r["name"].startswith("rope"):

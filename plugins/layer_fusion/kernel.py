@@ -74,6 +74,15 @@ def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor | None, delta2: tor
 
 
 @triton.jit
+def _rotate(x1, x2, cos, sin, dt: tl.constexpr):
+    """(x1 * cos - x2 * sin, x2 * cos + x1 * sin) in fp32 (any shapes, fp32 values), each product and sum rounded
+    to dt as torch does: the rope of every kernel here."""
+    lo = (x1 * cos).to(dt).to(tl.float32) - (x2 * sin).to(dt).to(tl.float32)
+    hi = (x2 * cos).to(dt).to(tl.float32) + (x1 * sin).to(dt).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
 def _rotate_store(src_ptr, cos_ptr, sin_ptr, dst_ptr, R2, INTERLEAVE: tl.constexpr, BLOCK_R: tl.constexpr):
     """dst[:R2] = x1 * cos - x2 * sin, dst[R2:] = x2 * cos + x1 * sin, each product and sum rounded to
     dst's dtype as torch does (src: the r rope values of one row, pairs interleaved or as halves)."""
@@ -88,8 +97,7 @@ def _rotate_store(src_ptr, cos_ptr, sin_ptr, dst_ptr, R2, INTERLEAVE: tl.constex
     dt = dst_ptr.dtype.element_ty
     cos = tl.load(cos_ptr + j, mask=m, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + j, mask=m, other=0.0).to(tl.float32)
-    lo = (x1 * cos).to(dt).to(tl.float32) - (x2 * sin).to(dt).to(tl.float32)
-    hi = (x2 * cos).to(dt).to(tl.float32) + (x1 * sin).to(dt).to(tl.float32)
+    lo, hi = _rotate(x1, x2, cos, sin, dt)
     tl.store(dst_ptr + j, lo.to(dt), mask=m)
     tl.store(dst_ptr + R2 + j, hi.to(dt), mask=m)
 
@@ -155,8 +163,7 @@ def _mla_q_absorb_kernel(q_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, T, P, C, R2, s
         cs = rt.to(tl.int64)[:, None] * s_ct + j[None, :]
         cos = tl.load(cos_ptr + cs, mask=m, other=0.0).to(tl.float32)
         sin = tl.load(sin_ptr + cs, mask=m, other=0.0).to(tl.float32)
-        lo = (x1 * cos).to(dt).to(tl.float32) - (x2 * sin).to(dt).to(tl.float32)
-        hi = (x2 * cos).to(dt).to(tl.float32) + (x1 * sin).to(dt).to(tl.float32)
+        lo, hi = _rotate(x1, x2, cos, sin, dt)
         tl.store(o_rows[:, None] + C + j[None, :], lo.to(dt), mask=m)
         tl.store(o_rows[:, None] + C + R2 + j[None, :], hi.to(dt), mask=m)
     else:
@@ -302,8 +309,7 @@ def _head_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, E2, s_xt, s_
     y2 = (w2 * (x2 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     cos = tl.load(cos_ptr + t * s_ct + j, mask=m, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + t * s_ct + j, mask=m, other=0.0).to(tl.float32)
-    lo = (y1 * cos).to(dt).to(tl.float32) - (y2 * sin).to(dt).to(tl.float32)
-    hi = (y2 * cos).to(dt).to(tl.float32) + (y1 * sin).to(dt).to(tl.float32)
+    lo, hi = _rotate(y1, y2, cos, sin, dt)
     out = out_ptr + t * s_ot + h * s_oh
     tl.store(out + j, lo.to(dt), mask=m)
     tl.store(out + E2 + j, hi.to(dt), mask=m)
