@@ -1,7 +1,8 @@
 """The decode round's newer Triton kernels compile for sm_90 on this CPU machine (Triton's own ptxas), so a
 kernel that would not build fails here and not first on the GPU: the MLA absorption products, the rope tables,
 the round's emission and the two older rope kernels that share their rounding (_rotate), at the specialisations
-the runtime launches (bf16 K2.6 shapes at t = 1 .. 64, the fp32 tiny models).  Each gives an ELF cubin; the rope kernel must not use the approximate cos / sin."""
+the runtime launches (bf16 K2.6 shapes at t = 1 .. 64, the fp32 tiny models).  Each gives an ELF cubin; the
+rope tables' kernel must not use the approximate cos / sin."""
 
 from __future__ import annotations
 
