@@ -36,6 +36,14 @@ from plugins.layer_fusion.reference import (
 ULP = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10, torch.float32: 2e-6, torch.float64: 1e-12}
 
 
+def _within_dot_bound(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor) -> tuple[bool, float]:
+    """(ok, max error over the bound): a product in another summation order, finite and within 4 ulp of got's dtype
+    times bound, the dot of the operands' absolute values (fp64)."""
+    diff = (got.double() - want.double()).abs()
+    ok = bool(torch.isfinite(got).all() and (diff <= 4 * ULP[got.dtype] * bound + 1e-30).all())
+    return ok, float((diff / bound.clamp_min(1e-30)).max())
+
+
 def _close(got: torch.Tensor, want: torch.Tensor, exact: bool) -> tuple[bool, float]:
     """(ok, max relative error): exact ops match bit for bit; the others within 2 ulp of the storage dtype
     (the RMS's summation order moves a few results by one ulp)."""
@@ -102,10 +110,8 @@ def run_cases(device: str, count: int, seed: int = 0) -> list[dict]:
         mla_q_absorb_triton(q, w_uk, cos, sin, interleave, got)
         want = mla_q_absorb_reference(q, w_uk, cos, sin, interleave)
         bound = torch.bmm(q[..., :p].transpose(0, 1).double().abs(), w_uk.double().abs()).transpose(0, 1)  # [t, h, c]
-        diff = (got[..., :c].double() - want[..., :c].double()).abs()
-        ok = bool(torch.isfinite(got).all() and (diff <= 4 * ULP[dt] * bound + 1e-30).all()
-                  and torch.equal(got[..., c:], want[..., c:]))
-        err = float((diff / bound.clamp_min(1e-30)).max())
+        ok, err = _within_dot_bound(got[..., :c], want[..., :c], bound)
+        ok = ok and bool(torch.isfinite(got).all()) and torch.equal(got[..., c:], want[..., c:])
         out.append(dict(op="mla_q_absorb", case=f"t{t} h{h} p{p} c{c} r{2 * r2} {dt} il={interleave}", ok=ok, err=err))
 
         # rope_cos_sin: positions up to 256K (the angles reach ~2.6e5 rad), the YaRN factor as scale; exact on the GPU
@@ -129,10 +135,8 @@ def run_cases(device: str, count: int, seed: int = 0) -> list[dict]:
         mla_v_absorb_triton(o_lat, w_uv, got)
         want = mla_v_absorb_reference(o_lat, w_uv)
         bound = torch.bmm(o_lat.transpose(0, 1).double().abs(), w_uv.double().abs().transpose(1, 2)).transpose(0, 1)
-        diff = (got.double() - want.double()).abs()
-        ok = bool(torch.isfinite(got).all() and (diff <= 4 * ULP[dt] * bound + 1e-30).all())
-        out.append(dict(op="mla_v_absorb", case=f"t{t} h{h} c{c} u{u} {dt}", ok=ok,
-                        err=float((diff / bound.clamp_min(1e-30)).max())))
+        ok, err = _within_dot_bound(got, want, bound)
+        out.append(dict(op="mla_v_absorb", case=f"t{t} h{h} c{c} u{u} {dt}", ok=ok, err=err))
 
         # mla_rope_kv: into scratch rows [b, n, c+r] of a [b, n_max, c+r] buffer; untouched rows stay
         bq = pick((1, 2, 3))
