@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runtime.bench_rank import _prime, _rewind  # noqa: E402
+from runtime.bench_rank import prime_session, rewind_session  # noqa: E402
 from runtime.decode.params import SpecConfig  # noqa: E402
 from runtime.decode.session import DecodeSession  # noqa: E402
 from runtime.load.synthetic import draw_models  # noqa: E402
@@ -75,11 +75,11 @@ def main() -> None:
                                                             else [])
     for spec in (SpecConfig.of("none", 16), SpecConfig.of("ddtree", 16)):
         sess = DecodeSession(target, drafter, spec, 1, a.context + 64 * 8 * 4)
-        _prime(sess, a.context)
+        prime_session(sess, a.context)
         for _ in range(2):  # warm: Triton compiles, cuBLAS picks its kernels
-            _rewind(sess, a.context)
+            rewind_session(sess, a.context)
             sess.raw_step(True)
-        _rewind(sess, a.context)
+        rewind_session(sess, a.context)
         if dev.type == "cuda":
             torch.cuda.synchronize()
         with torch.profiler.profile(activities=activities, with_stack=True) as prof:

@@ -141,9 +141,9 @@ def _measure(target, drafter, replicated, spec: SpecConfig, ctx: int, iters: int
     """One (cache length, mode) row: the whole step, and each piece, each in its own graph."""
     base = torch.cuda.memory_allocated()
     s = DecodeSession(target, drafter, spec, 1, ctx + 64 * 8 * 4, pool)
-    _prime(s, ctx)
+    prime_session(s, ctx)
     step = s.capture(True)
-    rewind = lambda: _rewind(s, ctx)
+    rewind = lambda: rewind_session(s, ctx)
     row = {"context": ctx, "mode": "ar" if spec.mode == "none" else f"ddtree-{spec.budget}",
            "budget": s.budget, "tokens": s.n, "step_us": _time(step.launch, iters, rewind)}
     buf, cache = s.buf, s.cache
@@ -190,7 +190,7 @@ def _measure(target, drafter, replicated, spec: SpecConfig, ctx: int, iters: int
     return row
 
 
-def _prime(s: DecodeSession, ctx: int) -> None:
+def prime_session(s: DecodeSession, ctx: int) -> None:
     """The session's caches and buffers as after `ctx` committed tokens of one request: random latent rows
     (the kv_a-normed latent and roped k_pe are O(1) per element), one pending context row for the drafter."""
     g = torch.Generator(device=s.target.device).manual_seed(ctx)
@@ -204,10 +204,10 @@ def _prime(s: DecodeSession, ctx: int) -> None:
     buf.bonus.random_(0, s.target.cfg.vocab_size, generator=g)
     buf.max_new.fill_(1 << 30)
     buf.stop_ids.fill_(-1)
-    _rewind(s, ctx)
+    rewind_session(s, ctx)
 
 
-def _rewind(s: DecodeSession, ctx: int) -> None:
+def rewind_session(s: DecodeSession, ctx: int) -> None:
     """Back to `ctx` committed tokens, one live request (what a timed replay starts from)."""
     s.cache.lens.fill_(ctx)
     if s.dcache is not None:
