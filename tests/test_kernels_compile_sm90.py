@@ -1,6 +1,7 @@
 """The decode round's newer Triton kernels compile for sm_90 on this CPU machine (Triton's own ptxas), so a
 kernel that would not build fails here and not first on the GPU: the MLA absorption products, the rope tables,
-the round's emission and the two older rope kernels that share their rounding (_rotate), at the specialisations
+the round's emission, the two older rope kernels that share their rounding (_rotate) and the MoE routing kernel
+with the shared expert's activation, at the specialisations
 the runtime launches (bf16 K2.6 shapes at t = 1 .. 64, the fp32 tiny models).  Each gives an ELF cubin; the
 rope tables' kernel must not use the approximate cos / sin."""
 
@@ -27,6 +28,7 @@ def specialisations() -> list:
         _mla_v_absorb_kernel,
         _rope_cos_sin_kernel,
     )
+    from plugins.moe_w4a16.route_kernel import route_kernel
     from plugins.round_emit.kernel import _round_emit_kernel
 
     def kernel(name, fn, types, consts, warps):
@@ -57,6 +59,11 @@ def specialisations() -> list:
          "live_ptr": "*i32", "nonfinite_ptr": "*i64", "out_ptr": "*i64", "bonus_ptr": "*i64"}
     for ar, block_a in ((True, 2), (False, 32)):
         out.append(kernel(f"emit_ar{int(ar)}", _round_emit_kernel, t, dict(AR=ar, BLOCK_A=block_a, BLOCK_S=16), 1))
+    # the MoE routing kernel forming the shared expert's activation (K2.6 TP8: 384 experts, top 8, i' 256)
+    t = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "idx_ptr": "*i32", "w_ptr": "*fp32", "counts_ptr": "*i32",
+         "active_ptr": "*i32", "lists_ptr": "*i32", "scaling": "fp32", "su_ptr": "*fp32", "h_ptr": "*bf16"}
+    c = dict(K=8, N_GROUP=1, TOPK_GROUP=1, NORM=True, BT=1, BE=512, BKK=8, BG=2, SHARED=True, BS=256, IEEE_EXP=True)
+    out.append(kernel("route_shared_bf16", route_kernel, t, c, 1))
     return out
 
 
@@ -69,7 +76,7 @@ def test_round_kernels_compile_for_sm90(tmp_path):
                           text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     recs = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(recs) == 14
+    assert len(recs) == 15
     for r in recs:
         assert (tmp_path / r["cubin"]).read_bytes()[:4] == b"\x7fELF", r
         if r["name"].startswith("rope"):

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from core.quant_int4 import dequantize_int4, pack_int4, quantize_int4
+from plugins.common.activation import silu_mul_reference
 from plugins.moe_w4a16 import MoEWorkspace, experts_reference, moe_w4a16, route_reference
 from plugins.moe_w4a16.layout import dequantize_kernel_layout, pack_experts, padded_k, repack_int4, unrepack_int4
 from plugins.moe_w4a16.plan import KernelConfig
@@ -140,6 +141,7 @@ INTERP_CASES = {
 }
 WORKSPACE_CASES = ("t1_int4_bf16", "t4_dense_bf16")
 INTERP_PROCESSES = 2  # the cases split over this many interpreter processes (together ~35 s of CPU)
+SHARED_I = 5  # the shared expert's intermediate width in the interpreter cases
 
 
 def _interp_case(t, e, d, i, k, n_group, topk_group, e_start, e_local, int4, dtype, hot, cfg=None,
@@ -147,11 +149,15 @@ def _interp_case(t, e, d, i, k, n_group, topk_group, e_start, e_local, int4, dty
     """The Triton path under the interpreter vs the reference in fp64 on the same (dequantised) experts and
     routing; with workspace, also the path through a poisoned MoEWorkspace of a larger capacity, which must
     equal the allocating path bit for bit."""
+    from plugins.layer_fusion.kernel import silu_mul_triton
     from plugins.moe_w4a16.launch import moe_w4a16_triton
     g = torch.Generator().manual_seed(0)
     x = torch.randn(t, d, generator=g).to(dtype)
-    # the router's columns of a wider fp32 GEMM output (runtime/model/moe: router and shared gate_up in one GEMM)
-    logits = torch.randn(t, e + 6, generator=g)[:, :e]
+    # the router's columns of a wider fp32 GEMM output (runtime/model/moe: router and shared gate_up in one GEMM);
+    # the shared expert's gate | up columns follow (i' = 5: its block is masked)
+    both = torch.randn(t, e + 2 * SHARED_I, generator=g) * 2
+    logits, shared_gate_up = both[:, :e], both[:, e:]
+    shared_h = torch.empty(t, SHARED_I, dtype=dtype)
     if hot is not None:
         logits[:, hot] += 8.0  # every token picks `hot`: its list is longer than one tile of 16
     bias = torch.randn(e, generator=g) * 0.1
@@ -172,11 +178,18 @@ def _interp_case(t, e, d, i, k, n_group, topk_group, e_start, e_local, int4, dty
     if int4 and cfg.scale_tile:  # the same scales stored row-major [e, n, g], viewed as [e, g, n]
         s13, s2 = (s.transpose(1, 2).contiguous().transpose(1, 2) for s in (s13, s2))
     args = (x, logits, bias, w13, s13, w2, s2, k, n_group, topk_group, True, 2.5, e_start)
-    y = moe_w4a16_triton(*args, config=cfg)
+    y = moe_w4a16_triton(*args, config=cfg, shared_gate_up=shared_gate_up, shared_h=shared_h)
     idx, tw = route_reference(logits, bias, k, n_group, topk_group, True, 2.5)
     ref = experts_reference(x.double(), idx, tw.double(), w13d.double(), w2d.double(), e_start)
     rel = ((y.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
     res = {"rel": rel, "finite": bool(torch.isfinite(y).all()), "dtype": str(dtype), "shape": list(y.shape)}
+    # the shared expert's activation from the routing kernel: layer_fusion's silu_mul kernel bit for bit (one
+    # Triton function), and the reference within the interpreter's bf16 truncation
+    alone = torch.empty_like(shared_h)
+    silu_mul_triton(shared_gate_up, alone)
+    want = silu_mul_reference(shared_gate_up, dtype).double()
+    res["shared_equal_silu_mul"] = torch.equal(shared_h, alone)
+    res["shared_rel"] = ((shared_h.double() - want).norm() / want.norm()).item()
     if workspace:
         ws = MoEWorkspace.allocate(t + 7, k, e_local, d, i, dtype, "cpu", cfg)
         ws.buffer.fill_(0xFF)  # NaN floats, -1 ints: whatever the kernels read before writing shows
@@ -216,6 +229,8 @@ def test_triton_interpreter_matches_reference(interp_results, case):
     assert r["finite"] and r["rel"] < tol, r
     assert r.get("workspace_equal", True), r  # the caller's workspace gives the allocating path's y exactly
     assert r.get("counts_rezeroed", True), r  # the call left the routing counts zero for the next one
+    assert r["shared_equal_silu_mul"], r  # the routing kernel's shared activation is silu_mul's, bit for bit
+    assert r["shared_rel"] < (1e-6 if r["dtype"] == "torch.float32" else 2e-2), r  # bf16: truncated, see above
 
 
 # ---------------------------------------------------------------- GPU

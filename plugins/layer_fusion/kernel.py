@@ -29,6 +29,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from plugins.common.activation_kernel import silu_mul_rounded
+
 _OPTS = {"enable_fp_fusion": False}
 
 
@@ -332,16 +334,10 @@ def _silu_mul_kernel(gu_ptr, out_ptr, I, s_g, s_o, BLOCK: tl.constexpr, IEEE_EXP
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = j < I
-    dt = out_ptr.dtype.element_ty
     # a wider gate_up (fp32 GEMM output) is rounded to out's dtype first, as the reference does
-    g = tl.load(gu_ptr + t * s_g + j, mask=m, other=0.0).to(dt).to(tl.float32)
-    u = tl.load(gu_ptr + t * s_g + I + j, mask=m, other=0.0).to(dt).to(tl.float32)
-    if IEEE_EXP:  # torch's expf (libdevice); the interpreter has no libdevice
-        e = libdevice.exp(-g)
-    else:
-        e = tl.exp(-g)
-    act = tl.math.div_rn(g, 1.0 + e).to(dt).to(tl.float32)
-    tl.store(out_ptr + t * s_o + j, (act * u).to(dt), mask=m)
+    g = tl.load(gu_ptr + t * s_g + j, mask=m, other=0.0)
+    u = tl.load(gu_ptr + t * s_g + I + j, mask=m, other=0.0)
+    tl.store(out_ptr + t * s_o + j, silu_mul_rounded(g, u, out_ptr.dtype.element_ty, IEEE_EXP), mask=m)
 
 
 def silu_mul_triton(gate_up: torch.Tensor, out: torch.Tensor) -> None:

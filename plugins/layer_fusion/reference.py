@@ -12,8 +12,8 @@ Letters: t tokens (b * n flattened), d hidden, h heads, p qk_nope dims, r rope d
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from plugins.common.activation import silu_mul_reference  # noqa: F401  (this module's stages, one shared)
 from plugins.common.precision import acc
 
 
@@ -92,15 +92,6 @@ def mla_rope_kv_reference(latent: torch.Tensor, weight: torch.Tensor, eps: float
     c_kv = rms_norm_reference(latent[..., :c], weight, eps)  # [t, c]
     k_pe = rotate_reference(latent[..., c:], cos, sin, interleave)  # [t, r]
     out.copy_(torch.cat([c_kv, k_pe], dim=-1).view(out.shape))
-
-
-def silu_mul_reference(gate_up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """gate_up [t, 2i] (gate columns, then up columns) -> silu(gate) * up [t, i].  out_dtype: gate_up is first
-    rounded to it (a GEMM's fp32 output taken as the model-dtype output it stands for)."""
-    if out_dtype is not None:
-        gate_up = gate_up.to(out_dtype)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 def head_norm_rope_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from plugins.common.activation import silu_mul_reference
 from plugins.common.op import kdtree_op
 from plugins.common.precision import acc
 from plugins.moe_w4a16.fragment_layout import dequantize_fragments, from_fragments, to_fragments
@@ -84,19 +85,22 @@ def _logits(x: torch.Tensor, logits: torch.Tensor | None, gate: torch.Tensor | N
 def moe_w4a16(x: torch.Tensor, logits: torch.Tensor | None, gate: torch.Tensor | None, bias: torch.Tensor,
               w13: torch.Tensor, w13_scale: torch.Tensor | None, w2: torch.Tensor, w2_scale: torch.Tensor | None,
               top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool, scaling: float,
-              e_start: int = 0, workspace: Optional[torch.Tensor] = None) -> torch.Tensor:
+              e_start: int = 0, workspace: Optional[torch.Tensor] = None,
+              shared_gate_up: Optional[torch.Tensor] = None, shared_h: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Routed experts of one MoE layer, x [t, d] -> y [t, d], through the registered op (see moe_w4a16_op);
     workspace: a MoEWorkspace's .buffer, or None."""
     # every argument passed explicitly: torch 2.11's mutation bookkeeping indexes the given args only
     return moe_w4a16_op(x, logits, gate, bias, w13, w13_scale, w2, w2_scale, top_k, n_group, topk_group,
-                        norm_topk_prob, scaling, e_start, workspace)
+                        norm_topk_prob, scaling, e_start, workspace, shared_gate_up, shared_h)
 
 
-@kdtree_op("moe_w4a16", mutates_args=("workspace",))
+@kdtree_op("moe_w4a16", mutates_args=("workspace", "shared_h"))
 def moe_w4a16_op(x: torch.Tensor, logits: Optional[torch.Tensor], gate: Optional[torch.Tensor], bias: torch.Tensor,
                  w13: torch.Tensor, w13_scale: Optional[torch.Tensor], w2: torch.Tensor,
                  w2_scale: Optional[torch.Tensor], top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool,
-                 scaling: float, e_start: int, workspace: Optional[torch.Tensor]) -> torch.Tensor:
+                 scaling: float, e_start: int, workspace: Optional[torch.Tensor],
+                 shared_gate_up: Optional[torch.Tensor] = None, shared_h: Optional[torch.Tensor] = None
+                 ) -> torch.Tensor:
     """Routed experts of one MoE layer: x [t, d] -> y [t, d] (x's dtype), the shared expert excluded.
 
     logits [t, e] fp32 router logits, or None with gate [e, d] (logits = x @ gate^T in fp32);
@@ -108,7 +112,14 @@ def moe_w4a16_op(x: torch.Tensor, logits: Optional[torch.Tensor], gate: Optional
     workspace: uint8 [nbytes], MoEWorkspace.allocate(max_tokens, top_k, e_l, d, i, x.dtype, device).buffer
     with t <= max_tokens, so the kernel path allocates only y; None allocates the scratch per call.  The CPU
     path (the reference) checks its size and does not use it.
+
+    shared_gate_up [t, 2i'] (the shared expert's gate | up columns, e.g. of the router's fp32 GEMM; unit stride
+    along 2i') with shared_h [t, i'] (x's dtype, unit stride along i'): also writes shared_h = silu(gate) * up
+    rounded as plugins/common/activation.py (on CUDA inside the routing kernel: no launch of its own).
     """
+    _check_shared(x, shared_gate_up, shared_h)
+    if shared_h is not None:
+        shared_h.copy_(silu_mul_reference(shared_gate_up, x.dtype))
     if workspace is not None:  # the kernel path's capacity check
         t, d = x.shape
         e_local, i = expert_dims(w13)
@@ -122,20 +133,41 @@ def moe_w4a16_op(x: torch.Tensor, logits: Optional[torch.Tensor], gate: Optional
 
 @moe_w4a16_op.register_fake
 def _(x, logits, gate, bias, w13, w13_scale, w2, w2_scale, top_k, n_group, topk_group, norm_topk_prob, scaling,
-      e_start, workspace):
+      e_start, workspace, shared_gate_up=None, shared_h=None):
     return torch.empty_like(x)
 
 
 @moe_w4a16_op.register_kernel("cuda")
 def _(x, logits, gate, bias, w13, w13_scale, w2, w2_scale, top_k, n_group, topk_group, norm_topk_prob, scaling,
-      e_start, workspace):
+      e_start, workspace, shared_gate_up=None, shared_h=None):
+    _check_shared(x, shared_gate_up, shared_h)
     lg = _logits(x, logits, gate).float()
+    shared = (shared_gate_up, shared_h)
     if w13.dim() == 5:
         if v3_multiplies(x.dtype, w13_scale.dtype):
             from plugins.moe_w4a16.launch_v3 import moe_w4a16_v3
             return moe_w4a16_v3(x, lg, bias, w13, w13_scale, w2, w2_scale, top_k, n_group, topk_group,
-                                norm_topk_prob, scaling, e_start, workspace)
+                                norm_topk_prob, scaling, e_start, workspace, *shared)
         w13, w13_scale, w2, w2_scale = planar_copy(w13, w13_scale, w2, w2_scale, x.shape[-1])
     from plugins.moe_w4a16.launch import moe_w4a16_triton
     return moe_w4a16_triton(x, lg, bias, w13, w13_scale, w2, w2_scale, top_k, n_group, topk_group,
-                            norm_topk_prob, scaling, e_start, workspace)
+                            norm_topk_prob, scaling, e_start, workspace, shared_gate_up=shared_gate_up,
+                            shared_h=shared_h)
+
+
+def _check_shared(x: torch.Tensor, gate_up: Optional[torch.Tensor], h: Optional[torch.Tensor]) -> None:
+    """shared_gate_up [t, 2i'] and shared_h [t, i'] come together, on x's device, with unit stride along the row."""
+    if gate_up is None and h is None:
+        return
+    t = x.shape[0]
+    if gate_up is None or h is None:
+        raise ValueError("moe_w4a16: shared_gate_up and shared_h come together (the shared expert's activation)")
+    i = h.shape[-1] if h.dim() == 2 else -1
+    if gate_up.dim() != 2 or tuple(gate_up.shape) != (t, 2 * i) or gate_up.stride(1) != 1 \
+            or not gate_up.dtype.is_floating_point or gate_up.device != x.device:
+        raise ValueError(f"moe_w4a16: shared_gate_up must be floating [{t}, 2 * i'] with unit stride along its "
+                         f"row, on {x.device}, got {gate_up.dtype} {tuple(gate_up.shape)} {gate_up.stride()} on "
+                         f"{gate_up.device}")
+    if h.dim() != 2 or h.shape[0] != t or h.dtype != x.dtype or h.stride(1) != 1 or h.device != x.device:
+        raise ValueError(f"moe_w4a16: shared_h must be {x.dtype} [{t}, i'] with unit stride along its row, on "
+                         f"{x.device}, got {h.dtype} {tuple(h.shape)} {h.stride()} on {h.device}")

@@ -18,7 +18,7 @@ import torch
 from plugins.moe_w4a16.expert_kernels import combine_kernel, down_kernel, gate_up_kernel, silu_mul_kernel
 from plugins.moe_w4a16.layout import BLOCK_K, GROUP
 from plugins.moe_w4a16.plan import KernelConfig, cdiv, expert_programs, launch_plan
-from plugins.moe_w4a16.route_kernel import next_pow2, route_kernel
+from plugins.moe_w4a16.route_kernel import launch_route, next_pow2
 from plugins.moe_w4a16.workspace import MoEWorkspace
 
 
@@ -61,7 +61,8 @@ def moe_w4a16_triton(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
                      w13_scale: torch.Tensor | None, w2: torch.Tensor, w2_scale: torch.Tensor | None,
                      top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool, scaling: float,
                      e_start: int = 0, workspace: torch.Tensor | None = None,
-                     config: KernelConfig | None = None) -> torch.Tensor:
+                     config: KernelConfig | None = None, shared_gate_up: torch.Tensor | None = None,
+                     shared_h: torch.Tensor | None = None) -> torch.Tensor:
     """Routed experts of one MoE layer: x [t, d], logits [t, e] fp32 -> y [t, d] (x's dtype).
 
     INT4 experts in the kernel layout (plugins/moe_w4a16/layout.py): w13 int32 [e_local, 2i, kp_d/8],
@@ -69,7 +70,8 @@ def moe_w4a16_triton(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
     or dense experts (scales None): w13 [e_local, 2i, d], w2 [e_local, d, i] in x's dtype.
     Only experts [e_start, e_start + e_local) are held; other slots add nothing.
     workspace: a MoEWorkspace's .buffer (uint8) for at least this call (allocated with the same config);
-    None allocates the scratch here.
+    None allocates the scratch here.  shared_gate_up [t, 2i'] / shared_h [t, i']: the routing kernel also
+    writes the shared expert's silu(gate) * up (route_kernel.launch_route).
     """
     x = x.contiguous()
     logits = logits if logits.dim() == 2 and logits.stride(1) == 1 else logits.contiguous()  # rows may be strided
@@ -89,11 +91,8 @@ def moe_w4a16_triton(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
     counts, active, lists, topk_idx, topk_w = ws.counts, ws.active, ws.lists, ws.topk_idx, ws.topk_w
     # counts [e_local + 1] is zero here (MoEWorkspace.allocate zeroes it, every call's combine re-zeroes it)
 
-    be = next_pow2(e)
-    route_kernel[(t,)](  # one token per one-warp program: each pick is a warp-shuffle reduction
-        logits, bias, topk_idx, topk_w, counts, active, lists, t, e, logits.stride(0), e_start, e_local,
-        float(scaling), K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group, NORM=bool(norm_topk_prob),
-        BT=1, BE=be, BKK=next_pow2(top_k), BG=next_pow2(n_group), num_warps=1)
+    launch_route(logits, bias, topk_idx, topk_w, counts, active, lists, e_start, e_local, scaling, top_k, n_group,
+                 topk_group, norm_topk_prob, shared_gate_up, shared_h)
 
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     prec = "interp" if interp else "ieee" if x.dtype == torch.float32 else "tf32"

@@ -24,7 +24,7 @@ from plugins.moe_w4a16.expert_kernels import combine_kernel
 from plugins.moe_w4a16.fragment_layout import ROWS
 from plugins.moe_w4a16.layout import GROUP, padded_k
 from plugins.moe_w4a16.plan import cdiv, launch_plan
-from plugins.moe_w4a16.route_kernel import next_pow2, route_kernel
+from plugins.moe_w4a16.route_kernel import launch_route, next_pow2
 from plugins.moe_w4a16.workspace import MoEWorkspace
 
 SOURCE = Path(__file__).with_name("moe_v3.cu")
@@ -173,12 +173,14 @@ def check_fragments(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w
 def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13: torch.Tensor,
                  w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, top_k: int, n_group: int,
                  topk_group: int, norm_topk_prob: bool, scaling: float, e_start: int = 0,
-                 workspace: torch.Tensor | None = None) -> torch.Tensor:
+                 workspace: torch.Tensor | None = None, shared_gate_up: torch.Tensor | None = None,
+                 shared_h: torch.Tensor | None = None) -> torch.Tensor:
     """Routed experts of one MoE layer: x [t, d] bf16, logits [t, e] fp32 -> y [t, d] bf16.
 
     Experts in fragment order: w13 int32 [e_l, 2i/32, kp_d/32, 32, 4], w13_scale bf16 [e_l, 2i/32, kp_d/32, 8, 4],
     w2 int32 [e_l, d/32, kp_i/32, 32, 4], w2_scale bf16 [e_l, d/32, kp_i/32, 8, 4].  workspace: as v2 (a
-    MoEWorkspace's .buffer sized by launch_plan), or None to allocate the scratch per call.
+    MoEWorkspace's .buffer sized by launch_plan), or None to allocate the scratch per call.  shared_gate_up /
+    shared_h: as v2 (the routing kernel also writes the shared expert's silu(gate) * up).
     """
     x = x.contiguous()
     logits = logits if logits.dim() == 2 and logits.stride(1) == 1 else logits.contiguous()  # rows may be strided
@@ -187,8 +189,9 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
     if t > MAX_TOKENS:  # the entry lists live in shared memory: longer inputs go in pieces (rows are independent)
         return torch.cat([moe_w4a16_v3(x[a:a + MAX_TOKENS], logits[a:a + MAX_TOKENS], bias, w13, w13_scale, w2,
                                        w2_scale, top_k, n_group, topk_group, norm_topk_prob, scaling, e_start,
-                                       workspace) for a in range(0, t, MAX_TOKENS)])
-    e = logits.shape[1]
+                                       workspace, *(None if s is None else s[a:a + MAX_TOKENS]
+                                                    for s in (shared_gate_up, shared_h)))
+                          for a in range(0, t, MAX_TOKENS)])
     e_local, pairs13, c1 = w13.shape[:3]
     pairs2, c2 = w2.shape[1:3]
     i = pairs13 * ROWS // 2
@@ -202,10 +205,8 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
                             launch_plan(t, top_k, e_local, d, i, x.device).splits)
     mod = kernels(x.device)  # before the route kernel: a failure here leaves counts zero
     # counts [e_local + 1] is zero here (MoEWorkspace.allocate zeroes it, every call's combine re-zeroes it)
-    route_kernel[(t,)](logits, bias, ws.topk_idx, ws.topk_w, ws.counts, ws.active, ws.lists, t, e, logits.stride(0),
-                       e_start, e_local, float(scaling), K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group,
-                       NORM=bool(norm_topk_prob), BT=1, BE=next_pow2(e), BKK=next_pow2(top_k), BG=next_pow2(n_group),
-                       num_warps=1)
+    launch_route(logits, bias, ws.topk_idx, ws.topk_w, ws.counts, ws.active, ws.lists, e_start, e_local, scaling,
+                 top_k, n_group, topk_group, norm_topk_prob, shared_gate_up, shared_h)
 
     sms = device_facts(x.device).sms
     i32, ptr = ctypes.c_int, ctypes.c_void_p

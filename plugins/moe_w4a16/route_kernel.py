@@ -10,15 +10,20 @@ expert takes a place in that expert's fixed-capacity list by an atomic increment
 expert to the list of active experts.  The order inside a list is whatever the atomics give; the
 GEMMs compute each row independently, so the results do not depend on it.
 
+With SHARED the programs also form the shared expert's activation, silu(gate) * up of its token (the router's
+GEMM also computes the shared expert's gate_up: runtime/model/moe.py): one launch fewer per MoE layer.
+
 Workspace (int32, zeroed before the launch): counts [e_local + 1] (the last entry counts active
 experts), active [e_local], lists [e_local, t] holding slot ids s = token * K + j.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
+from plugins.common.activation_kernel import silu_mul_rounded
 from plugins.common.keys import pack, unpack
 
 KEY_NONE = tl.constexpr(-(2**63))  # below every packed key: a lane already picked, masked or outside the allowed groups
@@ -26,12 +31,24 @@ KEY_NONE = tl.constexpr(-(2**63))  # below every packed key: a lane already pick
 
 @triton.jit
 def route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, counts_ptr, active_ptr, lists_ptr,
-                 T, E, stride_l, e_start, e_local, scaling,
+                 T, E, stride_l, e_start, e_local, scaling, su_ptr, h_ptr, I_SH, stride_su, stride_h,
                  K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr,
-                 BT: tl.constexpr, BE: tl.constexpr, BKK: tl.constexpr, BG: tl.constexpr):
+                 BT: tl.constexpr, BE: tl.constexpr, BKK: tl.constexpr, BG: tl.constexpr,
+                 SHARED: tl.constexpr, BS: tl.constexpr, IEEE_EXP: tl.constexpr):
     NEG = float("-inf")
     pid = tl.program_id(0)
     rt = pid * BT + tl.arange(0, BT)  # [BT] tokens
+    if SHARED:  # the shared expert's h [t, I_SH] = silu(gate) * up of its gate_up row (another GEMM's columns)
+        rs = tl.arange(0, BS)
+        c0 = pid * 0  # a while loop (a runtime trip count) also runs in the interpreter
+        while c0 < I_SH:
+            cols = c0 + rs  # [BS]
+            m2 = (rt < T)[:, None] & (cols < I_SH)[None, :]  # [BT, BS]
+            g = tl.load(su_ptr + rt[:, None] * stride_su + cols[None, :], mask=m2, other=0.0)
+            u = tl.load(su_ptr + rt[:, None] * stride_su + I_SH + cols[None, :], mask=m2, other=0.0)
+            tl.store(h_ptr + rt[:, None] * stride_h + cols[None, :],
+                     silu_mul_rounded(g, u, h_ptr.dtype.element_ty, IEEE_EXP), mask=m2)
+            c0 += BS
     re = tl.arange(0, BE)  # [BE] experts (padded to a power of two)
     tmask = rt < T
     emask = re < E
@@ -88,6 +105,25 @@ def route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, counts_ptr, active_ptr, l
     a = tl.atomic_add(counts_ptr + e_local + le * 0, 1, mask=first)
     tl.store(active_ptr + a, le, mask=first)
     tl.store(lists_ptr + le * T + pos, slot, mask=local)
+
+
+def launch_route(logits: torch.Tensor, bias: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,
+                 counts: torch.Tensor, active: torch.Tensor, lists: torch.Tensor, e_start: int, e_local: int,
+                 scaling: float, top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool,
+                 shared_gate_up: torch.Tensor | None = None, shared_h: torch.Tensor | None = None) -> None:
+    """route_kernel over logits [t, e] (rows may be strided): one token per one-warp program, each pick a
+    warp-shuffle reduction.  With shared_gate_up [t, 2i] (unit stride along 2i) and shared_h [t, i] (x's
+    dtype), the same programs also write shared_h = silu(gate) * up (plugins/common/activation_kernel.py)."""
+    t, e = logits.shape
+    shared = shared_h is not None
+    i_sh = shared_h.shape[1] if shared else 0
+    route_kernel[(t,)](logits, bias, topk_idx, topk_w, counts, active, lists, t, e, logits.stride(0), e_start,
+                       e_local, float(scaling), shared_gate_up if shared else logits,
+                       shared_h if shared else logits, i_sh, shared_gate_up.stride(0) if shared else 0,
+                       shared_h.stride(0) if shared else 0, K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group,
+                       NORM=bool(norm_topk_prob), BT=1, BE=next_pow2(e), BKK=next_pow2(top_k),
+                       BG=next_pow2(n_group), SHARED=shared, BS=min(1024, next_pow2(max(i_sh, 1))),
+                       IEEE_EXP=logits.is_cuda, num_warps=1)
 
 
 def next_pow2(n: int) -> int:

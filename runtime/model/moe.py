@@ -4,8 +4,9 @@ The routed part is one op, `kdtree::moe_w4a16` (plugins/moe_w4a16): the torch re
 (INT4 experts dequantised per call), the Triton kernels on CUDA; both read the experts in the one
 form the rank holds them (runtime/model/weights.Experts).  The shared expert is a plain MLP whose gate_up
 shares the router's GEMM when the loader stacked the two (MoEWeights.router_inputs): one fp32-output GEMM
-gives the router logits and the gate_up values, which silu_mul rounds to the model dtype first (what a
-separate model-dtype GEMM would have returned).
+gives the router logits and the gate_up values, rounded to the model dtype before SiLU * up (what a separate
+model-dtype GEMM would have returned); the routed op forms that activation in its routing kernel (one launch
+fewer per layer) and the shared down projection accumulates into the routed output.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import torch
 
 from core.config import ModelConfig
 from plugins.common.precision import acc
-from plugins.layer_fusion import silu_mul
 from plugins.moe_w4a16 import moe_w4a16
 from runtime.model.layers import linear, swiglu_mlp
 from runtime.model.weights import MoEWeights
@@ -43,14 +43,17 @@ def moe_forward(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor, e_start: int =
     if joint is not None:  # the router and the shared expert's gate_up in one GEMM, fp32 out
         e = w.gate.shape[0]
         both = router_logits(xt, joint)  # [t, e+2i] fp32 (fp64 in fp64 runs)
-        logits, gate_up = both[:, :e], both[:, e:]  # [t, e] router logits, [t, 2i] rounded by silu_mul
+        logits, gate_up = both[:, :e], both[:, e:]  # [t, e] router logits, [t, 2i] fp32
     else:
         logits = router_logits(xt, w.gate)  # [t, e] fp32 (fp64 in fp64 runs)
     ex = w.experts
+    # the shared expert's activation h [t, i'] from its gate_up columns, formed by the op's routing kernel
+    h = None if gate_up is None else xt.new_empty(xt.shape[0], gate_up.shape[1] // 2)
     y = moe_w4a16(xt, logits, None, w.gate_bias, ex.w13, ex.w13_scale, ex.w2, ex.w2_scale, cfg.num_experts_per_tok,
-                  cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor, e_start, workspace)
-    if gate_up is not None:  # y + shared(x), the down projection accumulating into y (one GEMM)
-        y = linear(silu_mul(gate_up, xt.dtype), w.shared.down, c=y)
+                  cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor, e_start, workspace,
+                  gate_up, h)
+    if h is not None:  # y + shared(x), the down projection accumulating into y (one GEMM)
+        y = linear(h, w.shared.down, c=y)
     elif w.shared is not None:
         y = swiglu_mlp(xt, w.shared.gate_up, w.shared.down, c=y)
     return y.view(shape)
