@@ -1,6 +1,7 @@
 """round_emit: the Triton kernel against the torch reference (reference.py) on random rounds: stop tokens at
 random slots (or none), max_new reached inside the round or not, frozen requests (count 0, live 0), AR rounds
-(one candidate, count and bonus written too).  CPU: the interpreter in a subprocess; GPU (-m gpu): more cases.
+(one candidate, count and bonus written too), tree rounds (the candidates gathered along the accepted path, the
+drafter's context written, frozen requests' counts zeroed).  CPU: the interpreter in a subprocess; GPU (-m gpu): more cases.
 Every output must equal the reference's bit for bit (integers)."""
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from interpreter import interpreted
 from plugins.round_emit.reference import round_emit_reference
 
 
-def random_round(g: torch.Generator, device: str, ar: bool) -> dict:
-    """One random round's inputs (fresh tensors)."""
+def random_round(g: torch.Generator, device: str, ar: bool, tree: bool = False) -> dict:
+    """One random round's inputs (fresh tensors); tree: the candidates from tokens along the accepted path
+    (count random for frozen requests too: the op zeroes it)."""
     def ints(lo, hi, *shape, dt=torch.int64):
         return torch.randint(lo, hi, shape, generator=g).to(device=device, dtype=dt)
 
@@ -31,8 +33,14 @@ def random_round(g: torch.Generator, device: str, ar: bool) -> dict:
     count = torch.where(live.bool(), ints(1, a + 1, b, dt=torch.int32), torch.zeros_like(live))
     produced = ints(0, 30, b, dt=torch.int32)
     max_new = produced + ints(1, a + 4, b, dt=torch.int32)
-    return dict(cand=ints(0, vocab, b, a), count=count, stop_ids=stop_ids, produced=produced, max_new=max_new,
-                live=live, nonfinite=ints(0, 2, b), out=ints(-9, 9, b, a + 6), bonus=ints(0, vocab, b) if ar else None)
+    args = dict(cand=ints(0, vocab, b, a), count=count, stop_ids=stop_ids, produced=produced, max_new=max_new,
+                live=live, nonfinite=ints(0, 2, b), out=ints(-9, 9, b, a + 6),
+                bonus=ints(0, vocab, b) if ar or tree else None)
+    if tree:
+        n = int(torch.randint(1, 40, (1,), generator=g))
+        args.update(cand=None, count=ints(1, a + 1, b, dt=torch.int32), tokens=ints(0, vocab, b, n),
+                    path_idx=ints(0, n, b, a, dt=torch.int32), ctx_tokens=ints(-9, 9, b, a))
+    return args
 
 
 def run_cases(device: str, count: int, seed: int = 0) -> list[dict]:
@@ -40,14 +48,15 @@ def run_cases(device: str, count: int, seed: int = 0) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
     results = []
     for k in range(count):
-        ar = k % 3 == 0
-        args = random_round(g, device, ar)
+        ar, tree = k % 3 == 0, k % 3 == 1
+        args = random_round(g, device, ar, tree)
         mine = {n: (t.clone() if t is not None else None) for n, t in args.items()}
         want = {n: (t.clone() if t is not None else None) for n, t in args.items()}
         round_emit_triton(**mine)
         round_emit_reference(**want)
         bad = [n for n in args if mine[n] is not None and not torch.equal(mine[n], want[n])]
-        results.append(dict(case=f"b{args['cand'].shape[0]} a{args['cand'].shape[1]} ar={ar}", ok=not bad, bad=bad))
+        b, a = args["out"].shape[0], args["out"].shape[1] - 6
+        results.append(dict(case=f"b{b} a{a} ar={ar} tree={tree}", ok=not bad, bad=bad))
     return results
 
 
@@ -80,6 +89,20 @@ def test_reference_stops_at_the_first_stop_or_max_new():
         torch.zeros(3, dtype=torch.int32)
     round_emit_reference(cand[:, :1], count, stop_ids, produced, max_new, live, nonfinite, out, bonus)
     assert count.tolist() == [1, 0, 1] and bonus.tolist() == [5, 3, 6] and live.tolist() == [1, 0, 0]
+
+
+def test_reference_tree_round_takes_the_path_then_the_bonus():
+    """A tree round by hand: path = tokens[path_idx], the candidates are the path past the root, then the bonus
+    at the last accepted slot; a frozen request accepts nothing."""
+    tokens = torch.tensor([[10, 11, 12, 13, 14], [20, 21, 22, 23, 24]])
+    path_idx = torch.tensor([[0, 2, 4], [0, 1, 3]], dtype=torch.int32)
+    count, live = torch.tensor([2, 3], dtype=torch.int32), torch.tensor([1, 0], dtype=torch.int32)
+    ctx, out = torch.zeros(2, 3, dtype=torch.int64), torch.full((2, 9), -5)
+    produced, max_new = torch.zeros(2, dtype=torch.int32), torch.full((2,), 100, dtype=torch.int32)
+    round_emit_reference(None, count, torch.full((2, 1), -1), produced, max_new, live, torch.zeros(2, dtype=torch.int64),
+                         out, torch.tensor([7, 8]), tokens, path_idx, ctx)
+    assert ctx.tolist() == [[10, 12, 14], [20, 21, 23]] and count.tolist() == [2, 0]
+    assert out[0, :3].tolist() == [12, 7, 10] and produced.tolist() == [2, 0]  # slot 1 is the last accepted: bonus
 
 
 def test_bad_arguments_name_the_tensor():

@@ -1,5 +1,6 @@
 """Triton kernel for round_emit (reference.py holds the semantics): one program per request, one launch for
-what was ~20 torch kernels (compares, cumsum, reductions, five column copies) at the end of every round."""
+what was ~30 torch kernels (the accepted path's gather and shift, compares, cumsum, reductions, five column
+copies) at the end of every round."""
 
 from __future__ import annotations
 
@@ -10,20 +11,30 @@ import triton.language as tl
 
 @triton.jit
 def _round_emit_kernel(cand_ptr, count_ptr, stop_ptr, produced_ptr, max_new_ptr, live_ptr, nonfinite_ptr, out_ptr,
-                       bonus_ptr, A, S, s_c, s_s, s_o, AR: tl.constexpr, BLOCK_A: tl.constexpr,
-                       BLOCK_S: tl.constexpr):
+                       bonus_ptr, tok_ptr, idx_ptr, ctx_ptr, A, S, s_c, s_s, s_o, s_t, s_i, s_x, AR: tl.constexpr,
+                       TREE: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_S: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     slot = tl.arange(0, BLOCK_A)
     am = slot < A
-    cand = tl.load(cand_ptr + r * s_c + slot, mask=am, other=0)  # [BLOCK_A] int64
     live = tl.load(live_ptr + r)  # int32
+    if TREE:  # count := count * live; path = tokens[path_idx]; ctx := path; cand = path after each slot, bonus last
+        count = tl.load(count_ptr + r) * live
+        tl.store(count_ptr + r, count)
+        idx = tl.load(idx_ptr + r * s_i + slot, mask=am, other=0).to(tl.int64)  # [BLOCK_A]
+        path = tl.load(tok_ptr + r * s_t + idx, mask=am, other=0)  # [BLOCK_A] int64
+        tl.store(ctx_ptr + r * s_x + slot, path, mask=am)
+        nxt = tl.load(idx_ptr + r * s_i + (slot + 1) % A, mask=am, other=0).to(tl.int64)  # the next slot's node
+        after = tl.load(tok_ptr + r * s_t + nxt, mask=am, other=0)  # [BLOCK_A] path rolled by one
+        cand = tl.where(slot == count - 1, tl.load(bonus_ptr + r), after)
+    else:
+        cand = tl.load(cand_ptr + r * s_c + slot, mask=am, other=0)  # [BLOCK_A] int64
     if AR:  # count := live, bonus := cand[0] where live
         count = live
         tl.store(count_ptr + r, count)
         first_tok = tl.sum(tl.where(slot == 0, cand, 0), axis=0)
         bonus = tl.load(bonus_ptr + r)
         tl.store(bonus_ptr + r, tl.where(live != 0, first_tok, bonus))
-    else:
+    elif not TREE:
         count = tl.load(count_ptr + r)
     js = tl.arange(0, BLOCK_S)
     sm = js < S
@@ -46,15 +57,20 @@ def _round_emit_kernel(cand_ptr, count_ptr, stop_ptr, produced_ptr, max_new_ptr,
     tl.store(row + A + 3, tl.load(nonfinite_ptr + r))
 
 
-def round_emit_triton(cand: torch.Tensor, count: torch.Tensor, stop_ids: torch.Tensor, produced: torch.Tensor,
+def round_emit_triton(cand: torch.Tensor | None, count: torch.Tensor, stop_ids: torch.Tensor, produced: torch.Tensor,
                       max_new: torch.Tensor, live: torch.Tensor, nonfinite: torch.Tensor, out: torch.Tensor,
-                      bonus: torch.Tensor | None) -> None:
+                      bonus: torch.Tensor | None, tokens: torch.Tensor | None = None,
+                      path_idx: torch.Tensor | None = None, ctx_tokens: torch.Tensor | None = None) -> None:
     """reference.round_emit_reference's writes in one launch (CUDA tensors; CPU ones under TRITON_INTERPRET=1)."""
-    b, a = cand.shape
+    tree = tokens is not None
+    b, a = path_idx.shape if tree else cand.shape
     if b == 0:
         return
     s = stop_ids.shape[1]
+    cand = path_idx if tree else cand  # an unread pointer in a tree round
+    tok, idx, ctx = (tokens, path_idx, ctx_tokens) if tree else (cand, cand, cand)
     _round_emit_kernel[(b,)](cand, count, stop_ids, produced, max_new, live, nonfinite, out,
-                             bonus if bonus is not None else cand, a, s, cand.stride(0), stop_ids.stride(0),
-                             out.stride(0), AR=bonus is not None, BLOCK_A=max(2, triton.next_power_of_2(a)),
+                             bonus if bonus is not None else cand, tok, idx, ctx, a, s, cand.stride(0),
+                             stop_ids.stride(0), out.stride(0), tok.stride(0), idx.stride(0), ctx.stride(0),
+                             AR=bonus is not None and not tree, TREE=tree, BLOCK_A=max(2, triton.next_power_of_2(a)),
                              BLOCK_S=max(2, triton.next_power_of_2(s)), num_warps=1)

@@ -7,6 +7,11 @@ host row out[r] = [cand[r, :a] | emitted | live | count | nonfinite] (out's late
 
 AR rounds (bonus given): one candidate, the next token, real for live requests: count := live (count is
 the round's accept length) and bonus := cand[:, 0] where live, before the emission above.
+
+Tree rounds (tokens given, cand None): the candidates come from the accepted path.  count := count * live
+(frozen requests accept nothing), path[r, j] = tokens[r, path_idx[r, j]] (root first; slots past the accept
+length are stale indices, still < N), ctx_tokens := path (the drafter's next context), and cand[r, j] = the
+path's token after slot j, bonus[r] at the last accepted slot: what the round emits past the root.
 """
 
 from __future__ import annotations
@@ -14,11 +19,21 @@ from __future__ import annotations
 import torch
 
 
-def round_emit_reference(cand: torch.Tensor, count: torch.Tensor, stop_ids: torch.Tensor, produced: torch.Tensor,
-                         max_new: torch.Tensor, live: torch.Tensor, nonfinite: torch.Tensor, out: torch.Tensor,
-                         bonus: torch.Tensor | None = None) -> None:
+def round_emit_reference(cand: torch.Tensor | None, count: torch.Tensor, stop_ids: torch.Tensor,
+                         produced: torch.Tensor, max_new: torch.Tensor, live: torch.Tensor, nonfinite: torch.Tensor,
+                         out: torch.Tensor, bonus: torch.Tensor | None = None, tokens: torch.Tensor | None = None,
+                         path_idx: torch.Tensor | None = None, ctx_tokens: torch.Tensor | None = None) -> None:
     """cand [b, a] int64, count [b] int32, stop_ids [b, S] int64 (-1 padded), produced / max_new / live [b]
-    int32, nonfinite [b] int64, out [b, >= a + 4] int64, bonus [b] int64 or None (see the module doc)."""
+    int32, nonfinite [b] int64, out [b, >= a + 4] int64, bonus [b] int64 or None; a tree round instead gives
+    cand None, tokens [b, N] int64, path_idx [b, a] int32, ctx_tokens [b, a] int64 (see the module doc)."""
+    if tokens is not None:  # tree round: the candidates are the accepted path's, then the bonus
+        count.mul_(live)
+        path = tokens.gather(1, path_idx.long())  # [b, a] root first
+        ctx_tokens.copy_(path)
+        slot = torch.arange(path.shape[1], device=path.device)  # [a]
+        last = (count.long() - 1)[:, None]  # [b, 1]
+        cand = torch.where(slot[None, :] == last, bonus[:, None], path.roll(-1, 1))  # [b, a]
+        bonus = None
     b, a = cand.shape
     if bonus is not None:  # AR: the next token is real for live requests
         count.copy_(live)

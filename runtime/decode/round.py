@@ -7,7 +7,7 @@ state that changes between calls, every result copied into a buffer.
 
   spec_round:  draft -> tree_build -> verify (target over the N tree tokens) -> posterior
                (`pick`: the kdtree::posterior op: argmax, or a counter-based sample) -> tree_accept
-               -> kv_commit -> emit
+               -> emit (kdtree::round_emit, which also takes the accepted path's tokens) -> kv_commit
   ar_step:     target over the bonus token -> kv_commit -> next token -> emit
 
 Budget per round (`--budget auto`, runtime/decode/budget.py): tree_build also writes each node's path
@@ -211,18 +211,14 @@ def verify_bucket(target: TargetModel, cache: LatentCache, buf: RoundBuffers, gr
         chosen = pick(target, hidden, greedy, buf)  # [b, n] the target's token after each node
     with clock("accept"):
         tree_accept(chosen, tokens, parents, buf.accept_idx, buf.accept_len, buf.bonus)
-        buf.accept_len.mul_(buf.live)  # finished requests stay frozen
     with clock("commit"):
+        # one kernel: accept_len *= live (finished requests stay frozen), the accepted path's tokens (root first;
+        # slots >= accept_len stale, < N) into ctx_tokens, and the emission of the path past the root + bonus
+        round_emit(None, buf.accept_len, buf.stop_ids, buf.produced, buf.max_new, buf.live, buf.nonfinite, buf.out,
+                   buf.bonus, buf.tokens, buf.accept_idx, buf.ctx_tokens)
         kv_commit(cache.kv, cache.lens, cache.scratch, buf.accept_idx, buf.accept_len, feats,
                   buf.ctx_feats if feats is not None else None)
-        path = buf.tokens.gather(1, buf.accept_idx.long())  # [b, a] root first (slots >= accept_len: stale, < N)
-        buf.ctx_tokens.copy_(path)
-        a = path.shape[1]
-        slot = torch.arange(a, device=path.device)  # [a]
-        last = (buf.accept_len.long() - 1)[:, None]  # [b, 1]
-        shifted = torch.cat([path[:, 1:], path[:, :1]], dim=1)  # [b, a] path tokens after the root
-        cand = torch.where(slot[None, :] == last, buf.bonus[:, None], shifted)  # [b, a]
-        round_emit(cand, buf.accept_len, buf.stop_ids, buf.produced, buf.max_new, buf.live, buf.nonfinite, buf.out)
+        a = buf.accept_idx.shape[1]
     if choice is not None:
         with clock("accept"):
             buf.out[:, a + 4].fill_(n - 1)  # the budget column (fixed sessions leave it unread)
