@@ -1,7 +1,7 @@
 """The decode round's newer Triton kernels compile for sm_90 on this CPU machine (Triton's own ptxas), so a
 kernel that would not build fails here and not first on the GPU: the MLA absorption products, the rope tables,
 the round's emission, the two older rope kernels that share their rounding (_rotate) and the MoE routing kernel
-with the shared expert's activation, at the specialisations
+with the shared expert's activation, the TP greedy token's two kernels, at the specialisations
 the runtime launches (bf16 K2.6 shapes at t = 1 .. 64, the fp32 tiny models).  Each gives an ELF cubin; the
 rope tables' kernel must not use the approximate cos / sin."""
 
@@ -30,6 +30,7 @@ def specialisations() -> list:
     )
     from plugins.moe_w4a16.route_kernel import route_kernel
     from plugins.round_emit.kernel import _round_emit_kernel
+    from plugins.tree_accept.vocab_argmax_kernel import vocab_argmax_local_kernel, vocab_argmax_pick_kernel
 
     def kernel(name, fn, types, consts, warps):
         sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in inspect.signature(fn.fn).parameters}
@@ -56,14 +57,21 @@ def specialisations() -> list:
     t = {"x_ptr": "*bf16", "w_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32"}
     out.append(kernel("head_norm_rope_bf16", _head_norm_rope_kernel, t, dict(INTERLEAVE=False, BLOCK=64), 1))
     t = {"cand_ptr": "*i64", "count_ptr": "*i32", "stop_ptr": "*i64", "produced_ptr": "*i32", "max_new_ptr": "*i32",
-         "live_ptr": "*i32", "nonfinite_ptr": "*i64", "out_ptr": "*i64", "bonus_ptr": "*i64"}
-    for ar, block_a in ((True, 2), (False, 32)):
-        out.append(kernel(f"emit_ar{int(ar)}", _round_emit_kernel, t, dict(AR=ar, BLOCK_A=block_a, BLOCK_S=16), 1))
+         "live_ptr": "*i32", "nonfinite_ptr": "*i64", "out_ptr": "*i64", "bonus_ptr": "*i64", "tok_ptr": "*i64",
+         "idx_ptr": "*i32", "ctx_ptr": "*i64"}
+    for ar, tree, block_a in ((True, False, 2), (False, False, 32), (False, True, 8)):
+        out.append(kernel(f"emit_ar{int(ar)}_tree{int(tree)}", _round_emit_kernel, t,
+                          dict(AR=ar, TREE=tree, BLOCK_A=block_a, BLOCK_S=16), 1))
     # the MoE routing kernel forming the shared expert's activation (K2.6 TP8: 384 experts, top 8, i' 256)
     t = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "idx_ptr": "*i32", "w_ptr": "*fp32", "counts_ptr": "*i32",
          "active_ptr": "*i32", "lists_ptr": "*i32", "scaling": "fp32", "su_ptr": "*fp32", "h_ptr": "*bf16"}
     c = dict(K=8, N_GROUP=1, TOPK_GROUP=1, NORM=True, BT=1, BE=512, BKK=8, BG=2, SHARED=True, BS=256, IEEE_EXP=True)
     out.append(kernel("route_shared_bf16", route_kernel, t, c, 1))
+    # the TP greedy token: each rank's (max, index) pairs, then the pick across ranks
+    out.append(kernel("vocab_argmax_local", vocab_argmax_local_kernel, {"x_ptr": "*fp32", "pair_ptr": "*fp64"},
+                      dict(BLOCK_V=4096), 8))
+    out.append(kernel("vocab_argmax_pick", vocab_argmax_pick_kernel, {"every_ptr": "*fp64", "ids_ptr": "*i64",
+                                                                      "flag_ptr": "*i64"}, dict(BLOCK_R=32), 1))
     return out
 
 
@@ -76,7 +84,7 @@ def test_round_kernels_compile_for_sm90(tmp_path):
                           text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     recs = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(recs) == 15
+    assert len(recs) == 18
     for r in recs:
         assert (tmp_path / r["cubin"]).read_bytes()[:4] == b"\x7fELF", r
         if r["name"].startswith("rope"):

@@ -47,10 +47,23 @@ def posterior_kernel(logits_ptr, out_ptr, state_ptr, inv_temp_ptr, v, s_row, row
             bits = _mix(key + flat * 0x9E3779B97F4A7C15)  # [BLOCK_V]
             u = ((bits >> 40).to(tl.float32) + 0.5) * 5.9604644775390625e-08  # 24 bits, strictly inside (0, 1)
             x = tl.where(inside, x * inv_t - tl.log(-tl.log(u)), float("-inf"))
-        better = x > best  # strict: an earlier column keeps a tie
-        best_i = tl.where(better, cols, best_i)
-        best = tl.where(better, x, best)
+        best, best_i = argmax_step(x, cols, best, best_i)
         start += BLOCK_V
+    top, pick = argmax_final(best, best_i, v)
+    tl.store(out_ptr + row, pick)
+
+
+@triton.jit
+def argmax_step(x, cols, best, best_i):
+    """One chunk of a row's running argmax: per lane, x [BLOCK] at columns cols replaces (best, best_i) where it
+    is strictly larger (an earlier column keeps a tie)."""
+    better = x > best
+    return tl.where(better, x, best), tl.where(better, cols, best_i)
+
+
+@triton.jit
+def argmax_final(best, best_i, v):
+    """The row's (max, lowest column holding it) from the per-lane running values, the column below v."""
     top = tl.max(best, axis=0)
     pick = tl.min(tl.where(best == top, best_i, v), axis=0)
-    tl.store(out_ptr + row, tl.minimum(pick, v - 1))
+    return top, tl.minimum(pick, v - 1)

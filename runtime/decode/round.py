@@ -101,8 +101,8 @@ def pick(target: TargetModel, hidden: torch.Tensor, greedy: bool, buf: RoundBuff
     softmax(logits / T) at T > 0, request r drawn from its own buf.rng[r] and buf.inv_temp[r] (the same
     draws on every rank: the logits are gathered to every rank)."""
     if greedy and target.comm is not None:
-        ids, best = target.greedy(hidden)  # best [...]: the max logit, NaN / Inf when any logit was
-        _flag_nonfinite(buf, best, rows)
+        ids, nonfinite = target.greedy(hidden)  # nonfinite [b']: a row's best logit was NaN / Inf
+        buf.nonfinite[rows].copy_(nonfinite)
         return ids
     logits = target.logits(hidden)  # [b', ..., v]
     _flag_nonfinite(buf, logits, rows)

@@ -32,6 +32,7 @@ from core.plan import ParallelPlan
 from plugins.common.precision import acc
 from plugins.layer_fusion import add_rms_norm
 from plugins.moe_w4a16 import MoEWorkspace, expert_dims
+from plugins.tree_accept.vocab_argmax import vocab_argmax_local, vocab_argmax_pick
 from runtime.model.attention import mla_forward
 from runtime.model.cache import LatentCache
 from runtime.model.layers import linear, rms_norm, swiglu_mlp
@@ -130,24 +131,30 @@ class TargetModel:
         return self.comm.all_gather(local, dim=-1)[..., :self.cfg.vocab_size].contiguous()  # [..., v]: padding cut
 
     def greedy(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [..., d] -> (argmax token ids [...] int64, equal to logits(hidden).argmax(-1); the
-        maximum logit [...], NaN or Inf when a logit was: the round's non-finite guard reads it).
+        """hidden [b, ...rest, d] -> (argmax token ids [b, ...rest] int64, equal to logits(hidden).argmax(-1);
+        nonfinite [b] int64: 1 where a row of request b had a NaN or Inf as its best logit, which the round's
+        non-finite guard reads).
 
         Distributed argmax under TP: each rank reduces its vocab slice to (max, first index of it),
         the ranks gather those pairs (2 numbers per token instead of v/tp logits) and take the best,
-        ties to the lowest id as torch.argmax does.  Chosen for T = 0 over gathering the logits
+        ties to the lowest id as torch.argmax does: the two launches of plugins/tree_accept/vocab_argmax.py.
+        Chosen for T = 0 over gathering the logits
         (benchmarks/tp_logits.py; gloo, 2 ranks, v = 163840: n = 17 tokens 3.1 ms vs 22.6 ms for the
         gather, n = 65 23 ms vs 283 ms; the gather moves n*v*4 bytes to every rank, this 16 n per rank)."""
+        b, rest = hidden.shape[0], hidden.shape[1:-1]
         if self.comm is None:
             logits = self.logits(hidden)  # [..., v]
-            return logits.argmax(dim=-1), logits.amax(dim=-1)
+            return logits.argmax(dim=-1), (~torch.isfinite(logits.amax(dim=-1))).view(b, -1).any(1).long()
         local = linear(hidden, self.w.lm_head, out_dtype=acc(hidden).dtype)  # [..., v_l]
-        local[..., self.vocab_end - self.vocab_start:] = float("-inf")  # padding rows (core/plan.py) never win
-        best, idx = local.max(dim=-1)  # [...] first occurrence of the maximum
-        pair = torch.stack([best.double(), (idx + self.vocab_start).double()], dim=-1)  # [..., 2] exact in fp64
-        every = self.comm.all_gather(pair[None], dim=0)  # [world, ..., 2]
-        rank = every[..., 0].argmax(dim=0, keepdim=True)  # [1, ...] lowest rank among equal maxima
-        return every[..., 1].gather(0, rank)[0].long(), every[..., 0].gather(0, rank)[0]
+        rows = local.reshape(-1, local.shape[-1])  # [R, v_l]
+        pair = torch.empty(rows.shape[0], 2, dtype=torch.float64, device=rows.device)  # [R, 2] exact in fp64
+        # padding rows of the vocabulary (core/plan.py) past vocab_end never win
+        vocab_argmax_local(rows, self.vocab_end - self.vocab_start, self.vocab_start, pair)
+        every = self.comm.all_gather(pair[None], dim=0)  # [world, R, 2]
+        ids = torch.empty(rows.shape[0], dtype=torch.int64, device=rows.device)  # [R]
+        nonfinite = torch.empty(b, dtype=torch.int64, device=rows.device)  # [b]
+        vocab_argmax_pick(every, ids, nonfinite)
+        return ids.view(b, *rest), nonfinite
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
         return partial if self.comm is None else self.comm.all_reduce(partial)
