@@ -179,7 +179,11 @@ def staging(root: Path, key: str) -> Iterator[Path]:
 
 
 def commit(stage: Path, root: Path, key: str, manifest: dict) -> Path:
-    """Write manifest.json (last) into stage, then rename stage -> root/key, replacing a bad old entry."""
+    """Write manifest.json (last) into stage, then rename stage -> root/key, replacing a bad old entry.
+
+    A valid entry already there is a concurrent builder's (same key: the same bytes), which another process may
+    be reading: it stays, and this stage is dropped.  Only a rejected (corrupted or incomplete) entry is moved
+    aside; if another builder renames its stage into place first, its entry is the one returned."""
     tmp = stage / (MANIFEST + ".tmp")
     with open(tmp, "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
@@ -187,12 +191,28 @@ def commit(stage: Path, root: Path, key: str, manifest: dict) -> Path:
         os.fsync(f.fileno())
     os.replace(tmp, stage / MANIFEST)
     entry = root / key
-    if entry.exists():  # a rejected (corrupted) entry or a concurrent builder's: move it aside first
+    if _complete(entry):
+        shutil.rmtree(stage, ignore_errors=True)
+        return entry
+    if entry.exists():  # a rejected entry: move it aside first
         trash = root / f".trash-{key}-{secrets.token_hex(4)}"
-        os.rename(entry, trash)
+        try:
+            os.rename(entry, trash)
+        except FileNotFoundError:  # another builder moved it first
+            pass
         shutil.rmtree(trash, ignore_errors=True)
-    os.rename(stage, entry)
+    try:
+        os.rename(stage, entry)
+    except OSError:  # another builder's stage took the name between the check and the rename
+        if not _complete(entry):
+            raise
+        shutil.rmtree(stage, ignore_errors=True)
     return entry
+
+
+def _complete(entry: Path) -> bool:
+    """entry has its manifest and every file it lists, intact."""
+    return (entry / MANIFEST).is_file() and verify(entry) is None
 
 
 def _sweep_stale(root: Path) -> None:

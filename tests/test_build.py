@@ -121,6 +121,20 @@ def test_interrupted_build_leaves_nothing_complete(k25, kcache, monkeypatch):
     assert not build(k25, tp=2, archs="none", progress=False).cache_hit
 
 
+def test_a_concurrent_builders_entry_is_kept(k25, kcache):
+    """Two processes building the same key: the second to finish keeps the first's entry (which the first may
+    be reading: replacing it deleted files under a reader) and drops its own stage."""
+    first = build(k25, tp=1, archs="none", progress=False)
+    inode = (first.art_dir / "manifest.json").stat().st_ino
+    with artifact_cache.staging(kcache, first.art_dir.name) as stage:
+        (stage / "rank0").mkdir()
+        (stage / "rank0" / "late.bin").write_bytes(b"another builder's late copy")
+        got = artifact_cache.commit(stage, kcache, first.art_dir.name, dict(first.manifest))
+    assert got == first.art_dir and (got / "manifest.json").stat().st_ino == inode
+    assert not stage.exists() and not (got / "rank0" / "late.bin").exists()
+    assert artifact_cache.verify(got) is None
+
+
 def test_bad_inputs_fail_with_one_line(k25, kcache, tmp_path):
     with pytest.raises(KdtreeError, match="--tp 3: num_attention_heads 4 is not divisible by 3"):
         build(k25, tp=3, archs="none", progress=False)
