@@ -196,6 +196,23 @@ def _posterior_checks(device: str, rows: int, block_v: int) -> list[dict]:
         posterior_triton(logits, True, state, torch.ones(b, device=device), got, block_v=block_v)
         out.append(dict(case=f"greedy {b}x{n}x{v} {dtype}", ok=torch.equal(got, logits.argmax(-1))
                         and state.tolist() == [[3, 8]] * b))
+    # the non-finite flag: set for a request with a NaN / +Inf / -Inf among its logits, left as it was otherwise
+    # (1 stays 1: its reader clears it), the tokens of the finite rows unchanged
+    for greedy in (True, False):
+        logits = torch.randn(4, 3, 40, generator=g, device=device)
+        logits[1, 2, 7], logits[2, 0, 39], logits[3, 1, 0] = float("nan"), float("inf"), float("-inf")
+        flag = torch.tensor([0, 0, 0, 0], dtype=torch.long, device=device)
+        flag_before = torch.tensor([1, 0, 0, 0], dtype=torch.long, device=device)
+        state = torch.tensor([[3, 8]] * 4, dtype=torch.long, device=device)
+        got = torch.full((4, 3), -1, dtype=torch.long, device=device)
+        posterior_triton(logits, greedy, state.clone(), torch.ones(4, device=device), got, block_v=block_v,
+                         nonfinite=flag)
+        posterior_triton(logits[:1], greedy, state[:1].clone(), torch.ones(1, device=device), got[:1],
+                         block_v=block_v, nonfinite=flag_before[:1])
+        plain = torch.full((4, 3), -1, dtype=torch.long, device=device)
+        posterior_triton(logits, greedy, state.clone(), torch.ones(4, device=device), plain, block_v=block_v)
+        out.append(dict(case=f"nonfinite flag greedy={greedy}", ok=flag.tolist() == [0, 1, 1, 1]
+                        and flag_before.tolist() == [1, 0, 0, 0] and torch.equal(got[0], plain[0])))
     for v, temp in ((6, 1.0), (17, 0.7)):
         logits = torch.randn(v, generator=g, device=device) * 1.5
         state = torch.tensor([[1234, 0]], dtype=torch.long, device=device)  # one request of `rows` rows
@@ -346,6 +363,11 @@ def test_posterior_cpu_op_is_choose():
         posterior(logits, greedy, state, inv_temp, out)
         assert torch.equal(out, choose(logits, greedy, want_state, inv_temp)) and torch.equal(state, want_state)
         assert state[:, 1].tolist() == ([2, 5, 0] if greedy else [3, 6, 1])
+    flag = torch.tensor([0, 1, 0])  # set where a logit is NaN / Inf, left as it was elsewhere
+    bad = logits.clone()
+    bad[2, 3, 1] = float("inf")
+    posterior(bad, True, state, inv_temp, out, flag)
+    assert flag.tolist() == [0, 1, 1]
     with pytest.raises(ValueError, match="inv_temp must be contiguous torch.float32 \\[3\\]"):
         posterior(logits, False, state, torch.tensor([1.0, 2.0]), torch.zeros(3, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="state must be contiguous torch.int64 \\[3, 2\\]"):

@@ -20,7 +20,7 @@ def round_emit(cand: torch.Tensor | None, count: torch.Tensor, stop_ids: torch.T
     round_emit_op(cand, count, stop_ids, produced, max_new, live, nonfinite, out, bonus, tokens, path_idx, ctx_tokens)
 
 
-@kdtree_op("round_emit", mutates_args=("count", "produced", "live", "out", "bonus", "ctx_tokens"))
+@kdtree_op("round_emit", mutates_args=("count", "produced", "live", "nonfinite", "out", "bonus", "ctx_tokens"))
 def round_emit_op(cand: torch.Tensor | None, count: torch.Tensor, stop_ids: torch.Tensor, produced: torch.Tensor,
                   max_new: torch.Tensor, live: torch.Tensor, nonfinite: torch.Tensor, out: torch.Tensor,
                   bonus: torch.Tensor | None, tokens: torch.Tensor | None = None,

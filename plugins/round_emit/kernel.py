@@ -55,6 +55,7 @@ def _round_emit_kernel(cand_ptr, count_ptr, stop_ptr, produced_ptr, max_new_ptr,
     tl.store(row + A + 1, live_new.to(tl.int64))
     tl.store(row + A + 2, count.to(tl.int64))
     tl.store(row + A + 3, tl.load(nonfinite_ptr + r))
+    tl.store(nonfinite_ptr + r, tl.zeros((), tl.int64))  # read: the next pick sets it afresh
 
 
 def round_emit_triton(cand: torch.Tensor | None, count: torch.Tensor, stop_ids: torch.Tensor, produced: torch.Tensor,

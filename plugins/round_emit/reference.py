@@ -3,7 +3,8 @@
 A round proposes cand [b, a] tokens per request, the first count[r] of them real (0 for a frozen request).
 Emitted are those up to and including the first stop token or the max_new-th token of the request; the
 request stops there.  Written: produced += emitted, live = 0 for a request that stopped, and the round's
-host row out[r] = [cand[r, :a] | emitted | live | count | nonfinite] (out's later columns untouched).
+host row out[r] = [cand[r, :a] | emitted | live | count | nonfinite] (out's later columns untouched); the
+nonfinite flag, read into the row, is cleared (posterior only ever sets it).
 
 AR rounds (bonus given): one candidate, the next token, real for live requests: count := live (count is
 the round's accept length) and bonus := cand[:, 0] where live, before the emission above.
@@ -52,3 +53,4 @@ def round_emit_reference(cand: torch.Tensor | None, count: torch.Tensor, stop_id
     out[:, a + 1].copy_(live)
     out[:, a + 2].copy_(count)
     out[:, a + 3].copy_(nonfinite)
+    nonfinite.zero_()  # read: the next pick sets it afresh

@@ -25,10 +25,11 @@ def aot_kernels(budgets: tuple[int, ...]) -> list[TritonKernel]:
                                 num_warps=_warps(block)))
     for dtype in ("bf16", "fp32"):
         sig = {"logits_ptr": f"*{dtype}", "out_ptr": "*i64", "state_ptr": "*i64", "inv_temp_ptr": "*fp32",
-               "v": "i32", "s_row": "i64", "rows_per_req": "i64", "SAMPLE": "constexpr",
-               "BLOCK_V": "constexpr"}
-        for sample in (False, True):
+               "flag_ptr": "*i64", "v": "i32", "s_row": "i64", "rows_per_req": "i64", "SAMPLE": "constexpr",
+               "FLAG": "constexpr", "BLOCK_V": "constexpr"}
+        for sample in (False, True):  # the round always asks for the non-finite flag
             out.append(TritonKernel("posterior", f"posterior_{dtype}_{'sample' if sample else 'argmax'}",
-                                    posterior_kernel, sig, {"SAMPLE": sample, "BLOCK_V": POSTERIOR_BLOCK_V},
+                                    posterior_kernel, sig, {"SAMPLE": sample, "FLAG": True,
+                                                            "BLOCK_V": POSTERIOR_BLOCK_V},
                                     num_warps=POSTERIOR_WARPS))
     return out

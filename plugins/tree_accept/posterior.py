@@ -15,10 +15,13 @@ and every mix of requests.
 The CPU path is plugins.common.rng.choose(logits, greedy, state, inv_temp) itself, and the kernel computes
 the same uniforms bit for bit; the race values agree up to the last bits of log (libdevice vs the CPU's), so
 a sample can differ only where two candidates' race values are within a few ulps (rare; the tests report
-the agreement rate).  NaN logits give an unspecified token.
+the agreement rate).  NaN logits give an unspecified token; the optional nonfinite [b] output flags the
+requests whose logits held a NaN or Inf (the round's non-finite guard, in the same pass over the logits).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -33,24 +36,33 @@ def posterior_reference(logits: torch.Tensor, greedy: bool, state: torch.Tensor,
     return choose(logits, greedy, state, inv_temp)
 
 
-@kdtree_op("posterior", mutates_args=("state", "out"))
+def nonfinite_reference(logits: torch.Tensor) -> torch.Tensor:
+    """logits [b, ..., V] -> [b] bool: the request's logits hold a NaN or an Inf."""
+    return (~torch.isfinite(logits)).reshape(logits.shape[0], -1).any(1)
+
+
+@kdtree_op("posterior", mutates_args=("state", "out", "nonfinite"))
 def posterior(logits: torch.Tensor, greedy: bool, state: torch.Tensor, inv_temp: torch.Tensor,
-              out: torch.Tensor) -> None:
+              out: torch.Tensor, nonfinite: Optional[torch.Tensor] = None) -> None:
     """Writes out [b, ...] int64 = the token chosen after each row of logits [b, ..., V]: argmax when greedy,
     else a sample of softmax(logits * inv_temp [b] fp32); state [b, 2] int64 (seed, counter per request)
-    advances by one when sampling."""
-    _check(logits, state, inv_temp, out)
+    advances by one when sampling.  nonfinite [b] int64 (optional): set to 1 for a request whose logits hold a
+    NaN or Inf, left as it is otherwise (its reader clears it: runtime/decode/round.py)."""
+    _check(logits, state, inv_temp, out, nonfinite)
+    if nonfinite is not None:
+        nonfinite.masked_fill_(nonfinite_reference(logits), 1)
     out.copy_(posterior_reference(logits, greedy, state, inv_temp))
 
 
 @posterior.register_kernel("cuda")
 def _posterior_cuda(logits: torch.Tensor, greedy: bool, state: torch.Tensor, inv_temp: torch.Tensor,
-                    out: torch.Tensor) -> None:
-    _check(logits, state, inv_temp, out)
-    posterior_triton(logits, greedy, state, inv_temp, out)
+                    out: torch.Tensor, nonfinite: Optional[torch.Tensor] = None) -> None:
+    _check(logits, state, inv_temp, out, nonfinite)
+    posterior_triton(logits, greedy, state, inv_temp, out, nonfinite=nonfinite)
 
 
-def _check(logits: torch.Tensor, state: torch.Tensor, inv_temp: torch.Tensor, out: torch.Tensor) -> None:
+def _check(logits: torch.Tensor, state: torch.Tensor, inv_temp: torch.Tensor, out: torch.Tensor,
+           nonfinite: Optional[torch.Tensor] = None) -> None:
     if logits.dim() < 2 or logits.shape[-1] < 1 or not logits.dtype.is_floating_point:
         raise ValueError(f"posterior: logits must be floating [b, ..., V >= 1], got {logits.dtype} "
                          f"{list(logits.shape)}")
@@ -68,10 +80,15 @@ def _check(logits: torch.Tensor, state: torch.Tensor, inv_temp: torch.Tensor, ou
                          f"{logits.device}, got {inv_temp.dtype} {list(inv_temp.shape)} on {inv_temp.device}")
     if out.device != logits.device:
         raise ValueError(f"posterior: out is on {out.device}, logits on {logits.device}")
+    if nonfinite is not None and (tuple(nonfinite.shape) != (b,) or nonfinite.dtype != torch.int64
+                                  or nonfinite.device != logits.device or not nonfinite.is_contiguous()):
+        raise ValueError(f"posterior: nonfinite must be contiguous torch.int64 [{b}] on {logits.device}, got "
+                         f"{nonfinite.dtype} {list(nonfinite.shape)} on {nonfinite.device}")
 
 
 def posterior_triton(logits: torch.Tensor, greedy: bool, state: torch.Tensor, inv_temp: torch.Tensor,
-                     out: torch.Tensor, block_v: int = 4096, num_warps: int = 8) -> None:
+                     out: torch.Tensor, block_v: int = 4096, num_warps: int = 8,
+                     nonfinite: torch.Tensor | None = None) -> None:
     """The fused kernel: one program per row, a running per-lane (value, index) over V in block_v chunks."""
     import triton
 
@@ -86,7 +103,8 @@ def posterior_triton(logits: torch.Tensor, greedy: bool, state: torch.Tensor, in
         raise ValueError("posterior: out must be contiguous")
     flat = logits.reshape(rows, v)  # [rows, V]; a view for the usual contiguous [b, N, V]
     block = min(block_v, max(triton.next_power_of_2(v), 16))
-    posterior_kernel[(rows,)](flat, out.view(rows), state, inv_temp, v, flat.stride(0), rows // logits.shape[0],
-                              SAMPLE=not greedy, BLOCK_V=block, num_warps=num_warps)
+    posterior_kernel[(rows,)](flat, out.view(rows), state, inv_temp, nonfinite if nonfinite is not None else state,
+                              v, flat.stride(0), rows // logits.shape[0], SAMPLE=not greedy,
+                              FLAG=nonfinite is not None, BLOCK_V=block, num_warps=num_warps)
     if not greedy:
         state[:, 1].add_(1)

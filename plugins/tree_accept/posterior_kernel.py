@@ -1,5 +1,6 @@
 """Triton kernel of the posterior op (see posterior.py): per row, argmax of logits (greedy) or of
-logits * inv_temp + Gumbel noise (SAMPLE; inv_temp read from device memory), ties to the lowest id.
+logits * inv_temp + Gumbel noise (SAMPLE; inv_temp read from device memory), ties to the lowest id; with
+FLAG, a row holding a NaN or Inf logit sets its request's flag to 1.
 
 The noise is plugins/common/rng.py's counter-based uniform, bit for bit: row `row` belongs to request
 q = row // rows_per_req; with (seed, counter) = state[q], key = mix(seed * G + counter) and
@@ -23,8 +24,8 @@ def _mix(z):
 
 
 @triton.jit
-def posterior_kernel(logits_ptr, out_ptr, state_ptr, inv_temp_ptr, v, s_row, rows_per_req, SAMPLE: tl.constexpr,
-                     BLOCK_V: tl.constexpr):
+def posterior_kernel(logits_ptr, out_ptr, state_ptr, inv_temp_ptr, flag_ptr, v, s_row, rows_per_req,
+                     SAMPLE: tl.constexpr, FLAG: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     req = row // rows_per_req
     base = logits_ptr + row * s_row
@@ -36,11 +37,14 @@ def posterior_kernel(logits_ptr, out_ptr, state_ptr, inv_temp_ptr, v, s_row, row
         counter = tl.load(state_ptr + 2 * req + 1).to(tl.uint64, bitcast=True)
         key = _mix(seed * 0x9E3779B97F4A7C15 + counter)
         inv_t = tl.load(inv_temp_ptr + req)
+    bad = tl.zeros((BLOCK_V,), dtype=tl.int1)  # a NaN or Inf logit seen (FLAG)
     start = row * 0  # int64; a while loop (a runtime trip count) also runs in the interpreter
     while start < v:
         cols = start + lane  # [BLOCK_V]
         inside = cols < v
         x = tl.load(base + cols, mask=inside, other=float("-inf")).to(tl.float32)  # [BLOCK_V]
+        if FLAG:
+            bad = bad | (inside & ((x != x) | (x == float("inf")) | (x == float("-inf"))))
         if SAMPLE:
             inside_req = (row - req * rows_per_req) * v + cols  # [BLOCK_V] element index within the request
             flat = (inside_req + 1).to(tl.uint64, bitcast=True)
@@ -51,6 +55,8 @@ def posterior_kernel(logits_ptr, out_ptr, state_ptr, inv_temp_ptr, v, s_row, row
         start += BLOCK_V
     top, pick = argmax_final(best, best_i, v)
     tl.store(out_ptr + row, pick)
+    if FLAG:  # the request's flag: set by any of its rows, never cleared here (every writer writes 1)
+        tl.store(flag_ptr + req, 1, mask=tl.max(bad.to(tl.int32), axis=0) != 0)
 
 
 @triton.jit

@@ -70,7 +70,7 @@ class RoundBuffers:
     stop_ids: torch.Tensor  # [b, S] int64, padded with -1
     rng: torch.Tensor  # [b, 2] int64 (seed, counter) per request
     inv_temp: torch.Tensor  # [b] fp32 1 / temperature per request (unused when greedy)
-    nonfinite: torch.Tensor  # [b] int64 1 when the request's last logits held a NaN or Inf (set by `pick`)
+    nonfinite: torch.Tensor  # [b] int64 1 when the request's logits held a NaN or Inf (set by `pick`, cleared by its reader)
 
     @classmethod
     def allocate(cls, b: int, n: int, a: int, feat_dim: int, dtype: torch.dtype, device, max_stops: int = 8
@@ -99,23 +99,17 @@ def pick(target: TargetModel, hidden: torch.Tensor, greedy: bool, buf: RoundBuff
     int64: under TP at T = 0 target.greedy (a distributed argmax, no vocabulary gather); else the
     kdtree::posterior op over the full logits: the argmax at T = 0, a counter-based sample of
     softmax(logits / T) at T > 0, request r drawn from its own buf.rng[r] and buf.inv_temp[r] (the same
-    draws on every rank: the logits are gathered to every rank)."""
+    draws on every rank: the logits are gathered to every rank).  Either sets buf.nonfinite[r] = 1 when request
+    r's logits held a NaN or Inf (in the same pass); its reader clears it (round_emit copies it into the out row
+    the host reads with the round's tokens, no sync; the prefill's reader is the host)."""
     if greedy and target.comm is not None:
         ids, nonfinite = target.greedy(hidden)  # nonfinite [b']: a row's best logit was NaN / Inf
         buf.nonfinite[rows].copy_(nonfinite)
         return ids
     logits = target.logits(hidden)  # [b', ..., v]
-    _flag_nonfinite(buf, logits, rows)
     out = torch.empty(logits.shape[:-1], dtype=torch.int64, device=logits.device)
-    posterior(logits, greedy, buf.rng[rows], buf.inv_temp[rows], out)
+    posterior(logits, greedy, buf.rng[rows], buf.inv_temp[rows], out, buf.nonfinite[rows])
     return out
-
-
-def _flag_nonfinite(buf: RoundBuffers, x: torch.Tensor, rows: slice) -> None:
-    """x [b', ...] logits (or their maxima) of the requests buf[rows]: buf.nonfinite[r] = 1 when request r's
-    hold a NaN or Inf.  One reduction on the device; the host reads the flag with the round's tokens
-    (out[:, a + 3]), no sync."""
-    buf.nonfinite[rows].copy_((~torch.isfinite(x)).reshape(x.shape[0], -1).any(1))
 
 
 def spec_round(target: TargetModel, drafter, cache: LatentCache, dcache, buf: RoundBuffers, topk: int, greedy: bool,

@@ -324,6 +324,7 @@ class DecodeSession:
         buf.bonus.copy_(first)
         first_host = first.tolist()
         bad = [r for r, f in enumerate(buf.nonfinite.tolist()) if f]
+        buf.nonfinite.zero_()  # read (pick only ever sets it)
         if bad:
             raise NonFiniteLogits(f"non-finite logits (NaN or Inf) in the prefill of request {bad[0]}: the weights "
                                   f"or activations overflowed; stopped")

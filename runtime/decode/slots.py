@@ -137,7 +137,9 @@ class SlotBatch:
             buf.rng[r] = torch.tensor([params.seed, 0], dtype=torch.int64)
             buf.inv_temp[r] = 1.0 / params.temperature
         first = int(pick(s.target, hidden[-1][None], self.greedy, buf, slice(r, r + 1))[0])
-        if buf.nonfinite[r]:
+        bad = bool(buf.nonfinite[r])
+        buf.nonfinite[r] = 0  # read (pick only ever sets it)
+        if bad:
             self.free.append(r)
             raise NonFiniteLogits(f"non-finite logits (NaN or Inf) in the prefill of a {p}-token prompt: "
                                   f"the weights or activations overflowed")
