@@ -119,9 +119,10 @@ def run(
     drafter: Optional[Path] = typer.Option(None, "--drafter", help="DFlash drafter directory"),
     spec: Optional[str] = typer.Option(None, "--spec", help="none (plain AR) | chain (DFlash) | ddtree; default "
                                        "ddtree with a drafter (--drafter or the artifact's), else none"),
-    budget: Optional[str] = typer.Option(None, "--budget", help="ddtree: tree nodes per round besides the root "
-                                         "(default 16), or auto / auto:B_MAX: chosen per round on the device among "
-                                         "1, 2, 4, ..., B_MAX (default 256) by expected tokens per second"),
+    budget: Optional[str] = typer.Option(None, "--budget", help="ddtree: tree nodes per round besides the root, "
+                                         "or auto / auto:B_MAX: chosen per round on the device among 1, 2, 4, ..., "
+                                         "B_MAX (default 256) by expected tokens per second (default: auto on "
+                                         "cuda, 16 on cpu)"),
     budget_curve: Optional[Path] = typer.Option(None, "--budget-curve", help="with --budget auto: the cost curve "
                                                 "JSON to choose with (default: stored under the artifact's "
                                                 "autotune/, else measured on first use and stored there)"),
@@ -144,7 +145,7 @@ def run(
 
         from core.tokenizer import StreamDecoder
         from runtime import Engine
-        from runtime.decode.params import SamplingParams, SpecConfig
+        from runtime.decode.params import SamplingParams, SpecConfig, default_budget
         from runtime.load.artifact import is_artifact
 
         if (prompt is None) == (prompt_ids is None):
@@ -158,7 +159,7 @@ def run(
         from runtime.decode.budget import CostCurve
 
         SamplingParams(max_new_tokens, temperature, seed)  # bad decode arguments fail before the load
-        want = SpecConfig.of(spec or "ddtree", 16 if budget is None else budget)
+        want = SpecConfig.of(spec or "ddtree", default_budget(device) if budget is None else budget)
         curve = CostCurve.load(budget_curve) if budget_curve is not None else None
         if curve is not None and not want.auto:
             raise ValueError("--budget-curve applies to --budget auto")
@@ -172,7 +173,7 @@ def run(
             raise ValueError("--budget applies to --spec ddtree, which needs a drafter (--drafter DIR)")
         # spec None: Engine.load's rule (ddtree with a drafter, else none), as from Python
         t_load = time.perf_counter()
-        eng = Engine.load(model_dir, device=device, drafter=drafter, spec=spec, budget=16 if budget is None else budget,
+        eng = Engine.load(model_dir, device=device, drafter=drafter, spec=spec, budget=budget,
                           graphs=graphs, progress=not as_json, tp=tp, ep=ep,
                           dtype=None if dtype == "auto" else getattr(torch, dtype), budget_curve=curve)
         load_s = round(time.perf_counter() - t_load, 3)
@@ -424,8 +425,9 @@ def serve(
     device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
     spec: Optional[str] = typer.Option(None, "--spec", help="default none | chain | ddtree (a request's `spec` "
                                        "field overrides it; default ddtree with a drafter, else none)"),
-    budget: str = typer.Option("16", "--budget", help="default DDTree budget: B, or auto / auto:B_MAX (chosen per "
-                               "round on the device; a request's `budget` overrides it)"),
+    budget: Optional[str] = typer.Option(None, "--budget", help="default DDTree budget: B, or auto / auto:B_MAX "
+                                         "(chosen per round on the device; a request's `budget` overrides it; "
+                                         "default: auto on cuda, 16 on cpu)"),
     graphs: bool = typer.Option(True, "--graphs/--no-graphs", help="CUDA: replay captured graphs of a round"),
     dtype: str = typer.Option("auto", "--dtype", help="auto (fp32 on CPU, bf16 on CUDA) | float32 | float64 | bfloat16"),
     name: Optional[str] = typer.Option(None, "--served-model-name", help="model id of /v1/models (default: "
@@ -436,7 +438,7 @@ def serve(
     def go():
         import torch
 
-        from runtime.decode.params import parse_budget
+        from runtime.decode.params import default_budget, parse_budget
         from runtime.serve.server import serve as run_server
 
         if device not in ("cpu", "cuda"):
@@ -445,7 +447,7 @@ def serve(
             raise ValueError(f"--dtype must be auto, float32, float64 or bfloat16, got {dtype!r}")
         if not 0 <= port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {port}")
-        size, auto = parse_budget(budget)  # a bad --budget fails here, before anything loads
+        size, auto = parse_budget(default_budget(device) if budget is None else budget)  # a bad one fails here
         code = run_server(path, drafter, host, port, tp, max_batch, max_queue, max_model_len, api_key, device, spec,
                           f"auto:{size}" if auto else size, graphs, None if dtype == "auto" else getattr(torch, dtype),
                           name, echo=typer.echo)

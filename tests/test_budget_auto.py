@@ -24,7 +24,7 @@ from plugins.common.bitmask import mask_words
 from plugins.tree_build import build_from_topk_reference, topk_logprobs_reference, tree_build
 from plugins.budget_choice import choose, expected_tokens, extra_tokens
 from runtime.decode.budget import BucketChoice, CostCurve, CurveError, default_buckets
-from runtime.decode.params import InvalidParam, SpecConfig, parse_budget
+from runtime.decode.params import InvalidParam, SpecConfig, default_budget, parse_budget
 from test_tree_build_kernel import check_prefix_closed
 
 CURVE = CostCurve((1, 2, 4, 8, 16), (10.0, 12.0, 16.0, 24.0, 40.0), 60.0, "hand-made")
@@ -300,6 +300,15 @@ def test_budget_flags():
         SpecConfig.of("chain", "auto")
     with pytest.raises(InvalidParam, match="a cost curve applies to budget auto only"):
         SpecConfig.of("ddtree", 16, CURVE)
+
+
+def test_default_budget_is_auto_on_cuda_and_fixed_on_cpu(pair):
+    """No budget asked for: auto where a measured curve means something (CUDA), a fixed 16 on the CPU."""
+    from runtime.engine.engine import Engine
+    assert default_budget("cuda") == "auto" and default_budget("cuda:1") == "auto" and default_budget("cpu") == 16
+    m, _, _ = pair
+    eng = Engine.from_models(m.target, m.drafter, None, "ddtree")
+    assert eng.spec_config.budget == 16 and not eng.spec_config.auto
 
 
 def test_serve_budget_flag_fails_before_loading(tmp_path):

@@ -27,7 +27,7 @@ from core.config import ModelConfig
 from core.plan import ParallelPlan
 from core.tokenizer import StreamDecoder, Tokenizer
 from runtime.decode.budget import AUTOTUNE_DIR, CostCurve
-from runtime.decode.params import InvalidParam, SamplingParams, SpecConfig, parse_budget
+from runtime.decode.params import InvalidParam, SamplingParams, SpecConfig, default_budget, parse_budget
 from runtime.engine.local import LocalRunner
 from runtime.engine.ranks import RanksRunner
 from runtime.load.artifact import read_manifest
@@ -46,7 +46,7 @@ class Engine:
     # ---- construction
     @classmethod
     def load(cls, path: str | Path, device: str = "cpu", drafter: str | Path | None = None, spec: str | None = None,
-             budget: int | str = 16, graphs: bool = True, tp: int = 1, ep: bool = False,
+             budget: int | str | None = None, graphs: bool = True, tp: int = 1, ep: bool = False,
              dtype: torch.dtype | None = None, progress: bool = False,
              budget_curve: str | Path | CostCurve | None = None) -> "Engine":
         """path: a `kdtree build` artifact or a checkpoint dir (always taken through the build cache:
@@ -55,7 +55,8 @@ class Engine:
         CUDA (ignored on CPU).  tp > 1: one process per rank (or, under torchrun, this process is one
         rank: `rank` says which).  ep: with tp > 1, routed experts whole per rank instead of
         TP-sliced (an artifact keeps the plan it was built with).  dtype: fp32 on CPU, bf16 on CUDA
-        by default.  budget: B, or "auto" / "auto:B_MAX" (chosen per round); budget_curve: with auto, the
+        by default.  budget: B, or "auto" / "auto:B_MAX" (chosen per round); None: auto on CUDA, 16 on CPU
+        (runtime/decode/params.default_budget); budget_curve: with auto, the
         cost curve to choose with (a CostCurve or its JSON file; default: stored beside the artifact under
         autotune/, else measured by the session and stored there)."""
         if device not in ("cpu", "cuda") and not str(device).startswith("cuda:"):
@@ -65,6 +66,7 @@ class Engine:
         if tp < 1:
             raise ValueError(f"tp must be >= 1, got {tp}")
         curve = CostCurve.load(budget_curve) if isinstance(budget_curve, (str, Path)) else budget_curve
+        budget = default_budget(device) if budget is None else budget
         want = _spec(spec, budget, curve)
         plan = ParallelPlan(tp=tp, ep=ep) if tp > 1 else None  # None: an artifact's own plan, or one rank
         if tp > 1 and under_torchrun():
@@ -82,16 +84,18 @@ class Engine:
 
     @classmethod
     def from_models(cls, target: TargetModel, drafter: DFlashDrafter | None = None, tokenizer: Tokenizer | None = None,
-                    spec: str | None = None, budget: int | str = 16, graphs: bool = True, rank: int = 0,
+                    spec: str | None = None, budget: int | str | None = None, graphs: bool = True, rank: int = 0,
                     budget_curve: CostCurve | None = None, autotune_dir: str | Path | None = None) -> "Engine":
         """An Engine over models already loaded in this process (a rank's shard, or a test's models).
+        budget None: the target's device's default (runtime/decode/params.default_budget).
         autotune_dir: where budget-auto sessions store measured cost curves (None: kept in memory)."""
+        budget = default_budget(target.device) if budget is None else budget
         want = _spec(spec or ("ddtree" if drafter is not None else "none"), budget, budget_curve)
         return cls(LocalRunner(target, drafter, want, graphs, autotune_dir=autotune_dir), tokenizer, rank)
 
     @classmethod
     def on_rank(cls, comm: Comm, path: str | Path, drafter: str | Path | None = None, spec: str | None = None,
-                budget: int | str = 16, graphs: bool = True, plan: ParallelPlan | None = None,
+                budget: int | str | None = None, graphs: bool = True, plan: ParallelPlan | None = None,
                 dtype: torch.dtype | None = None, progress: bool = False,
                 budget_curve: CostCurve | None = None) -> "Engine":
         """This process as rank comm.rank of a group (torchrun, or a test's launch): its shard's Engine.

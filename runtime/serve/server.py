@@ -14,6 +14,7 @@ from pathlib import Path
 
 import uvicorn
 
+from runtime.decode.params import default_budget
 from runtime.engine.engine import Engine
 from runtime.serve.app import ServeConfig, build_app
 from runtime.serve.lanes import LocalLanes
@@ -25,9 +26,10 @@ DEFAULT_MAX_MODEL_LEN = 4096
 
 def serve(path: Path, drafter: Path | None = None, host: str = "127.0.0.1", port: int = 8000, tp: int = 1,
           max_batch: int = 8, max_queue: int = 64, max_model_len: int | None = None, api_key: str | None = None,
-          device: str = "cpu", spec: str | None = None, budget: int | str = 16, graphs: bool = True, dtype=None,
-          model_name: str | None = None, echo=lambda line: print(line, flush=True)) -> int:
-    """Serve until interrupted (0) or until the engine fails (1)."""
+          device: str = "cpu", spec: str | None = None, budget: int | str | None = None, graphs: bool = True,
+          dtype=None, model_name: str | None = None, echo=lambda line: print(line, flush=True)) -> int:
+    """Serve until interrupted (0) or until the engine fails (1).  budget None: auto on CUDA, 16 on CPU."""
+    budget = default_budget(device) if budget is None else budget
     if max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {max_batch}")
 
