@@ -70,7 +70,7 @@ class RoundBuffers:
     stop_ids: torch.Tensor  # [b, S] int64, padded with -1
     rng: torch.Tensor  # [b, 2] int64 (seed, counter) per request
     inv_temp: torch.Tensor  # [b] fp32 1 / temperature per request (unused when greedy)
-    nonfinite: torch.Tensor  # [b] int64 1: the request's logits held a NaN or Inf (set by `pick`, cleared by its reader)
+    nonfinite: torch.Tensor  # [b] int64 1: request's logits held a NaN or Inf (set by `pick`, cleared by its reader)
 
     @classmethod
     def allocate(cls, b: int, n: int, a: int, feat_dim: int, dtype: torch.dtype, device, max_stops: int = 8
