@@ -21,7 +21,7 @@ CPU_BUDGET = 16  # the default fixed budget where auto is not the default
 
 def default_budget(device) -> "int | str":
     """The budget when none is asked for: "auto" on CUDA (each round verifies the bucket a cost curve measured on
-    this GPU says pays most; benchmarks/results/budget-auto.json: within 4 % of the best fixed budget on the K2.6
+    this GPU says pays most; benchmarks/results/budget-auto.json: within 2.5 % of the best fixed budget on the K2.6
     rank's curves, which no fixed default is on every workload), CPU_BUDGET elsewhere (an eager CPU round's time
     is noise on a shared machine, so a curve measured there would choose at random)."""
     return "auto" if str(device).startswith("cuda") else CPU_BUDGET
