@@ -103,9 +103,7 @@ def pick(target: TargetModel, hidden: torch.Tensor, greedy: bool, buf: RoundBuff
     r's logits held a NaN or Inf (in the same pass); its reader clears it (round_emit copies it into the out row
     the host reads with the round's tokens, no sync; the prefill's reader is the host)."""
     if greedy and target.comm is not None:
-        ids, nonfinite = target.greedy(hidden)  # nonfinite [b']: a row's best logit was NaN / Inf
-        buf.nonfinite[rows].copy_(nonfinite)
-        return ids
+        return target.greedy(hidden, buf.nonfinite[rows])[0]  # the flag: a row's best logit was NaN / Inf
     logits = target.logits(hidden)  # [b', ..., v]
     out = torch.empty(logits.shape[:-1], dtype=torch.int64, device=logits.device)
     posterior(logits, greedy, buf.rng[rows], buf.inv_temp[rows], out, buf.nonfinite[rows])

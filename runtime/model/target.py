@@ -130,10 +130,10 @@ class TargetModel:
             return local
         return self.comm.all_gather(local, dim=-1)[..., :self.cfg.vocab_size].contiguous()  # [..., v]: padding cut
 
-    def greedy(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def greedy(self, hidden: torch.Tensor, nonfinite: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [b, ...rest, d] -> (argmax token ids [b, ...rest] int64, equal to logits(hidden).argmax(-1);
         nonfinite [b] int64: 1 where a row of request b had a NaN or Inf as its best logit, which the round's
-        non-finite guard reads).
+        non-finite guard reads; written into the given [b] tensor, e.g. the round's own flag, else a new one).
 
         Distributed argmax under TP: each rank reduces its vocab slice to (max, first index of it),
         the ranks gather those pairs (2 numbers per token instead of v/tp logits) and take the best,
@@ -142,9 +142,12 @@ class TargetModel:
         (benchmarks/tp_logits.py; gloo, 2 ranks, v = 163840: n = 17 tokens 3.1 ms vs 22.6 ms for the
         gather, n = 65 23 ms vs 283 ms; the gather moves n*v*4 bytes to every rank, this 16 n per rank)."""
         b, rest = hidden.shape[0], hidden.shape[1:-1]
+        if nonfinite is None:
+            nonfinite = torch.empty(b, dtype=torch.int64, device=hidden.device)  # [b]
         if self.comm is None:
             logits = self.logits(hidden)  # [..., v]
-            return logits.argmax(dim=-1), (~torch.isfinite(logits.amax(dim=-1))).view(b, -1).any(1).long()
+            nonfinite.copy_((~torch.isfinite(logits.amax(dim=-1))).view(b, -1).any(1))
+            return logits.argmax(dim=-1), nonfinite
         local = linear(hidden, self.w.lm_head, out_dtype=acc(hidden).dtype)  # [..., v_l]
         rows = local.reshape(-1, local.shape[-1])  # [R, v_l]
         pair = torch.empty(rows.shape[0], 2, dtype=torch.float64, device=rows.device)  # [R, 2] exact in fp64
@@ -152,7 +155,6 @@ class TargetModel:
         vocab_argmax_local(rows, self.vocab_end - self.vocab_start, self.vocab_start, pair)
         every = self.comm.all_gather(pair[None], dim=0)  # [world, R, 2]
         ids = torch.empty(rows.shape[0], dtype=torch.int64, device=rows.device)  # [R]
-        nonfinite = torch.empty(b, dtype=torch.int64, device=rows.device)  # [b]
         vocab_argmax_pick(every, ids, nonfinite)
         return ids.view(b, *rest), nonfinite
 
