@@ -19,3 +19,31 @@ def interpreted(module_file: str, *args: str, timeout: int = 600):
                           text=True, timeout=timeout, cwd=ROOT, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def interpreter_shims() -> None:
+    """Two gaps of Triton 3.6's interpreter, patched in the worker only (the GPU path never sees
+    them): numpy >= 2.3 refuses int() of the 1-element arrays the interpreter uses for loaded
+    scalars (loop bounds read from memory), and its dot multiplies bf16 as raw uint16 bits."""
+    import numpy as np
+    import triton.language as tl
+    import triton.runtime.interpreter as ti
+
+    patch_tensor = ti._patch_lang_tensor
+
+    def _patch(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    ti._patch_lang_tensor = _patch
+    create_dot = ti.InterpreterBuilder.create_dot
+
+    def _dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        def up(x):
+            if x.dtype.scalar != tl.bfloat16:
+                return x
+            return ti.TensorHandle(ti._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32),
+                                   tl.float32)
+        return create_dot(self, up(a), up(b), d, input_precision, max_num_imprecise_acc)
+
+    ti.InterpreterBuilder.create_dot = _dot

@@ -24,7 +24,9 @@ from interpreter import interpreted
 
 from plugins.layer_fusion.reference import (
     add_rms_norm_reference,
+    drafter_block_reference,
     head_norm_rope_reference,
+    kv_norm_rope_store_reference,
     mla_q_absorb_reference,
     mla_rope_kv_reference,
     mla_v_absorb_reference,
@@ -60,7 +62,9 @@ def run_cases(device: str, count: int, seed: int = 0) -> list[dict]:
     """count random cases per op through the Triton launchers; one record per case."""
     from plugins.layer_fusion.kernel import (
         add_rms_norm_triton,
+        drafter_block_triton,
         head_norm_rope_triton,
+        kv_norm_rope_store_triton,
         mla_q_absorb_triton,
         mla_rope_kv_triton,
         mla_v_absorb_triton,
@@ -175,6 +179,37 @@ def run_cases(device: str, count: int, seed: int = 0) -> list[dict]:
         ok = bool(torch.isfinite(got.float()).all()) and err <= 2 * ULP[dt]
         out.append(dict(op="head_norm_rope", case=f"t{t} h{hh} e{e} {dt} il={interleave}", ok=ok, err=err))
 
+        # kv_norm_rope_store: those heads into the cache rows of their positions (distinct rows; the last token of
+        # a request may sit past the cache: clamped to its last row), the v heads copied as they are
+        bq, n, cap = pick((1, 2, 3)), pick((1, 5, 8)), pick((12, 40))
+        pos = torch.stack([torch.randperm(cap - 1, generator=g)[:n] for _ in range(bq)])  # [bq, n] < cap - 1
+        if k % 2:
+            pos[:, -1] = cap + int(torch.randint(0, 5, (1,), generator=g))
+        pos = pos.to(device)
+        kv = rnd(bq * n, 2 * hh * e + 3, dtype=dt, scale=2)[:, :2 * hh * e].view(bq * n, 2, hh, e)
+        cos, sin = rnd(bq * n, e // 2, dtype=dt), rnd(bq * n, e // 2, dtype=dt)
+        kc, vc = rnd(bq, cap, hh, e, dtype=dt), rnd(bq, cap, hh, e, dtype=dt)
+        kw, vw = kc.clone(), vc.clone()
+        kv_norm_rope_store_triton(kv, hw, 1e-6, cos, sin, interleave, pos, kc, vc)
+        kv_norm_rope_store_reference(kv, hw, 1e-6, cos, sin, interleave, pos, kw, vw)
+        err = float((kc.float() - kw.float()).abs().max() / kw.float().abs().max().clamp_min(1e-30))
+        ok = bool(torch.isfinite(kc.float()).all()) and err <= 2 * ULP[dt] and torch.equal(vc, vw)
+        out.append(dict(op="kv_norm_rope_store", case=f"b{bq} n{n} cap{cap} h{hh} e{e} {dt} il={interleave}", ok=ok,
+                        err=err))
+
+        # drafter_block: positions, block tokens and visible lengths; lens advanced (integers: exact)
+        bq, a, s = pick((1, 2, 4)), pick((1, 3, 9)), pick((2, 8))
+        lens = torch.randint(0, 100, (bq,), generator=g, dtype=torch.int32).to(device)
+        ctx_len = torch.randint(0, a + 1, (bq,), generator=g, dtype=torch.int32).to(device)
+        bonus = torch.randint(0, 1000, (bq,), generator=g).to(device)
+        got = [torch.full(shape, -7, dtype=torch.int64, device=device) for shape in ((bq, a), (bq, s), (bq, s), (bq,))]
+        want = [x.clone() for x in got]
+        lens_w = lens.clone()
+        drafter_block_triton(lens, ctx_len, bonus, 999, *got)
+        drafter_block_reference(lens_w, ctx_len, bonus, 999, *want)
+        ok = torch.equal(lens, lens_w) and all(torch.equal(x, y) for x, y in zip(got, want))
+        out.append(dict(op="drafter_block", case=f"b{bq} a{a} s{s}", ok=ok, err=0.0))
+
         # odd cases: gate_up is an fp32 GEMM output (the router's GEMM, runtime/model/moe), rounded to dt first
         i = pick((5, 256, 2304))
         wide_in = k % 2 == 1
@@ -196,7 +231,8 @@ def interpreter_results():
 
 
 @pytest.mark.parametrize("op", ["add_rms_norm", "rms_norm", "rope_cos_sin", "mla_q_absorb", "mla_v_absorb",
-                                "mla_rope_kv", "silu_mul", "head_norm_rope"])
+                                "mla_rope_kv", "silu_mul", "head_norm_rope", "kv_norm_rope_store",
+                                "drafter_block"])
 def test_kernel_matches_reference_in_interpreter(interpreter_results, op):
     cases = [c for c in interpreter_results if c["op"] == op]
     assert cases and all(c["ok"] for c in cases), [c for c in cases if not c["ok"]]

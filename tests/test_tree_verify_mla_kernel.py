@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from interpreter import interpreter_shims
+
 from plugins.common.bitmask import causal_mask, pack_mask
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,38 +115,10 @@ CPU_CASES = {
 }
 
 
-def _interpreter_shims() -> None:
-    """Two gaps of Triton 3.6's interpreter, patched in the worker only (the GPU path never sees
-    them): numpy >= 2.3 refuses int() of the 1-element arrays the interpreter uses for loaded
-    scalars (loop bounds read from cache_lens), and its dot multiplies bf16 as raw uint16 bits."""
-    import numpy as np
-    import triton.language as tl
-    import triton.runtime.interpreter as ti
-
-    patch_tensor = ti._patch_lang_tensor
-
-    def _patch(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    ti._patch_lang_tensor = _patch
-    create_dot = ti.InterpreterBuilder.create_dot
-
-    def _dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        def up(x):
-            if x.dtype.scalar != tl.bfloat16:
-                return x
-            return ti.TensorHandle(ti._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32),
-                                   tl.float32)
-        return create_dot(self, up(a), up(b), d, input_precision, max_num_imprecise_acc)
-
-    ti.InterpreterBuilder.create_dot = _dot
-
-
 def _cpu_worker() -> None:
     """Runs every CPU_CASES entry through the interpreted kernel; prints one JSON line."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    _interpreter_shims()
+    interpreter_shims()
     from plugins.tree_verify_mla.launcher import (
         Config,
         tree_verify_mla_triton,

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 LIB = torch.library.Library("kdtree", "FRAGMENT")  # the namespace's registrations live as long as the process
+OPS: dict[str, "KdtreeOp"] = {}  # every registered op by name
 
 
 class KdtreeOp:
@@ -30,6 +31,8 @@ class KdtreeOp:
         self.name, self.qualname = name, f"kdtree::{name}"
         self.overload = getattr(torch.ops.kdtree, name).default
         self.__doc__, self.__wrapped__ = fn.__doc__, fn
+        self.cuda_kernel: Callable | None = None  # the register_kernel("cuda") function, once registered
+        OPS[name] = self
         if schema.endswith("-> ()"):
             torch.library.register_fake(self.qualname, _returns_none, lib=LIB)
 
@@ -49,6 +52,7 @@ class KdtreeOp:
 
         def register(fn: Callable) -> Callable:
             LIB.impl(self.name, fn, "CUDA")
+            self.cuda_kernel = fn
             return fn
 
         return register

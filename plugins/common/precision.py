@@ -9,3 +9,8 @@ import torch
 def acc(t: torch.Tensor) -> torch.Tensor:
     """t in its accumulation dtype: float64 stays, everything else becomes float32."""
     return t if t.dtype == torch.float64 else t.float()
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """acc's dtype for a tensor of `dtype`, without converting anything (acc(x).dtype would copy x: one kernel)."""
+    return dtype if dtype == torch.float64 else torch.float32

@@ -16,7 +16,9 @@ import torch
 from plugins.common.op import kdtree_op
 from plugins.layer_fusion.reference import (
     add_rms_norm_reference,
+    drafter_block_reference,
     head_norm_rope_reference,
+    kv_norm_rope_store_reference,
     mla_q_absorb_reference,
     mla_rope_kv_reference,
     mla_v_absorb_reference,
@@ -27,7 +29,7 @@ from plugins.layer_fusion.reference import (
 )
 
 __all__ = ["rms_norm", "add_rms_norm", "rope_cos_sin", "mla_q_absorb", "mla_v_absorb", "mla_rope_kv", "silu_mul",
-           "head_norm_rope", "rotate_reference"]
+           "head_norm_rope", "kv_norm_rope_store", "drafter_block", "rotate_reference"]
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # KDTREE_FUSION=0 (read once, at import): the references on CUDA too, i.e. the unfused torch ops, the peer
@@ -305,6 +307,79 @@ def _head_norm_rope_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float, cos:
     out = torch.empty(t, h, e, dtype=x.dtype, device=x.device)
     head_norm_rope_triton(x, weight, eps, cos, sin, interleave, out)
     return out
+
+
+def kv_norm_rope_store(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                       interleave: bool, pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """The drafter's new K/V rows into its cache in one launch (reference.kv_norm_rope_store_reference): kv [t, 2,
+    g, e] (a GEMM's k | v heads), cos/sin [t, e/2], pos [b, n] int64 (t = b * n), k_cache / v_cache [b, cap, g, e]."""
+    if not _fused(kv, weight, cos, sin, k_cache, v_cache):
+        kv_norm_rope_store_reference(kv, weight, eps, cos, sin, interleave, pos, k_cache, v_cache)
+        return
+    kv_norm_rope_store_op(kv, weight, eps, cos, sin, interleave, pos, k_cache, v_cache)
+
+
+@kdtree_op("kv_norm_rope_store", mutates_args=("k_cache", "v_cache"))
+def kv_norm_rope_store_op(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                          interleave: bool, pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    kv_norm_rope_store_reference(kv, weight, eps, cos, sin, interleave, pos, k_cache, v_cache)
+
+
+@kv_norm_rope_store_op.register_kernel("cuda")
+def _kv_norm_rope_store_cuda(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                             sin: torch.Tensor, interleave: bool, pos: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor) -> None:
+    if not _fused(kv, weight, cos, sin, k_cache, v_cache):
+        kv_norm_rope_store_reference(kv, weight, eps, cos, sin, interleave, pos, k_cache, v_cache)
+        return
+    from plugins.layer_fusion.kernel import kv_norm_rope_store_triton
+    t, two, g, e = kv.shape
+    b, n = pos.shape
+    if two != 2 or kv.stride(3) != 1 or e % 2 or t != b * n or pos.dtype != torch.int64 or not pos.is_contiguous() \
+            or weight.shape != (e,) or cos.shape != (t, e // 2) or cos.stride(1) != 1 or sin.stride() != cos.stride() \
+            or k_cache.shape[0] != b or k_cache.shape[2:] != (g, e) or v_cache.shape != k_cache.shape \
+            or v_cache.stride() != k_cache.stride() or k_cache.stride(3) != 1:
+        raise ValueError(f"kv_norm_rope_store: need kv [t, 2, g, e] (unit last stride), pos int64 [b, n] with "
+                         f"t = b*n, weight [e], cos/sin [t, e/2], k_cache = v_cache [b, cap, g, e] (same strides); "
+                         f"got kv {tuple(kv.shape)} {kv.stride()}, pos {pos.dtype} {tuple(pos.shape)}, cos "
+                         f"{tuple(cos.shape)}, k_cache {tuple(k_cache.shape)} {k_cache.stride()}, v_cache "
+                         f"{tuple(v_cache.shape)} {v_cache.stride()}")
+    kv_norm_rope_store_triton(kv, weight, eps, cos, sin, interleave, pos, k_cache, v_cache)
+
+
+def drafter_block(lens: torch.Tensor, ctx_len: torch.Tensor, bonus: torch.Tensor, mask_id: int, ctx_pos: torch.Tensor,
+                  blk_pos: torch.Tensor, block: torch.Tensor, visible: torch.Tensor) -> None:
+    """A drafter call's positions, block tokens and visible lengths, and lens advanced by ctx_len, in one launch
+    (reference.drafter_block_reference)."""
+    if not (FUSION and lens.is_cuda):
+        drafter_block_reference(lens, ctx_len, bonus, mask_id, ctx_pos, blk_pos, block, visible)
+        return
+    drafter_block_op(lens, ctx_len, bonus, mask_id, ctx_pos, blk_pos, block, visible)
+
+
+@kdtree_op("drafter_block", mutates_args=("lens", "ctx_pos", "blk_pos", "block", "visible"))
+def drafter_block_op(lens: torch.Tensor, ctx_len: torch.Tensor, bonus: torch.Tensor, mask_id: int,
+                     ctx_pos: torch.Tensor, blk_pos: torch.Tensor, block: torch.Tensor, visible: torch.Tensor) -> None:
+    drafter_block_reference(lens, ctx_len, bonus, mask_id, ctx_pos, blk_pos, block, visible)
+
+
+@drafter_block_op.register_kernel("cuda")
+def _drafter_block_cuda(lens: torch.Tensor, ctx_len: torch.Tensor, bonus: torch.Tensor, mask_id: int,
+                        ctx_pos: torch.Tensor, blk_pos: torch.Tensor, block: torch.Tensor,
+                        visible: torch.Tensor) -> None:
+    from plugins.layer_fusion.kernel import drafter_block_triton
+    b = lens.shape[0]
+    ok = (lens.shape == ctx_len.shape == bonus.shape == visible.shape == (b,) and lens.dtype == ctx_len.dtype
+          == torch.int32 and bonus.dtype == ctx_pos.dtype == blk_pos.dtype == block.dtype == visible.dtype
+          == torch.int64 and ctx_pos.shape[0] == b and blk_pos.shape == block.shape and blk_pos.shape[0] == b
+          and all(t.is_contiguous() for t in (lens, ctx_len, bonus, ctx_pos, blk_pos, block, visible)))
+    if not ok:
+        raise ValueError(f"drafter_block: need lens, ctx_len int32 [b], bonus, visible int64 [b], ctx_pos int64 "
+                         f"[b, a], blk_pos = block int64 [b, s], all contiguous; got lens {lens.dtype} "
+                         f"{tuple(lens.shape)}, ctx_len {ctx_len.dtype} {tuple(ctx_len.shape)}, bonus {bonus.dtype} "
+                         f"{tuple(bonus.shape)}, ctx_pos {tuple(ctx_pos.shape)}, blk_pos {tuple(blk_pos.shape)}, "
+                         f"block {tuple(block.shape)}, visible {visible.dtype} {tuple(visible.shape)}")
+    drafter_block_triton(lens, ctx_len, bonus, mask_id, ctx_pos, blk_pos, block, visible)
 
 
 # ---- the MLP's activation

@@ -12,6 +12,9 @@ KB of data.  Each kernel here is one launch per stage and reads its inputs once:
   mla_rope_kv   out[t] = [rms_norm(c_kv[t]) * w | rope(k_pe[t])]        (one program per token)
   silu_mul      h[t, j] = silu(gate[t, j]) * up[t, j]                   (programs over (t, i) tiles)
   head_norm_rope  out[t, h] = rope(rms_norm(x[t, h]) * w)              (the drafter's q / k heads; per (t, h))
+  kv_norm_rope_store  the drafter's k heads normed and roped, its v heads as they are, into the cache rows
+                of their positions (per (t, g, k or v))
+  drafter_block  the drafter block's positions, tokens, visible length; the committed length advanced (per request)
 Rounding: every value the reference rounds to the storage dtype is rounded here at the same point
 (`.to(dtype)` then back to fp32); fp contraction is off, so fp32 models also match the reference's
 products; exp and division are the IEEE ones torch uses (rsqrt, as torch's, is
@@ -288,30 +291,39 @@ def mla_rope_kv_triton(latent: torch.Tensor, weight: torch.Tensor, eps: float, c
 
 
 @triton.jit
-def _head_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, E2, s_xt, s_xh, s_ct, s_ot, s_oh, eps,
-                           INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (t, h): out[t, h] = rope(rms_norm(x[t, h]) * w), the row held in registers as its two rope
-    halves (pairs (2j, 2j+1) when INTERLEAVE, else (j, j + E2)); rounded where the reference rounds."""
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
+def _norm_rope_head(src, w_ptr, cos_row, sin_row, E2, eps, dt: tl.constexpr, INTERLEAVE: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """rope(rms_norm(x) * w) of the head row at src, as its two rope halves (pairs (2j, 2j+1) when INTERLEAVE,
+    else (j, j + E2)), rounded where the reference rounds: (lo, hi) [BLOCK] fp32, the de-interleaved output."""
     j = tl.arange(0, BLOCK)
     m = j < E2
     if INTERLEAVE:
         i1, i2 = 2 * j, 2 * j + 1
     else:
         i1, i2 = j, E2 + j
-    src = x_ptr + t * s_xt + h * s_xh
     x1 = tl.load(src + i1, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(src + i2, mask=m, other=0.0).to(tl.float32)
-    dt = out_ptr.dtype.element_ty
     r = tl.math.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * E2) + eps)
     w1 = tl.load(w_ptr + i1, mask=m, other=0.0).to(tl.float32)
     w2 = tl.load(w_ptr + i2, mask=m, other=0.0).to(tl.float32)
     y1 = (w1 * (x1 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     y2 = (w2 * (x2 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    cos = tl.load(cos_ptr + t * s_ct + j, mask=m, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + t * s_ct + j, mask=m, other=0.0).to(tl.float32)
-    lo, hi = _rotate(y1, y2, cos, sin, dt)
+    cos = tl.load(cos_row + j, mask=m, other=0.0).to(tl.float32)
+    sin = tl.load(sin_row + j, mask=m, other=0.0).to(tl.float32)
+    return _rotate(y1, y2, cos, sin, dt)
+
+
+@triton.jit
+def _head_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, E2, s_xt, s_xh, s_ct, s_ot, s_oh, eps,
+                           INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (t, h): out[t, h] = rope(rms_norm(x[t, h]) * w)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    dt = out_ptr.dtype.element_ty
+    lo, hi = _norm_rope_head(x_ptr + t * s_xt + h * s_xh, w_ptr, cos_ptr + t * s_ct, sin_ptr + t * s_ct, E2, eps, dt,
+                             INTERLEAVE, BLOCK)
+    j = tl.arange(0, BLOCK)
+    m = j < E2
     out = out_ptr + t * s_ot + h * s_oh
     tl.store(out + j, lo.to(dt), mask=m)
     tl.store(out + E2 + j, hi.to(dt), mask=m)
@@ -327,6 +339,79 @@ def head_norm_rope_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, cos
     _head_norm_rope_kernel[(t, h)](x, weight, cos, sin, out, e2, x.stride(0), x.stride(1), cos.stride(0),
                                    out.stride(0), out.stride(1), eps, INTERLEAVE=interleave,
                                    BLOCK=triton.next_power_of_2(e2), num_warps=1, **_OPTS)
+
+
+@triton.jit
+def _kv_norm_rope_store_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, E2, N, CAP,
+                               s_kvt, s_kvw, s_kvg, s_ct, s_cb, s_cr, s_cg, eps,
+                               INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (t, g, w): token t = request * N + row of the [t, 2, g, e] GEMM output goes to cache row
+    min(pos[t], CAP - 1) of its request; w = 0: k_cache[.., g] = rope(rms_norm(k[t, g]) * w), w = 1:
+    v_cache[.., g] = v[t, g] as is."""
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1).to(tl.int64)
+    which = tl.program_id(2)
+    row = tl.minimum(tl.load(pos_ptr + t), CAP - 1)
+    dst = (t // N) * s_cb + row * s_cr + g * s_cg
+    src = kv_ptr + t * s_kvt + g * s_kvg
+    j = tl.arange(0, BLOCK)
+    m = j < E2
+    if which == 0:
+        dt = k_ptr.dtype.element_ty
+        lo, hi = _norm_rope_head(src, w_ptr, cos_ptr + t * s_ct, sin_ptr + t * s_ct, E2, eps, dt, INTERLEAVE,
+                                 BLOCK)
+        tl.store(k_ptr + dst + j, lo.to(dt), mask=m)
+        tl.store(k_ptr + dst + E2 + j, hi.to(dt), mask=m)
+    else:
+        tl.store(v_ptr + dst + j, tl.load(src + s_kvw + j, mask=m), mask=m)
+        tl.store(v_ptr + dst + E2 + j, tl.load(src + s_kvw + E2 + j, mask=m), mask=m)
+
+
+def kv_norm_rope_store_triton(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                              sin: torch.Tensor, interleave: bool, pos: torch.Tensor, k_cache: torch.Tensor,
+                              v_cache: torch.Tensor) -> None:
+    """kv [t, 2, g, e] (unit stride along e), cos/sin [t, e/2], pos [b, n] int64 (t = b * n), k_cache / v_cache
+    [b, cap, g, e] (the same strides): the tokens' k heads normed and roped, their v heads as they are, into
+    cache rows min(pos, cap - 1)."""
+    t, _, g, e = kv.shape
+    if t * g == 0:
+        return
+    e2 = e // 2
+    _kv_norm_rope_store_kernel[(t, g, 2)](kv, weight, cos, sin, pos, k_cache, v_cache, e2, pos.shape[1],
+                                          k_cache.shape[1], kv.stride(0), kv.stride(1), kv.stride(2), cos.stride(0),
+                                          k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
+                                          INTERLEAVE=interleave, BLOCK=triton.next_power_of_2(e2), num_warps=1,
+                                          **_OPTS)
+
+
+@triton.jit
+def _drafter_block_kernel(lens_ptr, ctx_len_ptr, bonus_ptr, ctx_pos_ptr, blk_pos_ptr, block_ptr, visible_ptr, A, S,
+                          mask_id, BLOCK_A: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Program r: the drafter block's positions and tokens of request r, and its committed length advanced."""
+    r = tl.program_id(0).to(tl.int64)
+    lens = tl.load(lens_ptr + r).to(tl.int64)
+    start = lens + tl.load(ctx_len_ptr + r).to(tl.int64)
+    ja = tl.arange(0, BLOCK_A)
+    tl.store(ctx_pos_ptr + r * A + ja, lens + ja, mask=ja < A)
+    js = tl.arange(0, BLOCK_S)
+    tl.store(blk_pos_ptr + r * S + js, start + js, mask=js < S)
+    bonus = tl.load(bonus_ptr + r)
+    tl.store(block_ptr + r * S + js, tl.where(js == 0, bonus, mask_id), mask=js < S)
+    tl.store(visible_ptr + r, start + S)
+    tl.store(lens_ptr + r, start.to(lens_ptr.dtype.element_ty))
+
+
+def drafter_block_triton(lens: torch.Tensor, ctx_len: torch.Tensor, bonus: torch.Tensor, mask_id: int,
+                         ctx_pos: torch.Tensor, blk_pos: torch.Tensor, block: torch.Tensor,
+                         visible: torch.Tensor) -> None:
+    """See reference.drafter_block_reference; every tensor contiguous."""
+    b, a = ctx_pos.shape
+    s = blk_pos.shape[1]
+    if b == 0:
+        return
+    _drafter_block_kernel[(b,)](lens, ctx_len, bonus, ctx_pos, blk_pos, block, visible, a, s, mask_id,
+                                BLOCK_A=triton.next_power_of_2(max(a, 1)), BLOCK_S=triton.next_power_of_2(s),
+                                num_warps=1, **_OPTS)
 
 
 @triton.jit

@@ -99,3 +99,35 @@ def head_norm_rope_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, 
     """Per-head q / k norm then rope (the DFlash drafter's heads): x [t, h, e], weight [e], cos/sin [t, e/2]
     -> [t, h, e] = rotate(rms_norm(x) * weight), de-interleaved."""
     return rotate_reference(rms_norm_reference(x, weight, eps), cos[:, None], sin[:, None], interleave)
+
+
+def kv_norm_rope_store_reference(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                                 sin: torch.Tensor, interleave: bool, pos: torch.Tensor, k_cache: torch.Tensor,
+                                 v_cache: torch.Tensor) -> None:
+    """The drafter's new K/V rows into its cache: kv [t, 2, g, e] (k heads, then v heads: a GEMM's output),
+    cos/sin [t, e/2], pos [b, n] (t = b * n tokens, request-major); k_cache / v_cache [b, cap, g, e].  Token
+    (r, j)'s k heads, normed and roped (head_norm_rope), and its v heads go to row min(pos[r, j], cap - 1) of
+    request r."""
+    b, n = pos.shape
+    g, e = kv.shape[2], kv.shape[3]
+    k = head_norm_rope_reference(kv[:, 0], weight, eps, cos, sin, interleave).view(b, n, g, e)
+    rows = torch.arange(b, device=pos.device)[:, None]  # [b, 1]
+    dest = pos.clamp(max=k_cache.shape[1] - 1)  # [b, n]
+    k_cache[rows, dest] = k
+    v_cache[rows, dest] = kv[:, 1].reshape(b, n, g, e)
+
+
+def drafter_block_reference(lens: torch.Tensor, ctx_len: torch.Tensor, bonus: torch.Tensor, mask_id: int,
+                            ctx_pos: torch.Tensor, blk_pos: torch.Tensor, block: torch.Tensor,
+                            visible: torch.Tensor) -> None:
+    """One drafter call's bookkeeping, per request r: lens [b] int32 committed context rows (advanced by
+    ctx_len [b] int32 here), bonus [b] int64.  Writes ctx_pos [b, a] = lens + j (the context rows' positions),
+    blk_pos [b, s] = start + j with start = lens + ctx_len (the block's), block [b, s] = [bonus, mask_id x
+    (s - 1)] and visible [b] = start + s (int64: cache rows the block attends to)."""
+    start = lens.long() + ctx_len.long()  # [b]
+    ctx_pos.copy_(lens.long()[:, None] + torch.arange(ctx_pos.shape[1], device=lens.device))
+    blk_pos.copy_(start[:, None] + torch.arange(blk_pos.shape[1], device=lens.device))
+    block.fill_(mask_id)
+    block[:, 0] = bonus
+    visible.copy_(start + blk_pos.shape[1])
+    lens += ctx_len

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from plugins.common.activation import silu_mul_reference
 from plugins.common.op import kdtree_op
-from plugins.common.precision import acc
+from plugins.common.precision import acc, acc_dtype
 from plugins.moe_w4a16.fragment_layout import dequantize_fragments, from_fragments, to_fragments
 from plugins.moe_w4a16.layout import dequantize_kernel_layout, pack_experts
 from plugins.moe_w4a16.plan import launch_plan
@@ -79,7 +79,7 @@ def _logits(x: torch.Tensor, logits: torch.Tensor | None, gate: torch.Tensor | N
         return logits
     if gate is None:
         raise ValueError("moe_w4a16: give the router logits or the gate weights")
-    return F.linear(acc(x), gate.to(acc(x).dtype))  # [t, e] fp32 (fp64 in fp64 runs)
+    return F.linear(acc(x), gate.to(acc_dtype(x.dtype)))  # [t, e] fp32 (fp64 in fp64 runs)
 
 
 def moe_w4a16(x: torch.Tensor, logits: torch.Tensor | None, gate: torch.Tensor | None, bias: torch.Tensor,

@@ -232,7 +232,7 @@ def ar_step(target: TargetModel, cache: LatentCache, buf: RoundBuffers, one: tor
     one [b, 1, 1] int64 is the one-token chain mask (a persistent buffer: causal_mask(b, 1))."""
     clock = clock or no_clock
     with clock("verify"):
-        hidden, _ = target.forward(buf.bonus[:, None], cache.lens[:, None], cache, one)  # [b, 1, d] (int32 positions)
+        hidden, _ = target.forward(buf.bonus[:, None], cache.lens[:, None], cache, one, features=False)  # [b, 1, d]
         nxt = pick(target, hidden[:, 0], greedy, buf)  # [b]
     with clock("commit"):
         kv_commit(cache.kv, cache.lens, cache.scratch, buf.accept_idx, buf.live)

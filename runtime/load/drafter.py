@@ -96,8 +96,8 @@ def assemble_drafter(cfg: DrafterConfig, flat: dict[str, torch.Tensor], target: 
     for li in range(cfg.num_layers):
         p = f"layers.{li}."
         layers.append(DrafterLayerWeights(
-            attn_norm=flat.pop(p + "attn_norm"), q=rows(p + "q", h),
-            kv=torch.cat([rows(p + "k", g), rows(p + "v", g)]), o=cols(p + "o", h),
+            attn_norm=flat.pop(p + "attn_norm"), qkv=torch.cat([rows(p + "q", h), rows(p + "k", g), rows(p + "v", g)]),
+            o=cols(p + "o", h),
             q_norm=flat.pop(p + "q_norm"), k_norm=flat.pop(p + "k_norm"), mlp_norm=flat.pop(p + "mlp_norm"),
             gate_up=torch.cat([rows(p + "gate", i), rows(p + "up", i)]), down=cols(p + "down", i)))
     fc = cols("fc", len(cfg.target_layer_ids) * target.cfg.hidden_size)

@@ -26,8 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from core.drafter_config import DrafterConfig
-from plugins.layer_fusion import add_rms_norm
-from runtime.model.layers import bmm_acc, linear, rms_norm, swiglu_mlp
+from plugins.drafter_attention import drafter_attention
+from plugins.layer_fusion import add_rms_norm, drafter_block, kv_norm_rope_store
+from runtime.model.layers import linear, rms_norm, swiglu_mlp
 from runtime.model.rope import Rope
 from runtime.model.target import TargetModel
 
@@ -35,8 +36,7 @@ from runtime.model.target import TargetModel
 @dataclass
 class DrafterLayerWeights:
     attn_norm: torch.Tensor  # [H]
-    q: torch.Tensor  # [h_l*e, H]
-    kv: torch.Tensor  # [2*g_l*e, H]  k rows | v rows
+    qkv: torch.Tensor  # [(h_l + 2*g_l)*e, H]  q rows | k rows | v rows (the block's projections: one GEMM)
     o: torch.Tensor  # [H, h_l*e]
     q_norm: torch.Tensor  # [e]
     k_norm: torch.Tensor  # [e]
@@ -98,38 +98,31 @@ class DFlashDrafter:
         c, w = self.cfg, self.w
         b, a, _ = ctx_feats.shape
         s = c.block_size
-        dev = ctx_feats.device
         feats = ctx_feats[..., self.feat_cols].to(self.target.dtype)  # [b, a, F_l]
         ctx = rms_norm(self._reduce(linear(feats, w.fc)), w.hidden_norm, c.rms_norm_eps)  # [b, a, H]
-        ctx_pos = cache.lens[:, None].long() + torch.arange(a, device=dev)  # [b, a]
-        start = cache.lens.long() + ctx_len.long()  # [b]
-        blk_pos = start[:, None] + torch.arange(s, device=dev)  # [b, s]
-        block = torch.full((b, s), self.mask_token_id, dtype=torch.long, device=dev)
-        block[:, 0] = bonus
+        ctx_pos, blk_pos = ctx_feats.new_empty(b, a, dtype=torch.long), ctx_feats.new_empty(b, s, dtype=torch.long)
+        block, visible = ctx_feats.new_empty(b, s, dtype=torch.long), ctx_feats.new_empty(b, dtype=torch.long)
+        # ctx_pos = lens + [0, a), blk_pos = start + [0, s) with start = lens + ctx_len, block = [bonus, mask x D],
+        # visible = start + s (the cache rows the block attends: the context, then the block); lens += ctx_len
+        drafter_block(cache.lens, ctx_len, bonus, self.mask_token_id, ctx_pos, blk_pos, block, visible)
         x = self.target.embed(block)  # [b, s, H] (the target's embedding: vocab-parallel under TP)
-        cos_c, sin_c = self.rope.cos_sin(ctx_pos, x.dtype)
-        cos_b, sin_b = self.rope.cos_sin(blk_pos, x.dtype)
-        cap = cache.k.shape[2]
-        rows = torch.arange(b, device=dev)[:, None]  # [b, 1]
-        write = ctx_pos.clamp(max=cap - 1)  # rows past ctx_len land at [start, ...): the block overwrites them
-        write_blk = blk_pos.clamp(max=cap - 1)  # the block's own rows, past the committed length
-        hidden = torch.arange(cap, device=dev)[None, :] >= (start + s)[:, None]  # [b, cap] past context + block
+        cos_c, sin_c = self.rope.cos_sin(ctx_pos, x.dtype)  # [b, a, e/2]
+        cos_b, sin_b = self.rope.cos_sin(blk_pos, x.dtype)  # [b, s, e/2]
         layers = w.layers
+        hq = self.heads * c.head_dim  # the q rows of qkv
         xn = rms_norm(x, layers[0].attn_norm, c.rms_norm_eps) if layers else x  # [b, s, H]
         for li, lw in enumerate(layers):
-            k_ctx, v_ctx = self._kv(lw, ctx, cos_c, sin_c)  # [b, a, g_l, e]
-            cache.k[li, rows, write] = k_ctx
-            cache.v[li, rows, write] = v_ctx
-            q = self.rope.apply_normed(linear(xn, lw.q).view(b, s, self.heads, c.head_dim), lw.q_norm,
-                                       c.rms_norm_eps, cos_b, sin_b)  # [b, s, h_l, e]
-            k_blk, v_blk = self._kv(lw, xn, cos_b, sin_b)  # [b, s, g_l, e]
-            cache.k[li, rows, write_blk] = k_blk  # scratch rows: the next call's context overwrites them
-            cache.v[li, rows, write_blk] = v_blk
-            attn = self._attend(q, cache.k[li], cache.v[li], hidden)  # [b, s, h_l*e]
+            # context rows at [lens, lens + a): rows past ctx_len land at [start, ...), which the block overwrites
+            self._store_kv(lw, linear(ctx, lw.qkv[hq:]), cos_c, sin_c, ctx_pos, cache.k[li], cache.v[li])
+            qkv = linear(xn, lw.qkv)  # [b, s, (h_l + 2*g_l)*e]
+            q = self.rope.apply_normed(qkv[..., :hq].view(b, s, self.heads, c.head_dim), lw.q_norm, c.rms_norm_eps,
+                                       cos_b, sin_b)  # [b, s, h_l, e]
+            # the block's own rows: scratch past the committed length, the next call's context overwrites them
+            self._store_kv(lw, qkv[..., hq:], cos_b, sin_b, blk_pos, cache.k[li], cache.v[li])
+            attn = drafter_attention(q, cache.k[li], cache.v[li], visible, c.head_dim ** -0.5)  # [b, s, h_l*e]
             x, hn = add_rms_norm(x, self._reduce(linear(attn, lw.o)), lw.mlp_norm, c.rms_norm_eps)  # residual, norm
             nxt = layers[li + 1].attn_norm if li + 1 < len(layers) else w.norm  # the next norm (the final one last)
             x, xn = add_rms_norm(x, self._reduce(swiglu_mlp(hn, lw.gate_up, lw.down)), nxt, c.rms_norm_eps)
-        cache.lens += ctx_len
         y = xn[:, 1:] if layers else rms_norm(x[:, 1:], w.norm, c.rms_norm_eps)  # [b, D, H] (norms are per row)
         return self.target.logits(y)
 
@@ -137,29 +130,13 @@ class DFlashDrafter:
         """Sum a sharded drafter's partial results over the group (a replicated one has none)."""
         return partial if self.shards == 1 else self.target.comm.all_reduce(partial)
 
-    def _kv(self, lw: DrafterLayerWeights, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+    def _store_kv(self, lw: DrafterLayerWeights, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """The projected K/V of rows at positions pos [b, n], kv [b, n, 2*g_l*e] (k | v; unit stride along the
+        last dim, rows may be strided), into k_cache / v_cache [b, cap, g_l, e] (rows min(pos, cap - 1)): k normed
+        per head and roped, v as projected; one kernel on CUDA."""
         c = self.cfg
-        b, n, _ = x.shape
-        k, v = linear(x, lw.kv).view(b, n, 2, self.kv_heads, c.head_dim).unbind(2)
-        return self.rope.apply_normed(k, lw.k_norm, c.rms_norm_eps, cos, sin), v
-
-    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, hidden: torch.Tensor
-                ) -> torch.Tensor:
-        """GQA without a causal mask: q [b, s, h_l, e] over the cache rows not hidden [b, cap] (visible: the
-        context and, written just before, the block).  Each kv head's rep = h_l / g_l query heads are
-        folded into its s queries, so K/V are never repeated or concatenated, and the two products are
-        plain GEMMs over the cache rows (parallel over them: a fused attention kernel gets one block
-        for these few queries and walks 32K rows alone).  Both GEMMs read the cache as stored (with b = 1 the
-        [g_l, cap, e] operands are strided views: no copy) and accumulate in fp32 (runtime/model/layers.bmm_acc);
-        scores and softmax in fp32, the probabilities rounded to the cache dtype for the second product (as
-        flash attention rounds them)."""
-        b, s, h, e = q.shape
-        g, rep = self.kv_heads, h // self.kv_heads
-        cap = k_cache.shape[1]
-        qg = q.view(b, s, g, rep, e).permute(0, 2, 3, 1, 4).reshape(b * g, rep * s, e)  # [b*g_l, rep*s, e]
-        k = k_cache.transpose(1, 2).reshape(b * g, cap, e)  # [b*g_l, cap, e]
-        v = v_cache.transpose(1, 2).reshape(b * g, cap, e)
-        scores = bmm_acc(qg, k.transpose(1, 2)).view(b, g, rep * s, cap) * e ** -0.5  # [b, g_l, rep*s, cap] fp32
-        p = scores.masked_fill(hidden[:, None, None, :], float("-inf")).softmax(-1)
-        out = bmm_acc(p.view(b * g, rep * s, cap).to(v.dtype), v).to(q.dtype)  # [b*g_l, rep*s, e]
-        return out.view(b, g, rep, s, e).permute(0, 3, 1, 2, 4).reshape(b, s, h * e)
+        b, n, _ = kv.shape
+        kv = kv.view(b * n, 2, self.kv_heads, c.head_dim)  # [b*n, 2, g_l, e]
+        kv_norm_rope_store(kv, lw.k_norm, c.rms_norm_eps, cos.reshape(b * n, -1), sin.reshape(b * n, -1),
+                           self.rope.interleave, pos, k_cache, v_cache)

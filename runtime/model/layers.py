@@ -9,12 +9,10 @@ import torch.nn.functional as F
 from plugins.common.precision import acc
 from plugins.layer_fusion import rms_norm, silu_mul
 
-__all__ = ["linear", "bmm_acc", "rms_norm", "swiglu_mlp"]
+__all__ = ["linear", "rms_norm", "swiglu_mlp"]
 
 _MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype") and \
     torch._C._dispatch_has_kernel_for_dispatch_key("aten::mm.dtype", "CUDA")
-_BMM_OUT_DTYPE = hasattr(torch.ops.aten.bmm, "dtype") and \
-    torch._C._dispatch_has_kernel_for_dispatch_key("aten::bmm.dtype", "CUDA")
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None,
@@ -37,15 +35,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None,
         return torch.mm(x.reshape(-1, k), w.t(), out_dtype=torch.float32).view(*x.shape[:-1], n)
     y = F.linear(acc(x), acc(w))  # [..., n]
     return (y if c is None else y + acc(c)).to(out_dtype)
-
-
-def bmm_acc(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [n, m, k] . b [n, k, p] (any strides) -> [n, m, p] in fp32 (fp64 for fp64): the products of the stored
-    values summed in fp32.  On CUDA a bf16 / fp16 pair is cuBLAS's fp32-output batched GEMM (aten::bmm.dtype:
-    tensor cores on the stored values, no upcast copies of either side); elsewhere both sides are upcast."""
-    if _BMM_OUT_DTYPE and a.is_cuda and a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16):
-        return torch.bmm(a, b, out_dtype=torch.float32)
-    return torch.bmm(acc(a), acc(b))
 
 
 def swiglu_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, c: torch.Tensor | None = None

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from core.config import ModelConfig
-from plugins.common.precision import acc
+from plugins.common.precision import acc_dtype
 from plugins.moe_w4a16 import moe_w4a16
 from runtime.model.layers import linear, swiglu_mlp
 from runtime.model.weights import MoEWeights
@@ -26,7 +26,7 @@ def router_logits(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     as bf16 on CUDA with an fp32 result straight from the fp32 accumulator (runtime/model/layers.linear:
     cuBLAS's aten::mm.dtype): half the bytes of an fp32 copy; elsewhere both sides are upcast (exact for
     bf16 values)."""
-    return linear(x, gate, out_dtype=acc(x).dtype)
+    return linear(x, gate, out_dtype=acc_dtype(x.dtype))
 
 
 def moe_forward(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor, e_start: int = 0,

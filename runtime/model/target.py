@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from core.config import ModelConfig
 from core.plan import ParallelPlan
-from plugins.common.precision import acc
+from plugins.common.precision import acc_dtype
 from plugins.layer_fusion import add_rms_norm
 from plugins.moe_w4a16 import MoEWorkspace, expert_dims
 from plugins.tree_accept.vocab_argmax import vocab_argmax_local, vocab_argmax_pick
@@ -82,8 +82,9 @@ class TargetModel:
                                      expert_dims(ex.w13)[1], self.dtype, self.device).buffer
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: LatentCache,
-                tree_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """tokens, positions [b, n] (positions int32 or int64); tree_mask [b, n, w].
+                tree_mask: torch.Tensor, features: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """tokens, positions [b, n] (positions int32 or int64); tree_mask [b, n, w].  features False: none
+        returned (an AR step has no drafter to feed: no concatenation kernel).
 
         Returns (hidden [b, n, d] after the final norm, features [b, n, f*d] or None), where features
         concatenates the outputs of feature_layers in order.  Writes the tokens' latent rows into
@@ -106,7 +107,7 @@ class TargetModel:
             # routed + shared (or dense) partial sums, one all-reduce; the next layer's norm (the final one last)
             nxt = layers[li + 1].attn_norm if li + 1 < len(layers) else self.w.norm
             x, hn = add_rms_norm(x, self._reduce(m), nxt, eps)  # [b, n, d] each
-            if li in self.feature_layers:
+            if features and li in self.feature_layers:
                 feats[li] = x
         hidden = hn
         features = torch.cat([feats[i] for i in self.feature_layers], dim=-1) if feats else None
@@ -125,7 +126,7 @@ class TargetModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., d] -> logits [..., v] (fp32, or fp64 for an fp64 model), the full vocabulary on
         every rank (all-gather of the vocab-parallel pieces under TP)."""
-        local = linear(hidden, self.w.lm_head, out_dtype=acc(hidden).dtype)  # [..., v_l] from the fp32 accumulator
+        local = linear(hidden, self.w.lm_head, out_dtype=acc_dtype(hidden.dtype))  # [..., v_l] from the fp32 accumulator
         if self.comm is None:
             return local
         return self.comm.all_gather(local, dim=-1)[..., :self.cfg.vocab_size].contiguous()  # [..., v]: padding cut
@@ -148,7 +149,7 @@ class TargetModel:
             logits = self.logits(hidden)  # [..., v]
             nonfinite.copy_((~torch.isfinite(logits.amax(dim=-1))).view(b, -1).any(1))
             return logits.argmax(dim=-1), nonfinite
-        local = linear(hidden, self.w.lm_head, out_dtype=acc(hidden).dtype)  # [..., v_l]
+        local = linear(hidden, self.w.lm_head, out_dtype=acc_dtype(hidden.dtype))  # [..., v_l]
         rows = local.reshape(-1, local.shape[-1])  # [R, v_l]
         pair = torch.empty(rows.shape[0], 2, dtype=torch.float64, device=rows.device)  # [R, 2] exact in fp64
         # padding rows of the vocabulary (core/plan.py) past vocab_end never win
