@@ -56,8 +56,8 @@ KDTREE_LAUNCHES = {
     "drafter_attention": 2,  # split + combine (plugins/drafter_attention/kernel.py; 1 with one split)
 }
 NO_KERNEL = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default, aten.new_empty.default,
-             aten.new_empty_strided.default, aten.lift_fresh.default, aten._unsafe_view.default, aten.sym_size.int, aten.sym_stride.int,
-             aten.sym_numel.default, aten.sym_storage_offset.default, aten.is_same_size.default}
+             aten.new_empty_strided.default, aten.lift_fresh.default, aten._unsafe_view.default, aten.sym_size.int,
+             aten.sym_stride.int, aten.sym_numel.default, aten.sym_storage_offset.default, aten.is_same_size.default}
 HOST_READS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.item.default, aten.equal.default}
 REPO_DIRS = tuple(str(ROOT / d) for d in ("runtime", "plugins", "core"))
 

@@ -1,7 +1,7 @@
 """The decode round's newer Triton kernels compile for sm_90 on this CPU machine (Triton's own ptxas), so a
 kernel that would not build fails here and not first on the GPU: the MLA absorption products, the rope tables,
-the round's emission, the two older rope kernels that share their rounding (_rotate) and the MoE routing kernel
-with the shared expert's activation, the TP greedy token's two kernels, at the specialisations
+the round's emission, the older rope kernel that shares their rounding (_rotate), the MoE routing kernel with
+the shared expert's activation, the TP greedy token's two kernels, the drafter's attention, K/V store and block, at the specialisations
 the runtime launches (bf16 K2.6 shapes at t = 1 .. 64, the fp32 tiny models).  Each gives an ELF cubin; the
 rope tables' kernel must not use the approximate cos / sin."""
 
@@ -21,8 +21,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def specialisations() -> list:
     from plugins.common.aot import TritonKernel
+    from plugins.drafter_attention.kernel import _combine_kernel, _split_kernel
     from plugins.layer_fusion.kernel import (
-        _head_norm_rope_kernel,
+        _drafter_block_kernel,
+        _kv_norm_rope_store_kernel,
         _mla_q_absorb_kernel,
         _mla_rope_kv_kernel,
         _mla_v_absorb_kernel,
@@ -54,8 +56,23 @@ def specialisations() -> list:
          "ql_ptr": "*bf16", "qw_ptr": "*bf16", "qo_ptr": "*bf16", "eps": "fp32"}
     out.append(kernel("rope_kv_bf16", _mla_rope_kv_kernel, t, dict(INTERLEAVE=True, BLOCK_C=512, BLOCK_R=32,
                                                                    BLOCK_Q=2048), 4))
-    t = {"x_ptr": "*bf16", "w_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32"}
-    out.append(kernel("head_norm_rope_bf16", _head_norm_rope_kernel, t, dict(INTERLEAVE=False, BLOCK=64), 1))
+    # the drafter (K2.6: head_dim 128, block 8, 8 q heads over 1 kv head per rank when sharded)
+    t = {"kv_ptr": "*bf16", "w_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "pos_ptr": "*i64",
+         "k_ptr": "*bf16", "v_ptr": "*bf16", "q_ptr": "*bf16", "qw_ptr": "*bf16", "qo_ptr": "*bf16", "eps": "fp32"}
+    for has_q in (False, True):
+        out.append(kernel(f"kv_norm_rope_store_q{int(has_q)}", _kv_norm_rope_store_kernel, t,
+                          dict(INTERLEAVE=False, HAS_Q=has_q, BLOCK=64), 1))
+    t = {"lens_ptr": "*i32", "ctx_len_ptr": "*i32", "bonus_ptr": "*i64", "ctx_pos_ptr": "*i64", "blk_pos_ptr": "*i64",
+         "block_ptr": "*i64", "visible_ptr": "*i64", "mask_id": "i32"}
+    out.append(kernel("drafter_block", _drafter_block_kernel, t, dict(BLOCK_A=16, BLOCK_S=8), 1))
+    t = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "vis_ptr": "*i64", "out_ptr": "*bf16",
+         "o_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "scale": "fp32"}
+    for direct in (False, True):
+        c = dict(E=128, BLOCK_M=64, BLOCK_N=64, DIRECT=direct, IEEE=False)
+        out.append(kernel(f"drafter_attention_split_direct{int(direct)}", _split_kernel, t, c, 8))
+    out.append(kernel("drafter_attention_combine", _combine_kernel, {"o_ptr": "*fp32", "m_ptr": "*fp32",
+                                                                     "l_ptr": "*fp32", "out_ptr": "*bf16"},
+                      dict(E=128, BLOCK_M=64, S_PAD=32), 1))
     t = {"cand_ptr": "*i64", "count_ptr": "*i32", "stop_ptr": "*i64", "produced_ptr": "*i32", "max_new_ptr": "*i32",
          "live_ptr": "*i32", "nonfinite_ptr": "*i64", "out_ptr": "*i64", "bonus_ptr": "*i64", "tok_ptr": "*i64",
          "idx_ptr": "*i32", "ctx_ptr": "*i64"}
@@ -84,7 +101,7 @@ def test_round_kernels_compile_for_sm90(tmp_path):
                           text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     recs = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(recs) == 18
+    assert len(recs) == 23
     for r in recs:
         assert (tmp_path / r["cubin"]).read_bytes()[:4] == b"\x7fELF", r
         if r["name"].startswith("rope"):

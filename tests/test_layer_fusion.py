@@ -25,7 +25,6 @@ from interpreter import interpreted
 from plugins.layer_fusion.reference import (
     add_rms_norm_reference,
     drafter_block_reference,
-    head_norm_rope_reference,
     kv_norm_rope_store_reference,
     mla_q_absorb_reference,
     mla_rope_kv_reference,
@@ -63,7 +62,6 @@ def run_cases(device: str, count: int, seed: int = 0) -> list[dict]:
     from plugins.layer_fusion.kernel import (
         add_rms_norm_triton,
         drafter_block_triton,
-        head_norm_rope_triton,
         kv_norm_rope_store_triton,
         mla_q_absorb_triton,
         mla_rope_kv_triton,
@@ -166,36 +164,34 @@ def run_cases(device: str, count: int, seed: int = 0) -> list[dict]:
                         err=max(err, q_err)))
 
         # silu_mul: gate_up [t, 2i] rows of a wider buffer
-        # head_norm_rope: the drafter's k heads, read from a [t, 2, g, e] GEMM output (k rows | v rows)
         hh, e = pick((1, 4, 8)), pick((128, 16, 6))
-        kv = rnd(t, 2, hh, e, dtype=dt, scale=2)
-        hw = rnd(e, dtype=dt)
-        cos, sin = rnd(t, e // 2, dtype=dt), rnd(t, e // 2, dtype=dt)
-        got = torch.empty(t, hh, e, dtype=dt, device=device)
-        head_norm_rope_triton(kv[:, 0], hw, 1e-6, cos, sin, interleave, got)
-        want = head_norm_rope_reference(kv[:, 0], hw, 1e-6, cos, sin, interleave)
-        # rope's differences cancel: a one-ulp change of the norm shows relative to the row's scale, not the element's
-        err = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
-        ok = bool(torch.isfinite(got.float()).all()) and err <= 2 * ULP[dt]
-        out.append(dict(op="head_norm_rope", case=f"t{t} h{hh} e{e} {dt} il={interleave}", ok=ok, err=err))
-
-        # kv_norm_rope_store: those heads into the cache rows of their positions (distinct rows; the last token of
-        # a request may sit past the cache: clamped to its last row), the v heads copied as they are
-        bq, n, cap = pick((1, 2, 3)), pick((1, 5, 8)), pick((12, 40))
+        # kv_norm_rope_store: the drafter's k heads (norm + rope) of 1-3 layers into the cache rows of their positions (distinct rows; the
+        # last token of a request may sit past the cache: clamped to its last row), the v heads copied as they are
+        bq, n, cap, ly = pick((1, 2, 3)), pick((1, 5, 8)), pick((12, 40)), pick((1, 3))
         pos = torch.stack([torch.randperm(cap - 1, generator=g)[:n] for _ in range(bq)])  # [bq, n] < cap - 1
         if k % 2:
             pos[:, -1] = cap + int(torch.randint(0, 5, (1,), generator=g))
         pos = pos.to(device)
-        kv = rnd(bq * n, 2 * hh * e + 3, dtype=dt, scale=2)[:, :2 * hh * e].view(bq * n, 2, hh, e)
+        width = ly * 2 * hh * e
+        kv = rnd(bq * n, width + 3, dtype=dt, scale=2)[:, :width].view(bq * n, ly, 2, hh, e)
+        kn = rnd(ly, e, dtype=dt)
         cos, sin = rnd(bq * n, e // 2, dtype=dt), rnd(bq * n, e // 2, dtype=dt)
-        kc, vc = rnd(bq, cap, hh, e, dtype=dt), rnd(bq, cap, hh, e, dtype=dt)
+        kc, vc = rnd(ly, bq, cap, hh, e, dtype=dt), rnd(ly, bq, cap, hh, e, dtype=dt)
         kw, vw = kc.clone(), vc.clone()
-        kv_norm_rope_store_triton(kv, hw, 1e-6, cos, sin, interleave, pos, kc, vc)
-        kv_norm_rope_store_reference(kv, hw, 1e-6, cos, sin, interleave, pos, kw, vw)
+        q = qw = q_got = q_want = None
+        if ly == 1 and k % 3:  # the block's call: its q heads (more than the kv heads, or fewer) in the same launch
+            qh = pick((1, 2 * hh, 3))
+            q = rnd(bq * n, qh * e + 5, dtype=dt, scale=2)[:, :qh * e].view(bq * n, qh, e)
+            qw = rnd(e, dtype=dt)
+            q_got, q_want = torch.empty_like(q), torch.empty_like(q)
+        kv_norm_rope_store_triton(kv, kn, 1e-6, cos, sin, interleave, pos, kc, vc, q, qw, q_got)
+        kv_norm_rope_store_reference(kv, kn, 1e-6, cos, sin, interleave, pos, kw, vw, q, qw, q_want)
         err = float((kc.float() - kw.float()).abs().max() / kw.float().abs().max().clamp_min(1e-30))
+        if q is not None:
+            err = max(err, float((q_got.float() - q_want.float()).abs().max() / q_want.float().abs().max()))
         ok = bool(torch.isfinite(kc.float()).all()) and err <= 2 * ULP[dt] and torch.equal(vc, vw)
-        out.append(dict(op="kv_norm_rope_store", case=f"b{bq} n{n} cap{cap} h{hh} e{e} {dt} il={interleave}", ok=ok,
-                        err=err))
+        out.append(dict(op="kv_norm_rope_store", case=f"L{ly} b{bq} n{n} cap{cap} h{hh} e{e} {dt} il={interleave} "
+                        f"q={q is not None}", ok=ok, err=err))
 
         # drafter_block: positions, block tokens and visible lengths; lens advanced (integers: exact)
         bq, a, s = pick((1, 2, 4)), pick((1, 3, 9)), pick((2, 8))
@@ -231,7 +227,7 @@ def interpreter_results():
 
 
 @pytest.mark.parametrize("op", ["add_rms_norm", "rms_norm", "rope_cos_sin", "mla_q_absorb", "mla_v_absorb",
-                                "mla_rope_kv", "silu_mul", "head_norm_rope", "kv_norm_rope_store",
+                                "mla_rope_kv", "silu_mul", "kv_norm_rope_store",
                                 "drafter_block"])
 def test_kernel_matches_reference_in_interpreter(interpreter_results, op):
     cases = [c for c in interpreter_results if c["op"] == op]

@@ -17,7 +17,6 @@ from plugins.common.op import kdtree_op
 from plugins.layer_fusion.reference import (
     add_rms_norm_reference,
     drafter_block_reference,
-    head_norm_rope_reference,
     kv_norm_rope_store_reference,
     mla_q_absorb_reference,
     mla_rope_kv_reference,
@@ -29,7 +28,7 @@ from plugins.layer_fusion.reference import (
 )
 
 __all__ = ["rms_norm", "add_rms_norm", "rope_cos_sin", "mla_q_absorb", "mla_v_absorb", "mla_rope_kv", "silu_mul",
-           "head_norm_rope", "kv_norm_rope_store", "drafter_block", "rotate_reference"]
+           "kv_norm_rope_store", "drafter_block", "rotate_reference"]
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # KDTREE_FUSION=0 (read once, at import): the references on CUDA too, i.e. the unfused torch ops, the peer
@@ -273,78 +272,53 @@ def _mla_rope_kv_cuda(latent: torch.Tensor, weight: torch.Tensor, eps: float, co
 
 # ---- the drafter's attention heads
 
-def head_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                   interleave: bool) -> torch.Tensor:
-    """x [t, h, e] (unit stride along e; e.g. heads of a GEMM output), weight [e], cos/sin [t, e/2] ->
-    [t, h, e] = rope(rms_norm(x) * weight), de-interleaved (Qwen3-style q / k norm, then rope)."""
-    if not _fused(x, weight, cos, sin):
-        return head_norm_rope_reference(x, weight, eps, cos, sin, interleave)
-    return head_norm_rope_op(x, weight, eps, cos, sin, interleave)
-
-
-@kdtree_op("head_norm_rope", mutates_args=())
-def head_norm_rope_op(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                      interleave: bool) -> torch.Tensor:
-    return head_norm_rope_reference(x, weight, eps, cos, sin, interleave)
-
-
-@head_norm_rope_op.register_fake
-def _(x, weight, eps, cos, sin, interleave):
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
-
-
-@head_norm_rope_op.register_kernel("cuda")
-def _head_norm_rope_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                         interleave: bool) -> torch.Tensor:
-    if not _fused(x, weight, cos, sin):
-        return head_norm_rope_reference(x, weight, eps, cos, sin, interleave)
-    from plugins.layer_fusion.kernel import head_norm_rope_triton
-    t, h, e = x.shape
-    if x.stride(2) != 1 or e % 2 or weight.shape != (e,) or cos.shape != (t, e // 2) or cos.stride(1) != 1 \
-            or sin.stride() != cos.stride():
-        raise ValueError(f"head_norm_rope: need x [t, h, e] with unit last stride, weight [e], cos/sin [t, e/2]; got "
-                         f"x {tuple(x.shape)} {x.stride()}, weight {tuple(weight.shape)}, cos {tuple(cos.shape)}")
-    out = torch.empty(t, h, e, dtype=x.dtype, device=x.device)
-    head_norm_rope_triton(x, weight, eps, cos, sin, interleave, out)
-    return out
-
-
 def kv_norm_rope_store(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                       interleave: bool, pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """The drafter's new K/V rows into its cache in one launch (reference.kv_norm_rope_store_reference): kv [t, 2,
-    g, e] (a GEMM's k | v heads), cos/sin [t, e/2], pos [b, n] int64 (t = b * n), k_cache / v_cache [b, cap, g, e]."""
-    if not _fused(kv, weight, cos, sin, k_cache, v_cache):
-        kv_norm_rope_store_reference(kv, weight, eps, cos, sin, interleave, pos, k_cache, v_cache)
-        return
-    kv_norm_rope_store_op(kv, weight, eps, cos, sin, interleave, pos, k_cache, v_cache)
+                       interleave: bool, pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       q: torch.Tensor | None = None, q_weight: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The drafter's new K/V rows into its cache in one launch, for one layer or all of them
+    (reference.kv_norm_rope_store_reference): kv [t, L, 2, g, e] (a GEMM's k | v heads per layer), weight [L, e],
+    cos/sin [t, e/2], pos [b, n] int64 (t = b * n), k_cache / v_cache [L, b, cap, g, e].  With q [t, h, e] (unit
+    last stride) and q_weight [e]: also returns the q heads normed and roped, [t, h, e], from the same launch."""
+    q_out = None if q is None else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if not _fused(kv, weight, cos, sin, k_cache, v_cache, q, q_weight):
+        kv_norm_rope_store_reference(kv, weight, eps, cos, sin, interleave, pos, k_cache, v_cache, q, q_weight, q_out)
+    else:
+        kv_norm_rope_store_op(kv, weight, eps, cos, sin, interleave, pos, k_cache, v_cache, q, q_weight, q_out)
+    return q_out
 
 
-@kdtree_op("kv_norm_rope_store", mutates_args=("k_cache", "v_cache"))
+@kdtree_op("kv_norm_rope_store", mutates_args=("k_cache", "v_cache", "q_out"))
 def kv_norm_rope_store_op(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                          interleave: bool, pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    kv_norm_rope_store_reference(kv, weight, eps, cos, sin, interleave, pos, k_cache, v_cache)
+                          interleave: bool, pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          q: torch.Tensor | None, q_weight: torch.Tensor | None, q_out: torch.Tensor | None) -> None:
+    kv_norm_rope_store_reference(kv, weight, eps, cos, sin, interleave, pos, k_cache, v_cache, q, q_weight, q_out)
 
 
 @kv_norm_rope_store_op.register_kernel("cuda")
 def _kv_norm_rope_store_cuda(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
                              sin: torch.Tensor, interleave: bool, pos: torch.Tensor, k_cache: torch.Tensor,
-                             v_cache: torch.Tensor) -> None:
-    if not _fused(kv, weight, cos, sin, k_cache, v_cache):
-        kv_norm_rope_store_reference(kv, weight, eps, cos, sin, interleave, pos, k_cache, v_cache)
+                             v_cache: torch.Tensor, q: torch.Tensor | None, q_weight: torch.Tensor | None,
+                             q_out: torch.Tensor | None) -> None:
+    if not _fused(kv, weight, cos, sin, k_cache, v_cache, q, q_weight):
+        kv_norm_rope_store_reference(kv, weight, eps, cos, sin, interleave, pos, k_cache, v_cache, q, q_weight, q_out)
         return
     from plugins.layer_fusion.kernel import kv_norm_rope_store_triton
-    t, two, g, e = kv.shape
+    t, layers, two, g, e = kv.shape
     b, n = pos.shape
-    if two != 2 or kv.stride(3) != 1 or e % 2 or t != b * n or pos.dtype != torch.int64 or not pos.is_contiguous() \
-            or weight.shape != (e,) or cos.shape != (t, e // 2) or cos.stride(1) != 1 or sin.stride() != cos.stride() \
-            or k_cache.shape[0] != b or k_cache.shape[2:] != (g, e) or v_cache.shape != k_cache.shape \
-            or v_cache.stride() != k_cache.stride() or k_cache.stride(3) != 1:
-        raise ValueError(f"kv_norm_rope_store: need kv [t, 2, g, e] (unit last stride), pos int64 [b, n] with "
-                         f"t = b*n, weight [e], cos/sin [t, e/2], k_cache = v_cache [b, cap, g, e] (same strides); "
-                         f"got kv {tuple(kv.shape)} {kv.stride()}, pos {pos.dtype} {tuple(pos.shape)}, cos "
-                         f"{tuple(cos.shape)}, k_cache {tuple(k_cache.shape)} {k_cache.stride()}, v_cache "
-                         f"{tuple(v_cache.shape)} {v_cache.stride()}")
-    kv_norm_rope_store_triton(kv, weight, eps, cos, sin, interleave, pos, k_cache, v_cache)
+    if two != 2 or kv.stride(4) != 1 or e % 2 or t != b * n or pos.dtype != torch.int64 or not pos.is_contiguous() \
+            or weight.shape != (layers, e) or weight.stride(1) != 1 or cos.shape != (t, e // 2) or cos.stride(1) != 1 \
+            or sin.stride() != cos.stride() or k_cache.shape[:2] != (layers, b) or k_cache.shape[3:] != (g, e) \
+            or v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride() or k_cache.stride(4) != 1:
+        raise ValueError(f"kv_norm_rope_store: need kv [t, L, 2, g, e] (unit last stride), pos int64 [b, n] with "
+                         f"t = b*n, weight [L, e], cos/sin [t, e/2], k_cache = v_cache [L, b, cap, g, e] (same "
+                         f"strides); got kv {tuple(kv.shape)} {kv.stride()}, weight {tuple(weight.shape)}, pos "
+                         f"{pos.dtype} {tuple(pos.shape)}, cos {tuple(cos.shape)}, k_cache {tuple(k_cache.shape)} "
+                         f"{k_cache.stride()}, v_cache {tuple(v_cache.shape)} {v_cache.stride()}")
+    if q is not None and (q.dim() != 3 or q.shape[0] != t or q.shape[2] != e or q.stride(2) != 1
+                          or q_weight.shape != (e,) or q_out.shape != q.shape or q_out.stride(2) != 1):
+        raise ValueError(f"kv_norm_rope_store: need q [{t}, h, {e}] (unit last stride), q_weight [{e}], q_out as q; "
+                         f"got q {tuple(q.shape)} {q.stride()}, q_weight {tuple(q_weight.shape)}")
+    kv_norm_rope_store_triton(kv, weight, eps, cos, sin, interleave, pos, k_cache, v_cache, q, q_weight, q_out)
 
 
 def drafter_block(lens: torch.Tensor, ctx_len: torch.Tensor, bonus: torch.Tensor, mask_id: int, ctx_pos: torch.Tensor,

@@ -11,9 +11,9 @@ KB of data.  Each kernel here is one launch per stage and reads its inputs once:
                 value dims) at decode sizes; fp32 accumulation rounded once, as the bmm it replaces)
   mla_rope_kv   out[t] = [rms_norm(c_kv[t]) * w | rope(k_pe[t])]        (one program per token)
   silu_mul      h[t, j] = silu(gate[t, j]) * up[t, j]                   (programs over (t, i) tiles)
-  head_norm_rope  out[t, h] = rope(rms_norm(x[t, h]) * w)              (the drafter's q / k heads; per (t, h))
-  kv_norm_rope_store  the drafter's k heads normed and roped, its v heads as they are, into the cache rows
-                of their positions (per (t, g, k or v))
+  kv_norm_rope_store  the drafter's k heads normed and roped (rope(rms_norm(k[t, g]) * w)), its v heads as they
+                are, into the cache rows of their positions, for one layer or all (per (t, g, layer and k or v));
+                the block's q heads normed and roped too
   drafter_block  the drafter block's positions, tokens, visible length; the committed length advanced (per request)
 Rounding: every value the reference rounds to the storage dtype is rounded here at the same point
 (`.to(dtype)` then back to fp32); fp contraction is off, so fp32 models also match the reference's
@@ -314,74 +314,63 @@ def _norm_rope_head(src, w_ptr, cos_row, sin_row, E2, eps, dt: tl.constexpr, INT
 
 
 @triton.jit
-def _head_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, E2, s_xt, s_xh, s_ct, s_ot, s_oh, eps,
-                           INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (t, h): out[t, h] = rope(rms_norm(x[t, h]) * w)."""
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    dt = out_ptr.dtype.element_ty
-    lo, hi = _norm_rope_head(x_ptr + t * s_xt + h * s_xh, w_ptr, cos_ptr + t * s_ct, sin_ptr + t * s_ct, E2, eps, dt,
-                             INTERLEAVE, BLOCK)
-    j = tl.arange(0, BLOCK)
-    m = j < E2
-    out = out_ptr + t * s_ot + h * s_oh
-    tl.store(out + j, lo.to(dt), mask=m)
-    tl.store(out + E2 + j, hi.to(dt), mask=m)
-
-
-def head_norm_rope_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                          interleave: bool, out: torch.Tensor) -> None:
-    """x [t, h, e] (unit stride along e), cos/sin [t, e/2] -> out [t, h, e] = rope(rms_norm(x) * weight)."""
-    t, h, e = x.shape
-    if t * h == 0:
-        return
-    e2 = e // 2
-    _head_norm_rope_kernel[(t, h)](x, weight, cos, sin, out, e2, x.stride(0), x.stride(1), cos.stride(0),
-                                   out.stride(0), out.stride(1), eps, INTERLEAVE=interleave,
-                                   BLOCK=triton.next_power_of_2(e2), num_warps=1, **_OPTS)
-
-
-@triton.jit
-def _kv_norm_rope_store_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, E2, N, CAP,
-                               s_kvt, s_kvw, s_kvg, s_ct, s_cb, s_cr, s_cg, eps,
-                               INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (t, g, w): token t = request * N + row of the [t, 2, g, e] GEMM output goes to cache row
-    min(pos[t], CAP - 1) of its request; w = 0: k_cache[.., g] = rope(rms_norm(k[t, g]) * w), w = 1:
-    v_cache[.., g] = v[t, g] as is."""
+def _kv_norm_rope_store_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, q_ptr, qw_ptr, qo_ptr,
+                               E2, N, CAP, G, H, L, s_kvt, s_kvl, s_kvw, s_kvg, s_wl, s_ct, s_cl, s_cb, s_cr, s_cg,
+                               s_qt, s_qh, s_qot, s_qoh, eps, INTERLEAVE: tl.constexpr, HAS_Q: tl.constexpr,
+                               BLOCK: tl.constexpr):
+    """Program (t, head, 2 * layer + w): token t = request * N + row of the [t, L, 2, g, e] GEMM output goes to
+    cache row min(pos[t], CAP - 1) of its request in that layer; w = 0: k_cache[.., head] = rope(rms_norm(k[t,
+    head]) * w), w = 1: v_cache[.., head] = v[t, head] as is (heads >= G idle).  HAS_Q: programs (t, head, 2L)
+    also write q_out[t, head] = rope(rms_norm(q[t, head]) * q_w) for head < H."""
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1).to(tl.int64)
-    which = tl.program_id(2)
-    row = tl.minimum(tl.load(pos_ptr + t), CAP - 1)
-    dst = (t // N) * s_cb + row * s_cr + g * s_cg
-    src = kv_ptr + t * s_kvt + g * s_kvg
+    lw = tl.program_id(2)
     j = tl.arange(0, BLOCK)
     m = j < E2
-    if which == 0:
-        dt = k_ptr.dtype.element_ty
-        lo, hi = _norm_rope_head(src, w_ptr, cos_ptr + t * s_ct, sin_ptr + t * s_ct, E2, eps, dt, INTERLEAVE,
-                                 BLOCK)
-        tl.store(k_ptr + dst + j, lo.to(dt), mask=m)
-        tl.store(k_ptr + dst + E2 + j, hi.to(dt), mask=m)
-    else:
-        tl.store(v_ptr + dst + j, tl.load(src + s_kvw + j, mask=m), mask=m)
-        tl.store(v_ptr + dst + E2 + j, tl.load(src + s_kvw + E2 + j, mask=m), mask=m)
+    if lw < 2 * L:
+        if g < G:
+            layer = (lw // 2).to(tl.int64)
+            row = tl.minimum(tl.load(pos_ptr + t), CAP - 1)
+            dst = layer * s_cl + (t // N) * s_cb + row * s_cr + g * s_cg
+            src = kv_ptr + t * s_kvt + layer * s_kvl + g * s_kvg
+            if lw % 2 == 0:
+                dt = k_ptr.dtype.element_ty
+                lo, hi = _norm_rope_head(src, w_ptr + layer * s_wl, cos_ptr + t * s_ct, sin_ptr + t * s_ct, E2, eps,
+                                         dt, INTERLEAVE, BLOCK)
+                tl.store(k_ptr + dst + j, lo.to(dt), mask=m)
+                tl.store(k_ptr + dst + E2 + j, hi.to(dt), mask=m)
+            else:
+                tl.store(v_ptr + dst + j, tl.load(src + s_kvw + j, mask=m), mask=m)
+                tl.store(v_ptr + dst + E2 + j, tl.load(src + s_kvw + E2 + j, mask=m), mask=m)
+    elif HAS_Q:
+        if g < H:
+            dt = qo_ptr.dtype.element_ty
+            lo, hi = _norm_rope_head(q_ptr + t * s_qt + g * s_qh, qw_ptr, cos_ptr + t * s_ct, sin_ptr + t * s_ct, E2,
+                                     eps, dt, INTERLEAVE, BLOCK)
+            out = qo_ptr + t * s_qot + g * s_qoh
+            tl.store(out + j, lo.to(dt), mask=m)
+            tl.store(out + E2 + j, hi.to(dt), mask=m)
 
 
 def kv_norm_rope_store_triton(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
                               sin: torch.Tensor, interleave: bool, pos: torch.Tensor, k_cache: torch.Tensor,
-                              v_cache: torch.Tensor) -> None:
-    """kv [t, 2, g, e] (unit stride along e), cos/sin [t, e/2], pos [b, n] int64 (t = b * n), k_cache / v_cache
-    [b, cap, g, e] (the same strides): the tokens' k heads normed and roped, their v heads as they are, into
-    cache rows min(pos, cap - 1)."""
-    t, _, g, e = kv.shape
-    if t * g == 0:
+                              v_cache: torch.Tensor, q: torch.Tensor | None = None, q_weight: torch.Tensor | None = None,
+                              q_out: torch.Tensor | None = None) -> None:
+    """kv [t, L, 2, g, e] (unit stride along e), weight [L, e], cos/sin [t, e/2], pos [b, n] int64 (t = b * n),
+    k_cache / v_cache [L, b, cap, g, e] (the same strides): every layer's k heads normed and roped, v heads as they
+    are, into cache rows min(pos, cap - 1); with q [t, h, e], q_weight [e]: q_out [t, h, e] = the q heads normed
+    and roped (head_norm_rope) in the same launch."""
+    t, layers, _, g, e = kv.shape
+    h = q.shape[1] if q is not None else 0
+    if t * max(g, h) == 0 or layers + h == 0:
         return
-    e2 = e // 2
-    _kv_norm_rope_store_kernel[(t, g, 2)](kv, weight, cos, sin, pos, k_cache, v_cache, e2, pos.shape[1],
-                                          k_cache.shape[1], kv.stride(0), kv.stride(1), kv.stride(2), cos.stride(0),
-                                          k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
-                                          INTERLEAVE=interleave, BLOCK=triton.next_power_of_2(e2), num_warps=1,
-                                          **_OPTS)
+    qs = (q.stride(0), q.stride(1), q_out.stride(0), q_out.stride(1)) if q is not None else (0, 0, 0, 0)
+    _kv_norm_rope_store_kernel[(t, max(g, h), 2 * layers + (q is not None))](
+        kv, weight, cos, sin, pos, k_cache, v_cache, q if q is not None else kv, q_weight if q is not None else weight,
+        q_out if q is not None else k_cache, e // 2, pos.shape[1], k_cache.shape[2], g, h, layers,
+        kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), weight.stride(0), cos.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3), *qs, eps,
+        INTERLEAVE=interleave, HAS_Q=q is not None, BLOCK=triton.next_power_of_2(e // 2), num_warps=1, **_OPTS)
 
 
 @triton.jit

@@ -103,18 +103,23 @@ def head_norm_rope_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, 
 
 def kv_norm_rope_store_reference(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
                                  sin: torch.Tensor, interleave: bool, pos: torch.Tensor, k_cache: torch.Tensor,
-                                 v_cache: torch.Tensor) -> None:
-    """The drafter's new K/V rows into its cache: kv [t, 2, g, e] (k heads, then v heads: a GEMM's output),
-    cos/sin [t, e/2], pos [b, n] (t = b * n tokens, request-major); k_cache / v_cache [b, cap, g, e].  Token
-    (r, j)'s k heads, normed and roped (head_norm_rope), and its v heads go to row min(pos[r, j], cap - 1) of
-    request r."""
+                                 v_cache: torch.Tensor, q: torch.Tensor | None = None,
+                                 q_weight: torch.Tensor | None = None, q_out: torch.Tensor | None = None) -> None:
+    """The drafter's new K/V rows into its cache, for L layers at once: kv [t, L, 2, g, e] (per layer the k heads,
+    then the v heads: a GEMM's output), weight [L, e] (each layer's k norm), cos/sin [t, e/2], pos [b, n] (t = b * n
+    tokens, request-major); k_cache / v_cache [L, b, cap, g, e].  Token (r, j)'s k heads of layer l, normed and
+    roped (head_norm_rope), and its v heads go to row min(pos[r, j], cap - 1) of request r in layer l.  With q
+    [t, h, e] and q_weight [e]: q_out [t, h, e] = head_norm_rope(q) too (the block's queries, same positions)."""
     b, n = pos.shape
-    g, e = kv.shape[2], kv.shape[3]
-    k = head_norm_rope_reference(kv[:, 0], weight, eps, cos, sin, interleave).view(b, n, g, e)
+    layers, g, e = kv.shape[1], kv.shape[3], kv.shape[4]
     rows = torch.arange(b, device=pos.device)[:, None]  # [b, 1]
-    dest = pos.clamp(max=k_cache.shape[1] - 1)  # [b, n]
-    k_cache[rows, dest] = k
-    v_cache[rows, dest] = kv[:, 1].reshape(b, n, g, e)
+    dest = pos.clamp(max=k_cache.shape[2] - 1)  # [b, n]
+    for li in range(layers):
+        k = head_norm_rope_reference(kv[:, li, 0], weight[li], eps, cos, sin, interleave).view(b, n, g, e)
+        k_cache[li, rows, dest] = k
+        v_cache[li, rows, dest] = kv[:, li, 1].reshape(b, n, g, e)
+    if q is not None:
+        q_out.copy_(head_norm_rope_reference(q, q_weight, eps, cos, sin, interleave))
 
 
 def drafter_block_reference(lens: torch.Tensor, ctx_len: torch.Tensor, bonus: torch.Tensor, mask_id: int,

@@ -101,6 +101,9 @@ def assemble_drafter(cfg: DrafterConfig, flat: dict[str, torch.Tensor], target: 
             q_norm=flat.pop(p + "q_norm"), k_norm=flat.pop(p + "k_norm"), mlp_norm=flat.pop(p + "mlp_norm"),
             gate_up=torch.cat([rows(p + "gate", i), rows(p + "up", i)]), down=cols(p + "down", i)))
     fc = cols("fc", len(cfg.target_layer_ids) * target.cfg.hidden_size)
+    hq = cfg.num_heads // shards * e  # q rows of each qkv
+    ctx_kv = torch.cat([lw.qkv[hq:] for lw in layers]) if layers else fc.new_empty(0, cfg.hidden_size)
+    k_norms = torch.stack([lw.k_norm for lw in layers]) if layers else fc.new_empty(0, e)
     weights = DrafterWeights(fc=fc, hidden_norm=flat.pop("hidden_norm"), layers=layers, norm=flat.pop("norm"),
-                             shards=shards)
+                             ctx_kv=ctx_kv, k_norms=k_norms, shards=shards)
     return DFlashDrafter(cfg, weights, target)

@@ -51,6 +51,8 @@ class DrafterWeights:
     hidden_norm: torch.Tensor  # [H]
     layers: list[DrafterLayerWeights]
     norm: torch.Tensor  # [H]
+    ctx_kv: torch.Tensor  # [layers*2*g_l*e, H] every layer's k | v rows (a copy): the context's K/V in one GEMM
+    k_norms: torch.Tensor  # [layers, e] every layer's k_norm
     shards: int = 1  # 1: whole (replicated on every rank); tp: this rank's cut of heads, MLP and fc input
 
 
@@ -111,14 +113,15 @@ class DFlashDrafter:
         layers = w.layers
         hq = self.heads * c.head_dim  # the q rows of qkv
         xn = rms_norm(x, layers[0].attn_norm, c.rms_norm_eps) if layers else x  # [b, s, H]
+        if layers:  # every layer's context rows at [lens, lens + a): one GEMM, one kernel (the context is shared)
+            # rows past ctx_len land at [start, ...), which each layer's block overwrites below
+            self._store_kv(linear(ctx, w.ctx_kv), w.k_norms, cos_c, sin_c, ctx_pos, cache.k, cache.v)
         for li, lw in enumerate(layers):
-            # context rows at [lens, lens + a): rows past ctx_len land at [start, ...), which the block overwrites
-            self._store_kv(lw, linear(ctx, lw.qkv[hq:]), cos_c, sin_c, ctx_pos, cache.k[li], cache.v[li])
             qkv = linear(xn, lw.qkv)  # [b, s, (h_l + 2*g_l)*e]
-            q = self.rope.apply_normed(qkv[..., :hq].view(b, s, self.heads, c.head_dim), lw.q_norm, c.rms_norm_eps,
-                                       cos_b, sin_b)  # [b, s, h_l, e]
-            # the block's own rows: scratch past the committed length, the next call's context overwrites them
-            self._store_kv(lw, qkv[..., hq:], cos_b, sin_b, blk_pos, cache.k[li], cache.v[li])
+            # the block's own rows: scratch past the committed length, the next call's context overwrites them;
+            # its queries normed and roped in the same kernel
+            q = self._store_kv(qkv[..., hq:], w.k_norms[li:li + 1], cos_b, sin_b, blk_pos, cache.k[li:li + 1],
+                               cache.v[li:li + 1], qkv[..., :hq], lw.q_norm).view(b, s, self.heads, c.head_dim)
             attn = drafter_attention(q, cache.k[li], cache.v[li], visible, c.head_dim ** -0.5)  # [b, s, h_l*e]
             x, hn = add_rms_norm(x, self._reduce(linear(attn, lw.o)), lw.mlp_norm, c.rms_norm_eps)  # residual, norm
             nxt = layers[li + 1].attn_norm if li + 1 < len(layers) else w.norm  # the next norm (the final one last)
@@ -130,13 +133,16 @@ class DFlashDrafter:
         """Sum a sharded drafter's partial results over the group (a replicated one has none)."""
         return partial if self.shards == 1 else self.target.comm.all_reduce(partial)
 
-    def _store_kv(self, lw: DrafterLayerWeights, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        """The projected K/V of rows at positions pos [b, n], kv [b, n, 2*g_l*e] (k | v; unit stride along the
-        last dim, rows may be strided), into k_cache / v_cache [b, cap, g_l, e] (rows min(pos, cap - 1)): k normed
-        per head and roped, v as projected; one kernel on CUDA."""
+    def _store_kv(self, kv: torch.Tensor, k_norms: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor | None = None,
+                  q_norm: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The projected K/V of L layers for rows at positions pos [b, n]: kv [b, n, L*2*g_l*e] (per layer k | v;
+        unit stride along the last dim, rows may be strided), k_norms [L, e], into k_cache / v_cache
+        [L, b, cap, g_l, e] (rows min(pos, cap - 1)): k normed per head and roped, v as projected.  With q
+        [b, n, h_l*e] and q_norm [e]: returns the queries normed and roped, [b*n, h_l, e].  One kernel on CUDA."""
         c = self.cfg
         b, n, _ = kv.shape
-        kv = kv.view(b * n, 2, self.kv_heads, c.head_dim)  # [b*n, 2, g_l, e]
-        kv_norm_rope_store(kv, lw.k_norm, c.rms_norm_eps, cos.reshape(b * n, -1), sin.reshape(b * n, -1),
-                           self.rope.interleave, pos, k_cache, v_cache)
+        kv = kv.view(b * n, k_norms.shape[0], 2, self.kv_heads, c.head_dim)  # [b*n, L, 2, g_l, e]
+        qh = None if q is None else q.view(b * n, self.heads, c.head_dim)  # [b*n, h_l, e]
+        return kv_norm_rope_store(kv, k_norms, c.rms_norm_eps, cos.reshape(b * n, -1), sin.reshape(b * n, -1),
+                                  self.rope.interleave, pos, k_cache, v_cache, qh, q_norm)

@@ -13,7 +13,7 @@ import math
 import torch
 
 from core.config import RopeConfig
-from plugins.layer_fusion import head_norm_rope, rope_cos_sin, rotate_reference
+from plugins.layer_fusion import rope_cos_sin, rotate_reference
 
 
 def inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
@@ -55,12 +55,3 @@ class Rope:
         if x.dim() == 4:
             cos, sin = cos[:, :, None], sin[:, :, None]
         return rotate_reference(x, cos, sin, self.interleave)
-
-    def apply_normed(self, x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
-                     sin: torch.Tensor) -> torch.Tensor:
-        """x [b, n, h, r] (unit stride along r) -> apply(rms_norm(x) * weight) [b, n, h, r], per-head norm and
-        rope in one kernel on CUDA (plugins/layer_fusion.head_norm_rope)."""
-        b, n, h, r = x.shape
-        y = head_norm_rope(x.reshape(b * n, h, r), weight, eps, cos.reshape(b * n, -1), sin.reshape(b * n, -1),
-                           self.interleave)  # [b*n, h, r]
-        return y.view(b, n, h, r)
