@@ -8,7 +8,7 @@ one TP8 rank of Kimi K2.6 on the H200 at cache length 4K and 32K, graphs (benchm
 k26-rank.json): a fixed-budget round costs its measured step_us(b); an auto round verifying bucket b
 with its tree built at bucket j (the cap, runtime/decode/budget.py) costs T(b) + C_j, T(b) = step_us(b) -
 tree_build_us(b) - drafter_us and C_j = drafter_us + tree_build_us(j) + overhead(j).  overhead(j) is what
-auto's round adds to a fixed round of the same tree (the choice's kernels, the IF nodes, the capped
+auto's round adds to a fixed round of the same tree (the choice's kernels, the conditional node, the capped
 tree's copies), measured on the H200 with the demo pair (benchmarks/results/budget-auto-rounds.json,
 capped_over_fixed_us, the smallest bucket's below its table) and assumed the same at K2.6 size: those
 kernels work on [b, N] and [nb] tensors, not on the model's width.  (A curve measured here on the CPU is

@@ -1,8 +1,9 @@
 """Issue 16's whole-round figures: kernels per layer per round and GPU µs per round, fused layer glue
-(plugins/layer_fusion) against the unfused torch ops, measured in one run.
+(plugins/layer_fusion) against the unfused torch ops, and the fused kernels with and without programmatic
+dependent launch (KDTREE_PDL, plugins/common/pdl.py), measured in one run.
 
-Each (model, mode) runs runtime/bench_rank.run_rank_bench in its own process (KDTREE_FUSION=1 / 0 is
-read at import): the AR step and the DDTree-16 round captured in CUDA graphs, replay time, and a
+Each (model, mode) runs runtime/bench_rank.run_rank_bench in its own process (KDTREE_FUSION and KDTREE_PDL
+are read at import): the AR step and the DDTree-16 round captured in CUDA graphs, replay time, and a
 profiler count of the kernels of one replay by class.  Models: the tiny Kimi preset (4 layers, the
 shape of the CPU tests) and one TP8 rank of K2.6 (61 layers, drawn in GPU memory).
 
@@ -46,9 +47,9 @@ def run(models: list[str], tmp: Path) -> dict:
                  "budget": BUDGET, "models": {}}
     for model in models:
         per = {}
-        for mode, flag in (("unfused", "0"), ("fused", "1")):
+        for mode, fusion, pdl in (("unfused", "0", "0"), ("fused-nopdl", "1", "0"), ("fused", "1", "1")):
             path = tmp / f"{model}-{mode}.json"
-            env = dict(os.environ, KDTREE_FUSION=flag, PYTHONPATH=str(ROOT))
+            env = dict(os.environ, KDTREE_FUSION=fusion, KDTREE_PDL=pdl, PYTHONPATH=str(ROOT))
             proc = subprocess.run([sys.executable, __file__, "--child", model, "--child-out", str(path)], env=env,
                                   capture_output=True, text=True, timeout=900)
             if proc.returncode != 0:
@@ -67,14 +68,16 @@ def run(models: list[str], tmp: Path) -> dict:
 
 
 def table(res: dict) -> str:
-    lines = [f"{'model':10} {'round':10} {'kern/layer':>16} {'step us':>18} {'verify us':>18} {'speedup':>8}"]
+    lines = [f"{'model':10} {'round':10} {'kern/layer':>16} {'step us: unfused -> no PDL -> fused':>36} "
+             f"{'verify us':>18} {'speedup':>8}"]
     for model, m in res["models"].items():
-        un, fu = m["unfused"], m["fused"]
-        for ru, rf in zip(un["rows"], fu["rows"]):
+        un, npd, fu = m["unfused"], m["fused-nopdl"], m["fused"]
+        for ru, rn, rf in zip(un["rows"], npd["rows"], fu["rows"]):
             mode = ru["mode"]
             kl = f"{un['kernels_per_layer'].get(mode, '-')} -> {fu['kernels_per_layer'].get(mode, '-')}"
-            lines.append(f"{model:10} {mode:10} {kl:>16} {ru['step_us']:>8.0f} -> {rf['step_us']:<7.0f} "
-                         f"{ru['verify_us']:>8.0f} -> {rf['verify_us']:<7.0f} {ru['step_us'] / rf['step_us']:>7.2f}x")
+            lines.append(f"{model:10} {mode:10} {kl:>16} {ru['step_us']:>10.0f} -> {rn['step_us']:>7.0f} -> "
+                         f"{rf['step_us']:<10.0f} {ru['verify_us']:>8.0f} -> {rf['verify_us']:<7.0f} "
+                         f"{ru['step_us'] / rf['step_us']:>7.2f}x")
     return "\n".join(lines)
 
 

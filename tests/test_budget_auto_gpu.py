@@ -1,15 +1,17 @@
-"""GPU: `--budget auto` with CUDA graphs: one composed round, one IF node per bucket, the bucket chosen on the device.
+"""GPU: `--budget auto` with CUDA graphs: one composed round, a SWITCH node over the buckets (or one IF node per
+bucket), the bucket chosen on the device.
 
 On the tiny Kimi model in fp32 with its tiny DFlash drafter (as tests/test_graphs_gpu.py, whose CPU
 reference and near-tie rule this reuses):
 - tree_build's Triton kernels are prefix-closed at the Kimi vocabulary (B 256 -> every bucket);
-- every bucket's IF body is right: with the choice forced to one bucket (BucketChoice.force, read by the
-  graph on each replay), graph rounds give the AR tokens, batch 3;
+- every bucket's body is right (SWITCH node, and the IF-node form): with the choice forced to one bucket
+  (BucketChoice.force, read by the graph on each replay), graph rounds give the AR tokens, batch 3;
 - the choice itself: under a cost curve balanced on the drafter's own expected-token estimates (taken
   from an eager run), the captured graph verifies different buckets on different rounds, with the AR
   tokens; a capture cannot hold a host read, so the graph chose them itself;
 - with no curve the session measures one by replaying its graph (and stores it under autotune/);
-- the fallback without IF nodes (HostChoiceRound: the host reads the bucket) gives the same tokens and buckets;
+- the fallback without conditional nodes (HostChoiceRound: the host reads the bucket) gives the same tokens and
+  buckets;
 - under a curve where the full tree is dear, most rounds replay the graph of the tree capped at 8 nodes
   (the full tree every EXPLORE-th round), with the AR tokens.
 
@@ -81,6 +83,33 @@ def test_each_bucket_body_gives_the_ar_tokens(ref):
     assert not any(errs.values()), errs
 
 
+def test_if_node_form_gives_the_same_rounds(ref, monkeypatch):
+    """The composition with one IF node per bucket (where a driver refuses SWITCH nodes): every bucket forced
+    through it gives the AR tokens, as through the SWITCH node."""
+    import functools
+
+    from test_graphs_gpu import NEW, _diff
+
+    import runtime.decode.session as session_mod
+    from runtime.decode.conditional import ConditionalRound
+    monkeypatch.setattr(session_mod, "ConditionalRound", functools.partial(ConditionalRound, form="if"))
+    curve = CostCurve((1, 16), (1.0, 1.0), 1.0, "flat")
+    eng = ref.gpu.configure(spec="ddtree", budget="auto:8", graphs=True, budget_curve=curve)
+    eng.generate_batch_ids(ref.prompts, 4)  # capture
+    s = _session(eng)
+    errs = {}
+    for i, b in enumerate(s.choice.buckets):
+        s.choice.force.fill_(i)
+        try:
+            errs[b] = _diff(ref, eng.generate_batch_ids(ref.prompts, NEW))
+        finally:
+            s.choice.force.fill_(-1)
+        st = eng.last_stats
+        assert st["graph_via"] == "cuda-python (IF nodes)" and list(st["budget_histogram"]) == [b], st
+    REPORT["if_form"] = {"errors": errs}
+    assert not any(errs.values()), errs
+
+
 def test_capped_tree_graphs_give_the_ar_tokens(ref):
     from test_graphs_gpu import NEW, _diff
 
@@ -133,7 +162,7 @@ def test_graph_chooses_different_buckets_per_round(ref):
                         "errors": _diff(ref, out), "eager_errors": _diff(ref, out_eager)}
     print(f"\nbudget auto: graph rounds per bucket {st['budget_histogram']}, eager "
           f"{eager_b.last_stats['budget_histogram']}")
-    assert st["graphs"] and st["graph_via"] == "cuda-python (IF nodes)", st.get("graph_note")
+    assert st["graphs"] and st["graph_via"] == "cuda-python (SWITCH node)", st.get("graph_note")
     assert len(st["budget_histogram"]) >= 2, st["budget_histogram"]
     assert not _diff(ref, out) and not _diff(ref, out_eager)
 

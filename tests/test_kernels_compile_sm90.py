@@ -1,7 +1,8 @@
 """The decode round's newer Triton kernels compile for sm_90 on this CPU machine (Triton's own ptxas), so a
 kernel that would not build fails here and not first on the GPU: the MLA absorption products, the rope tables,
 the round's emission, the older rope kernel that shares their rounding (_rotate), the MoE routing kernel with
-the shared expert's activation, the TP greedy token's two kernels, the drafter's attention, K/V store and block, at the specialisations
+the shared expert's activation, the TP greedy token's two kernels, the drafter's attention, K/V store and block,
+the residual norm and SiLU * up (the layer kernels with programmatic dependent launch, as sm_90 launches them), at the specialisations
 the runtime launches (bf16 K2.6 shapes at t = 1 .. 64, the fp32 tiny models).  Each gives an ELF cubin; the
 rope tables' kernel must not use the approximate cos / sin."""
 
@@ -23,12 +24,14 @@ def specialisations() -> list:
     from plugins.common.aot import TritonKernel
     from plugins.drafter_attention.kernel import _combine_kernel, _split_kernel
     from plugins.layer_fusion.kernel import (
+        _add_rms_norm_kernel,
         _drafter_block_kernel,
         _kv_norm_rope_store_kernel,
         _mla_q_absorb_kernel,
         _mla_rope_kv_kernel,
         _mla_v_absorb_kernel,
         _rope_cos_sin_kernel,
+        _silu_mul_kernel,
     )
     from plugins.moe_w4a16.route_kernel import route_kernel
     from plugins.round_emit.kernel import _round_emit_kernel
@@ -43,36 +46,42 @@ def specialisations() -> list:
         ieee = dt == "*fp32"
         t = {"q_ptr": dt, "w_ptr": dt, "cos_ptr": dt, "sin_ptr": dt, "out_ptr": dt}
         for bt in (16, 64):
-            c = dict(INTERLEAVE=True, IEEE=ieee, N_CB=8, BT=bt, BLOCK_P=128, BLOCK_C=64, BLOCK_R=32)
+            c = dict(INTERLEAVE=True, IEEE=ieee, N_CB=8, BT=bt, BLOCK_P=128, BLOCK_C=64, BLOCK_R=32, PDL=True)
             out.append(kernel(f"q_absorb_{dt[1:]}_bt{bt}", _mla_q_absorb_kernel, t, c, 4))
         t = {"o_ptr": dt, "w_ptr": dt, "out_ptr": dt}
         for bt, bu in ((16, 16), (64, 64)):
-            c = dict(C=512, IEEE=ieee, BT=bt, BLOCK_U=bu, BLOCK_K=128)
+            c = dict(C=512, IEEE=ieee, BT=bt, BLOCK_U=bu, BLOCK_K=128, PDL=True)
             out.append(kernel(f"v_absorb_{dt[1:]}_bt{bt}", _mla_v_absorb_kernel, t, c, 4))
         pos = "*i32" if dt == "*bf16" else "*i64"  # an AR step's positions are the int32 cache lengths
         t = {"pos_ptr": pos, "inv_ptr": "*fp32", "cos_ptr": dt, "sin_ptr": dt, "scale": "fp32"}
-        out.append(kernel(f"rope_{dt[1:]}", _rope_cos_sin_kernel, t, dict(IEEE=True, BT=16, BLOCK_R=32), 1))
+        out.append(kernel(f"rope_{dt[1:]}", _rope_cos_sin_kernel, t, dict(IEEE=True, BT=16, BLOCK_R=32, PDL=True), 1))
     t = {"lat_ptr": "*bf16", "w_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "out_ptr": "*bf16",
          "ql_ptr": "*bf16", "qw_ptr": "*bf16", "qo_ptr": "*bf16", "eps": "fp32"}
     out.append(kernel("rope_kv_bf16", _mla_rope_kv_kernel, t, dict(INTERLEAVE=True, BLOCK_C=512, BLOCK_R=32,
-                                                                   BLOCK_Q=2048), 4))
+                                                                   BLOCK_Q=2048, PDL=True), 4))
+    # the residual norm and the MLP activation, with PDL as launched on sm_90 (K2.6: d 7168, i 2048 / 8)
+    t = {n: "*bf16" for n in ("x_ptr", "a_ptr", "b_ptr", "s_ptr", "w_ptr", "y_ptr")} | {"eps": "fp32"}
+    out.append(kernel("add_rms_norm_bf16", _add_rms_norm_kernel, t, dict(HAS_ADD=True, HAS_B=False, BLOCK=8192,
+                                                                          PDL=True), 16))
+    out.append(kernel("silu_mul_bf16", _silu_mul_kernel, {"gu_ptr": "*fp32", "out_ptr": "*bf16"},
+                      dict(BLOCK=256, IEEE_EXP=True, PDL=True), 1))
     # the drafter (K2.6: head_dim 128, block 8, 8 q heads over 1 kv head per rank when sharded)
     t = {"kv_ptr": "*bf16", "w_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "pos_ptr": "*i64",
          "k_ptr": "*bf16", "v_ptr": "*bf16", "q_ptr": "*bf16", "qw_ptr": "*bf16", "qo_ptr": "*bf16", "eps": "fp32"}
     for has_q in (False, True):
         out.append(kernel(f"kv_norm_rope_store_q{int(has_q)}", _kv_norm_rope_store_kernel, t,
-                          dict(INTERLEAVE=False, HAS_Q=has_q, BLOCK=64), 1))
+                          dict(INTERLEAVE=False, HAS_Q=has_q, BLOCK=64, PDL=True), 1))
     t = {"lens_ptr": "*i32", "ctx_len_ptr": "*i32", "bonus_ptr": "*i64", "ctx_pos_ptr": "*i64", "blk_pos_ptr": "*i64",
          "block_ptr": "*i64", "visible_ptr": "*i64", "mask_id": "i32"}
-    out.append(kernel("drafter_block", _drafter_block_kernel, t, dict(BLOCK_A=16, BLOCK_S=8), 1))
+    out.append(kernel("drafter_block", _drafter_block_kernel, t, dict(BLOCK_A=16, BLOCK_S=8, PDL=True), 1))
     t = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "vis_ptr": "*i64", "out_ptr": "*bf16",
          "o_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "scale": "fp32"}
     for direct in (False, True):
-        c = dict(E=128, BLOCK_M=64, BLOCK_N=64, DIRECT=direct, IEEE=False)
+        c = dict(E=128, BLOCK_M=64, BLOCK_N=64, DIRECT=direct, IEEE=False, PDL=True)
         out.append(kernel(f"drafter_attention_split_direct{int(direct)}", _split_kernel, t, c, 8))
     out.append(kernel("drafter_attention_combine", _combine_kernel, {"o_ptr": "*fp32", "m_ptr": "*fp32",
                                                                      "l_ptr": "*fp32", "out_ptr": "*bf16"},
-                      dict(E=128, BLOCK_M=64, S_PAD=32), 1))
+                      dict(E=128, BLOCK_M=64, S_PAD=32, PDL=True), 1))
     t = {"cand_ptr": "*i64", "count_ptr": "*i32", "stop_ptr": "*i64", "produced_ptr": "*i32", "max_new_ptr": "*i32",
          "live_ptr": "*i32", "nonfinite_ptr": "*i64", "out_ptr": "*i64", "bonus_ptr": "*i64", "tok_ptr": "*i64",
          "idx_ptr": "*i32", "ctx_ptr": "*i64"}
@@ -101,12 +110,17 @@ def test_round_kernels_compile_for_sm90(tmp_path):
                           text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     recs = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(recs) == 23
+    assert len(recs) == 25
     for r in recs:
         assert (tmp_path / r["cubin"]).read_bytes()[:4] == b"\x7fELF", r
         if r["name"].startswith("rope"):
             ptx = (tmp_path / r["ptx"]).read_text()
             assert "cos.approx" not in ptx and "sin.approx" not in ptx, r["name"]
+    pdl = {k.name for k in specialisations() if k.constexprs.get("PDL")}
+    assert len(pdl) >= 15
+    for r in recs:  # a PDL kernel waits for its predecessor grid before anything else
+        if r["name"] in pdl:
+            assert "griddepcontrol.wait" in (tmp_path / r["ptx"]).read_text(), r["name"]
 
 
 if __name__ == "__main__" and "--compile" in sys.argv:

@@ -10,6 +10,7 @@ SPLITS pieces of whole BLOCK_N tiles on the device (the length changes every rou
 Online softmax in fp32 (natural base, as the reference); p rounded to the cache dtype for the value product.
 With one split the program writes the normalised output; otherwise the unnormalised accumulator and (max, sum)
 per row, which the combine merges.  A split with no row writes max = -inf, sum 0 and a zero accumulator.
+Both kernels launch with PDL on sm_90+ (plugins/common/pdl.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import triton
 import triton.language as tl
 
 from plugins.common.device import device_facts
+from plugins.common.pdl import launch_options, pdl_for, pdl_prologue
 
 BLOCK_N = 64
 MIN_ROWS_PER_SPLIT = 256  # a split's share of the capacity at least this many rows
@@ -31,7 +33,8 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, out_ptr, o_ptr, m_ptr, l_ptr,
                   s_qb, s_qt, s_qh, s_kb, s_kr, s_kg, s_vb, s_vr, s_vg, s_ob, s_ot,
                   S, REP, G, SPLITS, CAP, scale,
                   E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
-                  IEEE: tl.constexpr):
+                  IEEE: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     gi = tl.program_id(0)
     sp = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -88,7 +91,8 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, out_ptr, o_ptr, m_ptr, l_ptr,
 
 @triton.jit
 def _combine_kernel(o_ptr, m_ptr, l_ptr, out_ptr, s_ob, s_ot, S, REP, G, SPLITS,
-                    E: tl.constexpr, BLOCK_M: tl.constexpr, S_PAD: tl.constexpr):
+                    E: tl.constexpr, BLOCK_M: tl.constexpr, S_PAD: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     mi = tl.program_id(0)
     gi = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -139,13 +143,15 @@ def drafter_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         n = b * g * sp * bm
         o_part, m_part, l_part = ws[:n * e], ws[n * e:n * (e + 1)], ws[n * (e + 1):]
     ieee = q.dtype == torch.float32
+    pdl = pdl_for(q)
+    opts = {**_OPTS, "PDL": pdl, **launch_options(pdl)}
     _split_kernel[(g, sp, b)](q, k_cache, v_cache, visible, out, o_part, m_part, l_part,
                                q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1),
                                k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
                                out.stride(0), out.stride(1), s, rep, g, sp, cap, float(scale),
                                E=e, BLOCK_M=bm, BLOCK_N=BLOCK_N, DIRECT=direct, IEEE=ieee,
-                               num_warps=4 if bm * e <= 64 * 64 else 8, num_stages=2, **_OPTS)
+                               num_warps=4 if bm * e <= 64 * 64 else 8, num_stages=2, **opts)
     if direct:
         return
     _combine_kernel[(rep * s, g, b)](o_part, m_part, l_part, out, out.stride(0), out.stride(1), s, rep, g, sp,
-                                      E=e, BLOCK_M=bm, S_PAD=triton.next_power_of_2(sp), num_warps=1, **_OPTS)
+                                      E=e, BLOCK_M=bm, S_PAD=triton.next_power_of_2(sp), num_warps=1, **opts)

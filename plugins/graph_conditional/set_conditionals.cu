@@ -9,3 +9,13 @@ extern "C" __global__ void kdtree_set_conditionals(const unsigned long long* han
   int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) cudaGraphSetConditional(handles[i], hot[i] ? 1u : 0u);
 }
+
+// Sets the conditional handle of a CUDA graph's SWITCH node from the same one-hot array: the index of the hot
+// entry (body i runs), or n when none is hot (a value >= the node's size runs no body).  One thread.
+extern "C" __global__ void kdtree_set_switch(unsigned long long handle, const bool* hot, int n) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  unsigned int value = (unsigned int)n;
+  for (int i = 0; i < n; ++i)
+    if (hot[i]) value = (unsigned int)i;
+  cudaGraphSetConditional(handle, value);
+}

@@ -33,8 +33,15 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from plugins.common.activation_kernel import silu_mul_rounded
+from plugins.common.pdl import launch_options, pdl_for, pdl_prologue
 
 _OPTS = {"enable_fp_fusion": False}
+
+
+def _opts(t: torch.Tensor) -> dict:
+    """A launch's options: no fp contraction, and PDL (constexpr and launch attribute) for t's device."""
+    pdl = pdl_for(t)
+    return {**_OPTS, "PDL": pdl, **launch_options(pdl)}
 
 
 def _warps(width: int) -> int:
@@ -43,7 +50,8 @@ def _warps(width: int) -> int:
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, a_ptr, b_ptr, s_ptr, w_ptr, y_ptr, D, s_x, s_a, s_b, s_s, s_y, eps,
-                         HAS_ADD: tl.constexpr, HAS_B: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_ADD: tl.constexpr, HAS_B: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < D
@@ -75,7 +83,7 @@ def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor | None, delta2: tor
     s = s if has_add else y
     _add_rms_norm_kernel[(t,)](x, a, b, s, weight, y, d, x.stride(0), a.stride(0), b.stride(0), s.stride(0),
                                y.stride(0), eps, HAS_ADD=has_add, HAS_B=has_b, BLOCK=triton.next_power_of_2(d),
-                               num_warps=_warps(d), **_OPTS)
+                               num_warps=_warps(d), **_opts(x))
 
 
 @triton.jit
@@ -109,10 +117,11 @@ def _rotate_store(src_ptr, cos_ptr, sin_ptr, dst_ptr, R2, INTERLEAVE: tl.constex
 
 @triton.jit
 def _rope_cos_sin_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, T, R2, scale, IEEE: tl.constexpr, BT: tl.constexpr,
-                         BLOCK_R: tl.constexpr):
+                         BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     """Program (BT positions): cos / sin of position x inv_freq (fp32) times scale, rounded once.  IEEE (on the
     GPU): libdevice's cos / sin, the CUDA math library's that torch calls (tl.cos is the approximate one);
     the interpreter has only NumPy's."""
+    pdl_prologue(PDL)
     rt = tl.program_id(0) * BT + tl.arange(0, BT)  # [BT]
     j = tl.arange(0, BLOCK_R)
     tm = rt < T
@@ -139,15 +148,16 @@ def rope_cos_sin_triton(positions: torch.Tensor, inv_freq: torch.Tensor, scale: 
     bt = min(64, triton.next_power_of_2(t))
     _rope_cos_sin_kernel[(triton.cdiv(t, bt),)](positions, inv_freq, cos, sin, t, r2, float(scale),
                                                 IEEE=positions.is_cuda, BT=bt, BLOCK_R=triton.next_power_of_2(r2),
-                                                num_warps=1, **_OPTS)
+                                                num_warps=1, **_opts(positions))
 
 
 @triton.jit
 def _mla_q_absorb_kernel(q_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, T, P, C, R2, s_qt, s_qh, s_wh, s_wp, s_ct, s_ot,
                          s_oh, INTERLEAVE: tl.constexpr, IEEE: tl.constexpr, N_CB: tl.constexpr, BT: tl.constexpr,
-                         BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
+                         BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     """Program (token block, head, c block): out[rows, h, c block] = q_nope[rows, h] . W_UK[h][:, c block],
     fp32 accumulation rounded once; the program past the last c block ropes the rows' q_pe instead."""
+    pdl_prologue(PDL)
     rt = tl.program_id(0) * BT + tl.arange(0, BT)  # [BT] tokens
     h = tl.program_id(1).to(tl.int64)
     cb = tl.program_id(2)
@@ -200,15 +210,17 @@ def mla_q_absorb_triton(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, 
         q, w_uk, cos, sin, out, t, p, c, r2, q.stride(0), q.stride(1), w_uk.stride(0), w_uk.stride(1),
         cos.stride(0), out.stride(0), out.stride(1), INTERLEAVE=interleave, IEEE=q.dtype == torch.float32,
         N_CB=n_cb, BT=bt, BLOCK_P=max(16, triton.next_power_of_2(p)), BLOCK_C=block_c,
-        BLOCK_R=triton.next_power_of_2(r2), num_warps=4, **_OPTS)
+        BLOCK_R=triton.next_power_of_2(r2), num_warps=4, **_opts(q))
 
 
 @triton.jit
 def _mla_v_absorb_kernel(o_ptr, w_ptr, out_ptr, T, U, s_ot, s_oh, s_wh, s_wu, s_yt, s_yh, C: tl.constexpr,
-                         IEEE: tl.constexpr, BT: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_K: tl.constexpr):
+                         IEEE: tl.constexpr, BT: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PDL: tl.constexpr):
     """Program (token block, head, u block): out[rows, h, u block] = o_lat[rows, h] . W_UV[h][u block]^T, the
     latent width C (a compile-time constant: the loop's trip count) in BLOCK_K slices, fp32 accumulation rounded
     once."""
+    pdl_prologue(PDL)
     rt = tl.program_id(0) * BT + tl.arange(0, BT)  # [BT] tokens
     h = tl.program_id(1).to(tl.int64)
     ru = tl.program_id(2) * BLOCK_U + tl.arange(0, BLOCK_U)  # [BLOCK_U] value dims
@@ -241,7 +253,7 @@ def mla_v_absorb_triton(o_lat: torch.Tensor, w_uv: torch.Tensor, out: torch.Tens
     _mla_v_absorb_kernel[(triton.cdiv(t, bt), h, triton.cdiv(u, block_u))](
         o_lat, w_uv, out, t, u, o_lat.stride(0), o_lat.stride(1), w_uv.stride(0), w_uv.stride(1), out.stride(0),
         out.stride(1), C=c, IEEE=o_lat.dtype == torch.float32, BT=bt, BLOCK_U=block_u,
-        BLOCK_K=min(128, max(16, triton.next_power_of_2(c))), num_warps=4, **_OPTS)
+        BLOCK_K=min(128, max(16, triton.next_power_of_2(c))), num_warps=4, **_opts(o_lat))
 
 
 @triton.jit
@@ -259,8 +271,9 @@ def _norm_row(src, w_ptr, dst, D, eps, BLOCK: tl.constexpr):
 @triton.jit
 def _mla_rope_kv_kernel(lat_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, ql_ptr, qw_ptr, qo_ptr, N, C, R2, Q,
                         s_lt, s_ct, s_ob, s_on, s_qt, s_qo, eps, INTERLEAVE: tl.constexpr,
-                        BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr):
+                        BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr, PDL: tl.constexpr):
     """Program (t, 0): token t's latent row; program (t, 1) (a grid of two columns): its query's low-rank row."""
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     if tl.program_id(1) == 1:
         _norm_row(ql_ptr + t * s_qt, qw_ptr, qo_ptr + t * s_qo, Q, eps, BLOCK_Q)
@@ -287,7 +300,7 @@ def mla_rope_kv_triton(latent: torch.Tensor, weight: torch.Tensor, eps: float, c
         latent, weight, cos, sin, out, ql, qw, qo, n, c, r2, q, latent.stride(0), cos.stride(0),
         out.stride(0), out.stride(1), ql.stride(0), qo.stride(0), eps, INTERLEAVE=interleave,
         BLOCK_C=triton.next_power_of_2(c), BLOCK_R=triton.next_power_of_2(r2),
-        BLOCK_Q=triton.next_power_of_2(q) if has_q else 2, num_warps=_warps(max(c, q)), **_OPTS)
+        BLOCK_Q=triton.next_power_of_2(q) if has_q else 2, num_warps=_warps(max(c, q)), **_opts(latent))
 
 
 @triton.jit
@@ -317,11 +330,12 @@ def _norm_rope_head(src, w_ptr, cos_row, sin_row, E2, eps, dt: tl.constexpr, INT
 def _kv_norm_rope_store_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, q_ptr, qw_ptr, qo_ptr,
                                E2, N, CAP, G, H, L, s_kvt, s_kvl, s_kvw, s_kvg, s_wl, s_ct, s_cl, s_cb, s_cr, s_cg,
                                s_qt, s_qh, s_qot, s_qoh, eps, INTERLEAVE: tl.constexpr, HAS_Q: tl.constexpr,
-                               BLOCK: tl.constexpr):
+                               BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program (t, head, 2 * layer + w): token t = request * N + row of the [t, L, 2, g, e] GEMM output goes to
     cache row min(pos[t], CAP - 1) of its request in that layer; w = 0: k_cache[.., head] = rope(rms_norm(k[t,
     head]) * w), w = 1: v_cache[.., head] = v[t, head] as is (heads >= G idle).  HAS_Q: programs (t, head, 2L)
     also write q_out[t, head] = rope(rms_norm(q[t, head]) * q_w) for head < H."""
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1).to(tl.int64)
     lw = tl.program_id(2)
@@ -354,8 +368,8 @@ def _kv_norm_rope_store_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, 
 
 def kv_norm_rope_store_triton(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
                               sin: torch.Tensor, interleave: bool, pos: torch.Tensor, k_cache: torch.Tensor,
-                              v_cache: torch.Tensor, q: torch.Tensor | None = None, q_weight: torch.Tensor | None = None,
-                              q_out: torch.Tensor | None = None) -> None:
+                              v_cache: torch.Tensor, q: torch.Tensor | None = None,
+                              q_weight: torch.Tensor | None = None, q_out: torch.Tensor | None = None) -> None:
     """kv [t, L, 2, g, e] (unit stride along e), weight [L, e], cos/sin [t, e/2], pos [b, n] int64 (t = b * n),
     k_cache / v_cache [L, b, cap, g, e] (the same strides): every layer's k heads normed and roped, v heads as they
     are, into cache rows min(pos, cap - 1); with q [t, h, e], q_weight [e]: q_out [t, h, e] = the q heads normed
@@ -370,13 +384,15 @@ def kv_norm_rope_store_triton(kv: torch.Tensor, weight: torch.Tensor, eps: float
         q_out if q is not None else k_cache, e // 2, pos.shape[1], k_cache.shape[2], g, h, layers,
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), weight.stride(0), cos.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3), *qs, eps,
-        INTERLEAVE=interleave, HAS_Q=q is not None, BLOCK=triton.next_power_of_2(e // 2), num_warps=1, **_OPTS)
+        INTERLEAVE=interleave, HAS_Q=q is not None, BLOCK=triton.next_power_of_2(e // 2), num_warps=1,
+        **_opts(kv))
 
 
 @triton.jit
 def _drafter_block_kernel(lens_ptr, ctx_len_ptr, bonus_ptr, ctx_pos_ptr, blk_pos_ptr, block_ptr, visible_ptr, A, S,
-                          mask_id, BLOCK_A: tl.constexpr, BLOCK_S: tl.constexpr):
+                          mask_id, BLOCK_A: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     """Program r: the drafter block's positions and tokens of request r, and its committed length advanced."""
+    pdl_prologue(PDL)
     r = tl.program_id(0).to(tl.int64)
     lens = tl.load(lens_ptr + r).to(tl.int64)
     start = lens + tl.load(ctx_len_ptr + r).to(tl.int64)
@@ -400,11 +416,12 @@ def drafter_block_triton(lens: torch.Tensor, ctx_len: torch.Tensor, bonus: torch
         return
     _drafter_block_kernel[(b,)](lens, ctx_len, bonus, ctx_pos, blk_pos, block, visible, a, s, mask_id,
                                 BLOCK_A=triton.next_power_of_2(max(a, 1)), BLOCK_S=triton.next_power_of_2(s),
-                                num_warps=1, **_OPTS)
+                                num_warps=1, **_opts(lens))
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, I, s_g, s_o, BLOCK: tl.constexpr, IEEE_EXP: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, I, s_g, s_o, BLOCK: tl.constexpr, IEEE_EXP: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = j < I
@@ -421,4 +438,4 @@ def silu_mul_triton(gate_up: torch.Tensor, out: torch.Tensor) -> None:
         return
     block = min(1024, triton.next_power_of_2(i))
     _silu_mul_kernel[(t, triton.cdiv(i, block))](gate_up, out, i, gate_up.stride(0), out.stride(0), BLOCK=block,
-                                                 IEEE_EXP=gate_up.is_cuda, num_warps=_warps(block), **_OPTS)
+                                                 IEEE_EXP=gate_up.is_cuda, num_warps=_warps(block), **_opts(gate_up))

@@ -13,6 +13,7 @@ import torch
 import triton
 
 from plugins.common.device import device_facts
+from plugins.common.pdl import USE_PDL  # PDL on sm_90+ (the combine launches while the split kernel runs)
 from plugins.tree_verify_mla.kernel import (
     LOG2E,
     tree_verify_mla_combine_kernel,
@@ -28,7 +29,6 @@ PARTIAL_SHARE = 0.5  # partial o/lse written by all splits <= this share of the 
 # ... unless all requests' partials fit in this share of the L2: written and read back on chip, they cost no HBM
 # bytes (H200, h 8, N 17, L 4K: 22 splits, 6.1 MB of partials, 18.1 us against 21.7 us at the cap's 13)
 L2_SHARE = 0.125
-USE_PDL = True  # programmatic dependent launch on sm_90+ (the combine launches while the split kernel runs)
 
 
 @dataclass(frozen=True)

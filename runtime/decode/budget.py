@@ -12,8 +12,9 @@ it, the bonus always comes; s_b scales it) at a cost of T(b) + C µs: T(b) the v
 of b + 1 nodes per request, C the rest of the round (drafter, tree_build at B_max, this choice, fixed
 costs).  The round verifies argmax_b E(b) / (T(b) + C), ties to the smaller bucket.  kdtree::budget_select
 (plugins/budget_choice: the torch reference, one Triton program on CUDA) computes it on the device, with
-no host read, so a captured round picks its own bucket: one CUDA-graph IF node per bucket
-(runtime/decode/conditional.py); kdtree::budget_observe updates the calibration below.
+no host read, so a captured round picks its own bucket: one CUDA-graph SWITCH node over the
+buckets (runtime/decode/conditional.py; one IF node per bucket where a driver refuses it);
+kdtree::budget_observe updates the calibration below.
 
 s_b calibrates the drafter per bucket: its probabilities are not the target's acceptance (at T = 0 a
 node is accepted when it is the target's argmax, whatever probability the drafter gave it; an

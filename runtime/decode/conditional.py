@@ -4,15 +4,22 @@ torch 2.11 (the GPU machine's) cannot capture into a conditional node (CUDAGraph
 begin_capture_to_if_node), so the pieces are captured by torch one by one (runtime/decode/graphs.py
 capture_graph, keep_graph) and composed here through cuda-python's driver API:
 
-  child(head: draft, tree_build, choice) -> kernel kdtree_set_conditionals(handles, choice.hot, nb)
-      -> IF h_0 { child(body 0) } -> IF h_1 { child(body 1) } -> ... -> IF h_nb-1 { child(body nb-1) }
+  child(head: draft, tree_build, choice) -> kernel kdtree_set_switch(handle, choice.hot, nb)
+      -> SWITCH h { 0: child(body 0) | 1: child(body 1) | ... | nb-1: child(body nb-1) }
 
 one such graph per cap j (runtime/decode/budget.py: the tree built at bucket j), with head j and the
-IF nodes of buckets 0..j; the host launches the cap's graph.
+bodies of buckets 0..j; the host launches the cap's graph.  The setter kernel (plugins/graph_conditional)
+writes the index of the device's one-hot choice into the handle (nb when none is hot: no body runs), so
+exactly one body runs per replay (none when the choice is forced to "none") and the host never reads it.
 
-The setter kernel (plugins/graph_conditional) copies the device's one-hot choice into the IF nodes'
-handles (CU_GRAPH_COND_ASSIGN_DEFAULT: 0 at every launch unless set), so exactly one body runs per
-replay (none when the choice is forced to "none") and the host never reads the choice.
+Where the driver refuses a SWITCH node, or the cubin predates its setter, the same graph is composed of
+one IF node per bucket instead (the first form, measured in budget-auto-rounds.json):
+
+  child(head) -> kernel kdtree_set_conditionals(handles, choice.hot, nb)
+      -> IF h_0 { child(body 0) } -> IF h_1 { child(body 1) } -> ... -> IF h_nb-1 { child(body nb-1) }
+
+(CU_GRAPH_COND_ASSIGN_DEFAULT: each handle 0 at every launch unless set).  One SWITCH node is one
+conditional node to schedule per replay instead of nb in a chain.
 
 Memory: every piece is captured into the Engine's one graph pool.  The only tensors that cross pieces
 are the session's persistent buffers (RoundBuffers, BucketChoice, the caches), so each capture's
@@ -32,6 +39,7 @@ import ctypes
 import torch
 
 from plugins.common.driver import checked
+from plugins.graph_conditional import KERNEL, SWITCH_KERNEL
 from runtime.decode.graphs import GraphUnavailable
 
 
@@ -44,13 +52,17 @@ def _driver():
 
 
 class ConditionalRound:
-    """Heads (one per cap) and bodies (torch CUDAGraphs captured with keep_graph) composed with IF nodes, one
-    executable graph per cap (that cap's head, then the bodies of the buckets up to it); see the module doc."""
+    """Heads (one per cap) and bodies (torch CUDAGraphs captured with keep_graph) composed with a SWITCH node (or
+    IF nodes), one executable graph per cap (that cap's head, then the bodies of the buckets up to it); see the
+    module doc."""
 
     def __init__(self, heads: dict[int, torch.cuda.CUDAGraph], bodies: list[torch.cuda.CUDAGraph], hot: torch.Tensor,
-                 cubin: bytes, name: str):
+                 cubin: bytes, name: str, form: str = "switch"):
         """heads: cap (a bucket index) -> its head graph; hot [nb] bool on the device: the choice's one-hot
-        (BucketChoice.hot), read by the setter kernel."""
+        (BucketChoice.hot), read by the setter kernel.  form: "switch" (one SWITCH node, IF nodes where refused)
+        or "if" (IF nodes: the peer benchmarks/budget_auto_rounds.py measures beside it)."""
+        if form not in ("switch", "if"):
+            raise ValueError(f"ConditionalRound: form must be 'switch' or 'if', got {form!r}")
         cu = _driver()
         if cu is None:
             raise GraphUnavailable("conditional nodes need cuda-python (cuda.bindings) for the driver API")
@@ -58,16 +70,59 @@ class ConditionalRound:
         self.pieces = [*heads.values(), *bodies]  # they own the pool's blocks the composed graphs use
         self.hot = hot
         self.module = self._ok(cu.cuModuleLoadData(cubin), "cuModuleLoadData (setter kernel)")
-        self.func = self._ok(cu.cuModuleGetFunction(self.module, b"kdtree_set_conditionals"), "cuModuleGetFunction")
+        self.func = self._ok(cu.cuModuleGetFunction(self.module, KERNEL), "cuModuleGetFunction")
+        err, self.switch_func = cu.cuModuleGetFunction(self.module, SWITCH_KERNEL)
         self.ctx = self._ok(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
         self.handles: dict[int, torch.Tensor] = {}  # cap -> [cap + 1] int64 its IF nodes' handles (the setter's)
+        self.note = ""
+        self.switch = form == "switch" and err == cu.CUresult.CUDA_SUCCESS
+        if form == "switch" and not self.switch:
+            self.note = "the setter cubin has no SWITCH setter (built before it): IF nodes"
         self.exec = {cap: self._compose(cap, head, bodies[:cap + 1]) for cap, head in heads.items()}
         self.full = max(heads)
         self._streams: dict[int, object] = {}
-        self.via = "cuda-python (IF nodes)"
-        self.note = ""
+        self.via = "cuda-python (SWITCH node)" if self.switch else "cuda-python (IF nodes)"
 
     def _compose(self, cap: int, head: torch.cuda.CUDAGraph, bodies: list[torch.cuda.CUDAGraph]):
+        if self.switch:
+            try:
+                return self._compose_switch(cap, head, bodies)
+            except GraphUnavailable as e:  # a driver without SWITCH nodes: the IF form (and no more tries)
+                self.switch, self.note = False, f"SWITCH node refused ({e}): IF nodes"
+        return self._compose_if(cap, head, bodies)
+
+    def _compose_switch(self, cap: int, head: torch.cuda.CUDAGraph, bodies: list[torch.cuda.CUDAGraph]):
+        cu, nb = self.cu, len(bodies)
+        graph = self._ok(cu.cuGraphCreate(0), "cuGraphCreate")
+        try:
+            node = self._ok(cu.cuGraphAddChildGraphNode(graph, None, 0, cu.CUgraph(head.raw_cuda_graph())),
+                            f"cuGraphAddChildGraphNode (head {cap})")
+            handle = self._ok(cu.cuGraphConditionalHandleCreate(graph, self.ctx, nb, cu.CU_GRAPH_COND_ASSIGN_DEFAULT),
+                              "cuGraphConditionalHandleCreate")  # default nb: no body unless set
+            kp = cu.CUDA_KERNEL_NODE_PARAMS()
+            kp.func = self.switch_func
+            kp.gridDimX, kp.gridDimY, kp.gridDimZ = 1, 1, 1
+            kp.blockDimX, kp.blockDimY, kp.blockDimZ = 32, 1, 1
+            kp.sharedMemBytes = 0
+            kp.kernelParams = ((int(handle), self.hot.data_ptr(), nb),
+                               (ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_int))
+            node = self._ok(cu.cuGraphAddKernelNode(graph, [node], 1, kp), "cuGraphAddKernelNode (SWITCH setter)")
+            params = cu.CUgraphNodeParams()
+            params.type = cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_CONDITIONAL
+            params.conditional.handle = handle
+            params.conditional.type = cu.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_SWITCH
+            params.conditional.size = nb
+            params.conditional.ctx = self.ctx
+            self._ok(cu.cuGraphAddNode(graph, [node], None, 1, params), "cuGraphAddNode (SWITCH)")
+            for i, body in enumerate(bodies):  # branch i: the switch's i-th body graph, owned by the node
+                self._ok(cu.cuGraphAddChildGraphNode(params.conditional.phGraph_out[i], None, 0,
+                                                     cu.CUgraph(body.raw_cuda_graph())),
+                         f"cuGraphAddChildGraphNode (body {i})")
+            return self._ok(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+        finally:
+            cu.cuGraphDestroy(graph)  # the executable graph is independent of it
+
+    def _compose_if(self, cap: int, head: torch.cuda.CUDAGraph, bodies: list[torch.cuda.CUDAGraph]):
         cu, nb = self.cu, len(bodies)
         graph = self._ok(cu.cuGraphCreate(0), "cuGraphCreate")
         try:

@@ -16,8 +16,8 @@ tree's first b + 1 nodes only (the tree of budget b: tree_build's nodes are pref
 is a head (draft_tree: draft, tree_build at the round's cap, the choice) and one body per bucket
 (verify_bucket).  A head capped below the largest bucket builds the smaller tree into CapTrees and
 copies it over the first nodes of the round buffers, so every body reads the same buffers.  Captured,
-each is its own graph and runtime/decode/conditional.py composes them, each body inside a CUDA-graph
-IF node whose predicate a kernel of the graph sets from the device's one-hot choice, so the graph picks
+each is its own graph and runtime/decode/conditional.py composes them, the bodies as the branches of one
+CUDA-graph SWITCH node whose value a kernel of the graph sets from the device's one-hot choice, so the graph picks
 its bucket without a host sync; eager (the CPU reference, CUDA without graphs), the host reads the
 choice (one .item(), a sync) and runs that bucket's body: the same bucket either way.  Every body
 writes the same buffers, so the rest of the session does not depend on the bucket.

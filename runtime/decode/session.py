@@ -166,8 +166,8 @@ class DecodeSession:
             cubin, _ = setter_cubin(device_facts(self.target.device).arch, cache_root())
             return ConditionalRound(heads, bodies, choice.hot, cubin, name)
         except (CubinUnavailable, GraphUnavailable) as exc:
-            return HostChoiceRound(heads, bodies, choice.pick, f"budget auto without IF nodes ({exc}): the host "
-                                                               f"reads each round's bucket (one sync per round)")
+            return HostChoiceRound(heads, bodies, choice.pick, f"budget auto without conditional nodes ({exc}): the "
+                                                               f"host reads each round's bucket (one sync per round)")
 
     @contextlib.contextmanager
     def frozen(self):

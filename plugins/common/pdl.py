@@ -1,0 +1,43 @@
+"""Programmatic dependent launch (PDL, sm_90+) for the decode round's Triton kernels.
+
+A kernel launched with the PDL attribute may be scheduled while its predecessor in the stream is still
+running: its launch and ramp overlap the predecessor's tail instead of following its completion (~0.5-1 µs a
+boundary, measured on tree_verify_mla's combine: plugins/tree_verify_mla/NOTES.md).  Correctness rests on one
+rule: such a kernel starts with pdl_prologue, which waits (griddepcontrol.wait) until the predecessor grid has
+completed and its memory is visible, then lets its own dependents launch.  So nothing is read early, and a
+kernel launched without the attribute (torch's, cuBLAS's) still follows full completion.  In a captured graph
+the attribute becomes a programmatic edge.
+
+KDTREE_PDL=0 (read at import) launches every kernel without it: the peer the benchmarks measure.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from plugins.common.device import device_facts
+
+USE_PDL = os.environ.get("KDTREE_PDL", "1") != "0"
+
+
+def pdl_for(t: torch.Tensor) -> bool:
+    """Launch with PDL: on by default, a CUDA tensor (not the interpreter) of an sm_90+ device."""
+    return USE_PDL and t.is_cuda and device_facts(t.device).capability[0] >= 9
+
+
+def launch_options(pdl: bool) -> dict:
+    """The launch keywords for a kernel launched with pdl (the interpreter takes none)."""
+    return {"launch_pdl": True} if pdl else {}
+
+
+@triton.jit
+def pdl_prologue(PDL: tl.constexpr):
+    """The first statement of a PDL-launched kernel: wait for the predecessor grid, then release dependents."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
