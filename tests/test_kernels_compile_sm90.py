@@ -2,9 +2,9 @@
 kernel that would not build fails here and not first on the GPU: the MLA absorption products, the rope tables,
 the round's emission, the older rope kernel that shares their rounding (_rotate), the MoE routing kernel with
 the shared expert's activation, the TP greedy token's two kernels, the drafter's attention, K/V store and block,
-the residual norm and SiLU * up (the layer kernels with programmatic dependent launch, as sm_90 launches them),
-at the specialisations the runtime launches (bf16 K2.6 shapes at t = 1 .. 64, the fp32 tiny models).  Each gives an ELF cubin; the
-rope tables' kernel must not use the approximate cos / sin."""
+the residual norm, SiLU * up and the vocab-parallel embedding (the layer kernels with programmatic dependent
+launch, as sm_90 launches them), at the specialisations the runtime launches (bf16 K2.6 shapes at t = 1 .. 64,
+the fp32 tiny models).  Each gives an ELF cubin; the rope tables' kernel must not use the approximate cos / sin."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ def specialisations() -> list:
     from plugins.layer_fusion.kernel import (
         _add_rms_norm_kernel,
         _drafter_block_kernel,
+        _embed_range_kernel,
         _kv_norm_rope_store_kernel,
         _mla_q_absorb_kernel,
         _mla_rope_kv_kernel,
@@ -65,6 +66,8 @@ def specialisations() -> list:
                                                                           PDL=True), 16))
     out.append(kernel("silu_mul_bf16", _silu_mul_kernel, {"gu_ptr": "*fp32", "out_ptr": "*bf16"},
                       dict(BLOCK=256, IEEE_EXP=True, PDL=True), 1))
+    t = {"tok_ptr": "*i64", "w_ptr": "*bf16", "out_ptr": "*bf16"}
+    out.append(kernel("embed_range_bf16", _embed_range_kernel, t, dict(BLOCK=1024, PDL=True), 4))
     # the drafter (K2.6: head_dim 128, block 8, 8 q heads over 1 kv head per rank when sharded)
     t = {"kv_ptr": "*bf16", "w_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "pos_ptr": "*i64",
          "k_ptr": "*bf16", "v_ptr": "*bf16", "q_ptr": "*bf16", "qw_ptr": "*bf16", "qo_ptr": "*bf16", "eps": "fp32"}
@@ -110,7 +113,7 @@ def test_round_kernels_compile_for_sm90(tmp_path):
                           text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     recs = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(recs) == 25
+    assert len(recs) == 26
     for r in recs:
         assert (tmp_path / r["cubin"]).read_bytes()[:4] == b"\x7fELF", r
         if r["name"].startswith("rope"):

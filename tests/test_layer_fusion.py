@@ -25,6 +25,7 @@ from interpreter import interpreted
 from plugins.layer_fusion.reference import (
     add_rms_norm_reference,
     drafter_block_reference,
+    embed_range_reference,
     kv_norm_rope_store_reference,
     mla_q_absorb_reference,
     mla_rope_kv_reference,
@@ -62,6 +63,7 @@ def run_cases(device: str, count: int, seed: int = 0) -> list[dict]:
     from plugins.layer_fusion.kernel import (
         add_rms_norm_triton,
         drafter_block_triton,
+        embed_range_triton,
         kv_norm_rope_store_triton,
         mla_q_absorb_triton,
         mla_rope_kv_triton,
@@ -165,8 +167,9 @@ def run_cases(device: str, count: int, seed: int = 0) -> list[dict]:
 
         # silu_mul: gate_up [t, 2i] rows of a wider buffer
         hh, e = pick((1, 4, 8)), pick((128, 16, 6))
-        # kv_norm_rope_store: the drafter's k heads (norm + rope) of 1-3 layers into the cache rows of their positions (distinct rows; the
-        # last token of a request may sit past the cache: clamped to its last row), the v heads copied as they are
+        # kv_norm_rope_store: the drafter's k heads (norm + rope) of 1-3 layers into the cache rows of their
+        # positions (distinct rows; the last token of a request may sit past the cache: clamped to its last row), the
+        # v heads copied as they are
         bq, n, cap, ly = pick((1, 2, 3)), pick((1, 5, 8)), pick((12, 40)), pick((1, 3))
         pos = torch.stack([torch.randperm(cap - 1, generator=g)[:n] for _ in range(bq)])  # [bq, n] < cap - 1
         if k % 2:
@@ -206,6 +209,17 @@ def run_cases(device: str, count: int, seed: int = 0) -> list[dict]:
         ok = torch.equal(lens, lens_w) and all(torch.equal(x, y) for x, y in zip(got, want))
         out.append(dict(op="drafter_block", case=f"b{bq} a{a} s{s}", ok=ok, err=0.0))
 
+        # embed_range: a rank's vocabulary range (ids below, inside and past it; rows past count are padding)
+        v, dd, start = pick((7, 64)), pick((16, 300)), pick((0, 5, 40))
+        count = v - pick((0, 2))
+        weight = rnd(v, dd, dtype=dt)
+        toks = torch.randint(0, start + v + 10, (pick((1, 3)), pick((1, 6))), generator=g).to(device)
+        got = torch.empty(toks.numel(), dd, dtype=dt, device=device)
+        embed_range_triton(toks.reshape(-1), weight, start, count, got)
+        want = embed_range_reference(toks, weight, start, count).reshape(-1, dd)
+        out.append(dict(op="embed_range", case=f"v{v} count{count} start{start} d{dd} {dt}", ok=torch.equal(got, want),
+                        err=0.0))
+
         # odd cases: gate_up is an fp32 GEMM output (the router's GEMM, runtime/model/moe), rounded to dt first
         i = pick((5, 256, 2304))
         wide_in = k % 2 == 1
@@ -228,7 +242,7 @@ def interpreter_results():
 
 @pytest.mark.parametrize("op", ["add_rms_norm", "rms_norm", "rope_cos_sin", "mla_q_absorb", "mla_v_absorb",
                                 "mla_rope_kv", "silu_mul", "kv_norm_rope_store",
-                                "drafter_block"])
+                                "drafter_block", "embed_range"])
 def test_kernel_matches_reference_in_interpreter(interpreter_results, op):
     cases = [c for c in interpreter_results if c["op"] == op]
     assert cases and all(c["ok"] for c in cases), [c for c in cases if not c["ok"]]

@@ -17,6 +17,7 @@ from plugins.common.op import kdtree_op
 from plugins.layer_fusion.reference import (
     add_rms_norm_reference,
     drafter_block_reference,
+    embed_range_reference,
     kv_norm_rope_store_reference,
     mla_q_absorb_reference,
     mla_rope_kv_reference,
@@ -28,7 +29,7 @@ from plugins.layer_fusion.reference import (
 )
 
 __all__ = ["rms_norm", "add_rms_norm", "rope_cos_sin", "mla_q_absorb", "mla_v_absorb", "mla_rope_kv", "silu_mul",
-           "kv_norm_rope_store", "drafter_block", "rotate_reference"]
+           "kv_norm_rope_store", "drafter_block", "embed_range", "rotate_reference"]
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # KDTREE_FUSION=0 (read once, at import): the references on CUDA too, i.e. the unfused torch ops, the peer
@@ -354,6 +355,40 @@ def _drafter_block_cuda(lens: torch.Tensor, ctx_len: torch.Tensor, bonus: torch.
                          f"{tuple(bonus.shape)}, ctx_pos {tuple(ctx_pos.shape)}, blk_pos {tuple(blk_pos.shape)}, "
                          f"block {tuple(block.shape)}, visible {visible.dtype} {tuple(visible.shape)}")
     drafter_block_triton(lens, ctx_len, bonus, mask_id, ctx_pos, blk_pos, block, visible)
+
+
+# ---- the vocab-parallel embedding
+
+def embed_range(tokens: torch.Tensor, weight: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    """tokens [b, n] int64, weight [>= count, d] -> [b, n, d]: rows of the ids in [start, start + count), zeros
+    for the others, in one launch (reference.embed_range_reference)."""
+    if not (_fused(weight) and tokens.dtype == torch.int64):
+        return embed_range_reference(tokens, weight, start, count)
+    return embed_range_op(tokens, weight, start, count)
+
+
+@kdtree_op("embed_range", mutates_args=())
+def embed_range_op(tokens: torch.Tensor, weight: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    return embed_range_reference(tokens, weight, start, count)
+
+
+@embed_range_op.register_fake
+def _(tokens, weight, start, count):
+    return weight.new_empty(*tokens.shape, weight.shape[1])
+
+
+@embed_range_op.register_kernel("cuda")
+def _embed_range_cuda(tokens: torch.Tensor, weight: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    if not (_fused(weight) and tokens.dtype == torch.int64):
+        return embed_range_reference(tokens, weight, start, count)
+    from plugins.layer_fusion.kernel import embed_range_triton
+    if weight.dim() != 2 or weight.stride(1) != 1 or count > weight.shape[0]:
+        raise ValueError(f"embed_range: need weight [>= {count}, d] with unit last stride, got {tuple(weight.shape)} "
+                         f"{weight.stride()}")
+    flat = tokens.reshape(-1).contiguous()  # [t]
+    out = torch.empty(flat.shape[0], weight.shape[1], dtype=weight.dtype, device=weight.device)
+    embed_range_triton(flat, weight, start, count, out)
+    return out.view(*tokens.shape, weight.shape[1])
 
 
 # ---- the MLP's activation

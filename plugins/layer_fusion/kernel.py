@@ -15,6 +15,7 @@ KB of data.  Each kernel here is one launch per stage and reads its inputs once:
                 are, into the cache rows of their positions, for one layer or all (per (t, g, layer and k or v));
                 the block's q heads normed and roped too
   drafter_block  the drafter block's positions, tokens, visible length; the committed length advanced (per request)
+  embed_range   a rank's share of a vocab-parallel embedding: its rows, zeros outside its range (per token)
 Rounding: every value the reference rounds to the storage dtype is rounded here at the same point
 (`.to(dtype)` then back to fp32); fp contraction is off, so fp32 models also match the reference's
 products; exp and division are the IEEE ones torch uses (rsqrt, as torch's, is
@@ -417,6 +418,31 @@ def drafter_block_triton(lens: torch.Tensor, ctx_len: torch.Tensor, bonus: torch
     _drafter_block_kernel[(b,)](lens, ctx_len, bonus, ctx_pos, blk_pos, block, visible, a, s, mask_id,
                                 BLOCK_A=triton.next_power_of_2(max(a, 1)), BLOCK_S=triton.next_power_of_2(s),
                                 num_warps=1, **_opts(lens))
+
+
+@triton.jit
+def _embed_range_kernel(tok_ptr, w_ptr, out_ptr, D, start, count, s_w, s_o, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr):
+    """Program (token, d block): the token's row of this rank's vocabulary range, or zeros outside it."""
+    pdl_prologue(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = j < D
+    row = tl.load(tok_ptr + t) - start
+    ok = (row >= 0) & (row < count)
+    v = tl.load(w_ptr + tl.where(ok, row, 0) * s_w + j, mask=m & ok, other=0.0)
+    tl.store(out_ptr + t * s_o + j, v, mask=m)
+
+
+def embed_range_triton(tokens: torch.Tensor, weight: torch.Tensor, start: int, count: int, out: torch.Tensor) -> None:
+    """tokens [t] int64 (contiguous), weight [>= count, d] (unit last stride) -> out [t, d] (unit last stride)."""
+    t, d = out.shape
+    if t == 0:
+        return
+    block = min(1024, triton.next_power_of_2(d))
+    _embed_range_kernel[(t, triton.cdiv(d, block))](tokens, weight, out, d, start, count, weight.stride(0),
+                                                    out.stride(0), BLOCK=block, num_warps=_warps(block),
+                                                    **_opts(tokens))
 
 
 @triton.jit

@@ -136,3 +136,13 @@ def drafter_block_reference(lens: torch.Tensor, ctx_len: torch.Tensor, bonus: to
     block[:, 0] = bonus
     visible.copy_(start + blk_pos.shape[1])
     lens += ctx_len
+
+
+def embed_range_reference(tokens: torch.Tensor, weight: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    """This rank's share of a vocab-parallel embedding: tokens [b, n] int64, weight [>= count, d] (rows of the ids
+    [start, start + count)) -> [b, n, d]: weight[id - start] for ids in the range, zero rows for the others (the
+    all-reduce that follows sums the one rank's row)."""
+    local = tokens - start  # [b, n]
+    outside = (local < 0) | (local >= count)
+    x = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight)  # [b, n, d]
+    return x.masked_fill_(outside[..., None], 0.0)

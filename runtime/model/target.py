@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from core.config import ModelConfig
 from core.plan import ParallelPlan
 from plugins.common.precision import acc_dtype
-from plugins.layer_fusion import add_rms_norm
+from plugins.layer_fusion import add_rms_norm, embed_range
 from plugins.moe_w4a16 import MoEWorkspace, expert_dims
 from plugins.tree_accept.vocab_argmax import vocab_argmax_local, vocab_argmax_pick
 from runtime.model.attention import mla_forward
@@ -118,10 +118,8 @@ class TargetModel:
         range [vocab_start, vocab_end), zeros the others, and the all-reduce sums the one non-zero row."""
         if self.comm is None:
             return F.embedding(tokens, self.w.embed)
-        local = tokens - self.vocab_start  # [b, n]
-        outside = (local < 0) | (local >= self.vocab_end - self.vocab_start)
-        x = F.embedding(local.masked_fill(outside, 0), self.w.embed)  # [b, n, d]
-        return self.comm.all_reduce(x.masked_fill_(outside[..., None], 0.0))
+        x = embed_range(tokens, self.w.embed, self.vocab_start, self.vocab_end - self.vocab_start)  # [b, n, d]
+        return self.comm.all_reduce(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., d] -> logits [..., v] (fp32, or fp64 for an fp64 model), the full vocabulary on
