@@ -16,9 +16,8 @@ What this does not see: cuBLAS's split-K reduce kernels and the graph's memcpy n
 on the device), and launches a CUDA-only path makes outside the ops above.  Compare with the profile's count
 when one exists (--compare prints the last measured counts beside the model's).
 
-    python3 benchmarks/launch_count.py                                   # tiny-kimi, AR + DDTree-16
-    python3 benchmarks/launch_count.py --preset kimi-k2.6 --layers 2     # one TP8 rank's per-layer count
-    python3 benchmarks/launch_count.py --sites 30 --out benchmarks/results
+    python3 benchmarks/launch_count.py                                   # tiny-kimi, AR + DDTree-16 (seconds)
+    python3 benchmarks/launch_count.py --models tiny-kimi,kimi-k2.6 --out benchmarks/results   # + a TP8 rank (~4 min)
 """
 
 from __future__ import annotations
@@ -165,10 +164,42 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def _print(name: str, res: dict, sites: int) -> None:
+    for rnd, r in res["rounds"].items():
+        print(f"== {name} {rnd}: {r['kernels']} kernels ({res['layers']} layers), host reads: "
+              f"{sum(h['count'] for h in r['host_reads'])}")
+        for s in r["sites"][:sites]:
+            print(f"{s['kernels']:4d}  {s['op']:<34} {s['site']}")
+        for h in r["host_reads"]:
+            print(f"HOST {h['count']:3d}  {h['op']:<30} {h['site']}")
+
+
+def count_model(preset: str, context: int, budget: int, depth: int, sites: int) -> dict:
+    """A preset's rounds at its own depth; kimi-k2.6 (61 layers, too slow to run on a CPU at full depth) at 2 and 3
+    layers (layer 0 dense, the rest MoE), the MoE layer's increment extrapolated to the full depth."""
+    if preset != "kimi-k2.6":
+        res = count_preset(preset, None, context, budget, depth)
+        _print(preset, res, sites)
+        res["kernels_per_layer"] = {k: round(r["kernels"] / res["layers"], 1) for k, r in res["rounds"].items()}
+        return res
+    two, three = (count_preset(preset, n, context, budget, depth) for n in (2, 3))
+    _print(f"{preset} (3 layers)", three, sites)
+    full = 61
+    out = {"layers_counted": [2, 3], "full_layers": full, "stubbed": three["stubbed"], "rounds": three["rounds"],
+           "per_moe_layer": {}, "extrapolated": {}}
+    for k in three["rounds"]:
+        per = three["rounds"][k]["kernels"] - two["rounds"][k]["kernels"]
+        total = two["rounds"][k]["kernels"] + (full - 2) * per
+        out["per_moe_layer"][k] = per
+        out["extrapolated"][k] = {"kernels": total, "kernels_per_layer": round(total / full, 1)}
+        print(f"{preset} {k}: {per} kernels per MoE layer; {total} at {full} layers ({total / full:.1f} per layer)")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="tiny-kimi")
-    ap.add_argument("--layers", type=int, default=None, help="depth (default: the preset's)")
+    ap.add_argument("--models", default="tiny-kimi", help="presets, comma-separated (kimi-k2.6: counted at 2 and "
+                                                           "3 layers, extrapolated to 61)")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--budget", type=int, default=16)
     ap.add_argument("--depth", type=int, default=2, help="call-site frames kept per op")
@@ -176,18 +207,10 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="folder for launch-count.json")
     a = ap.parse_args()
     torch.manual_seed(0)
-    res = count_preset(a.preset, a.layers, a.context, a.budget, a.depth)
     doc = {"benchmark": "launch-count", "kind": "model (CPU dispatch count), not a GPU measurement",
            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "git_commit": _git_commit(),
-           "preset": a.preset, "context": a.context, "budget": a.budget, "torch": torch.__version__,
-           "kdtree_launches": KDTREE_LAUNCHES, **res}
-    for name, r in res["rounds"].items():
-        print(f"== {name}: {r['kernels']} kernels ({res['layers']} layers), host reads: "
-              f"{sum(h['count'] for h in r['host_reads'])}")
-        for s in r["sites"][:a.sites]:
-            print(f"{s['kernels']:4d}  {s['op']:<34} {s['site']}")
-        for h in r["host_reads"]:
-            print(f"HOST {h['count']:3d}  {h['op']:<30} {h['site']}")
+           "context": a.context, "budget": a.budget, "torch": torch.__version__, "kdtree_launches": KDTREE_LAUNCHES,
+           "models": {m: count_model(m, a.context, a.budget, a.depth, a.sites) for m in a.models.split(",") if m}}
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)
         Path(a.out, "launch-count.json").write_text(json.dumps(doc, indent=1) + "\n")

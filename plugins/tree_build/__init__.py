@@ -31,7 +31,7 @@ def tree_build(logits: torch.Tensor, root: torch.Tensor, start: torch.Tensor, to
 def tree_build_op(logits: torch.Tensor, root: torch.Tensor, start: torch.Tensor, topk: int, tokens: torch.Tensor,
                   parents: torch.Tensor, depth: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                   workspace: Optional[torch.Tensor], scores: Optional[torch.Tensor]) -> None:
-    """logits [b, D, V] draft logits, root [b] int64 bonus tokens, start [b] position of the root;
+    """logits [b, D, V] draft logits, root [b] int64 bonus tokens, start [b] int64 / int32 position of the root;
     budget B = tokens.shape[1] - 1; candidates per depth K = min(topk, V) (topk = B for DDTree,
     1 for a chain).  Writes tokens, parents, depth, positions [b, N] and mask [b, N, w]; scores [b, N] fp32
     (optional) gets each node's path log-probability under the drafter (root 0; see reference.py).

@@ -33,9 +33,10 @@ def check_tree_build_args(logits, root, start, topk, tokens, parents, depth, pos
     want = {"tokens": (tokens, (b, n), torch.int64), "parents": (parents, (b, n), torch.int32),
             "depth": (depth, (b, n), torch.int32), "positions": (positions, (b, n), torch.int64),
             "mask": (mask, (b, n, mask_words(n)), torch.int64), "root": (root, (b,), torch.int64),
-            "start": (start, (b,), torch.int64)}
+            "start": (start, (b,), (torch.int64, torch.int32))}  # start: a cache's int32 lengths as they are
     for name, (t, shape, dtype) in want.items():
-        if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous() or t.device != logits.device:
+        if tuple(t.shape) != shape or t.dtype not in (dtype if isinstance(dtype, tuple) else (dtype,)) \
+                or not t.is_contiguous() or t.device != logits.device:
             raise ValueError(f"tree_build: {name} must be contiguous {dtype} {list(shape)} on {logits.device}, "
                              f"got {t.dtype} {list(t.shape)} on {t.device}")
     budget = n - 1

@@ -177,7 +177,7 @@ def _tree_kernel(lp_ptr, ids_ptr, root_ptr, start_ptr,
     tl.store(tok_ptr + out, tok.to(tl.int64), mask=jv)
     tl.store(par_out_ptr + out, parent, mask=jv)
     tl.store(dep_out_ptr + out, nd + 1, mask=jv)
-    start = tl.load(start_ptr + req)
+    start = tl.load(start_ptr + req).to(tl.int64)  # int32 or int64
     tl.store(pos_out_ptr + out, start + (nd + 1).to(tl.int64), mask=jv)
     first = j == 0
     if HAS_SCORES:  # the prefix's score, as kept in A_d (the same fp32 sums as the reference's)

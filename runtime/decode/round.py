@@ -170,7 +170,7 @@ def draft_tree(drafter, cache: LatentCache, dcache, buf: RoundBuffers, topk: int
     with clock("build"):
         full = choice is None or cap is None or cap == len(choice.buckets) - 1
         if full:
-            tree_build(logits, buf.bonus, cache.lens.long(), topk, buf.tokens, buf.parents, buf.depth, buf.positions,
+            tree_build(logits, buf.bonus, cache.lens, topk, buf.tokens, buf.parents, buf.depth, buf.positions,
                        buf.mask, tree_ws, buf.scores if choice is not None else None)
         else:
             b, n = buf.tokens.shape[0], choice.buckets[cap] + 1
@@ -179,7 +179,7 @@ def draft_tree(drafter, cache: LatentCache, dcache, buf: RoundBuffers, topk: int
             rows = (buf.tokens, buf.parents, buf.positions, buf.scores)
             if b == 1:  # one request: those prefixes are contiguous, the tree is built straight into them
                 tokens, parents, positions, scores = (t[:, :n] for t in rows)
-            tree_build(logits, buf.bonus, cache.lens.long(), topk, tokens, parents, depth, positions, mask, tree_ws,
+            tree_build(logits, buf.bonus, cache.lens, topk, tokens, parents, depth, positions, mask, tree_ws,
                        scores)
             if b > 1:
                 for dst, src in zip(rows, (tokens, parents, positions, scores)):
