@@ -34,6 +34,7 @@ def specialisations() -> list:
         _rope_cos_sin_kernel,
         _silu_mul_kernel,
     )
+    from plugins.moe_w4a16.expert_kernels import combine_kernel
     from plugins.moe_w4a16.route_kernel import route_kernel
     from plugins.round_emit.kernel import _round_emit_kernel
     from plugins.tree_accept.vocab_argmax_kernel import vocab_argmax_local_kernel, vocab_argmax_pick_kernel
@@ -94,8 +95,11 @@ def specialisations() -> list:
     # the MoE routing kernel forming the shared expert's activation (K2.6 TP8: 384 experts, top 8, i' 256)
     t = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "idx_ptr": "*i32", "w_ptr": "*fp32", "counts_ptr": "*i32",
          "active_ptr": "*i32", "lists_ptr": "*i32", "scaling": "fp32", "su_ptr": "*fp32", "h_ptr": "*bf16"}
-    c = dict(K=8, N_GROUP=1, TOPK_GROUP=1, NORM=True, BT=1, BE=512, BKK=8, BG=2, SHARED=True, BS=256, IEEE_EXP=True)
+    c = dict(K=8, N_GROUP=1, TOPK_GROUP=1, NORM=True, BT=1, BE=512, BKK=8, BG=2, SHARED=True, BS=256, IEEE_EXP=True,
+             PDL=True)
     out.append(kernel("route_shared_bf16", route_kernel, t, c, 1))
+    t = {"out_ptr": "*fp32", "idx_ptr": "*i32", "y_ptr": "*bf16", "counts_ptr": "*i32"}
+    out.append(kernel("moe_combine_bf16", combine_kernel, t, dict(K=8, BD=1024, BC=512, PDL=True), 4))
     # the TP greedy token: each rank's (max, index) pairs, then the pick across ranks
     out.append(kernel("vocab_argmax_local", vocab_argmax_local_kernel, {"x_ptr": "*fp32", "pair_ptr": "*fp64"},
                       dict(BLOCK_V=4096), 8))
@@ -113,7 +117,7 @@ def test_round_kernels_compile_for_sm90(tmp_path):
                           text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     recs = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(recs) == 26
+    assert len(recs) == 27
     for r in recs:
         assert (tmp_path / r["cubin"]).read_bytes()[:4] == b"\x7fELF", r
         if r["name"].startswith("rope"):

@@ -6,6 +6,9 @@ and the kernel's reading of it disagree, this model's product differs from the d
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+
 import pytest
 import torch
 
@@ -179,6 +182,11 @@ def test_every_variant_the_launcher_picks_is_compiled(tmp_path):
         assert data[:4] == b"\x7fELF"
         missing = sorted(n for n in names if n.encode() not in data)
         assert not missing, (arch, missing)
+    # programmatic dependent launch: every kernel waits for its predecessor grid before reading anything
+    ptx = tmp_path / "moe_v3.ptx"
+    subprocess.run([shutil.which("nvcc"), "-ptx", "-arch=sm_90", "-std=c++17", "-o", str(ptx), str(SOURCE)], check=True)
+    bodies = ptx.read_text().split(".entry ")[1:]
+    assert len(bodies) >= len(names) and all("griddepcontrol.wait" in b for b in bodies)
 
 
 def test_v3_inputs_are_checked_by_name():

@@ -29,6 +29,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from plugins.common.pdl import pdl_prologue
+
 
 @triton.jit
 def _dot(a, b, acc, DOT_PREC: tl.constexpr):
@@ -237,12 +239,13 @@ def down_kernel(h_ptr, w_ptr, s_ptr, topw_ptr, out_ptr, counts_ptr, active_ptr, 
 
 @triton.jit
 def combine_kernel(out_ptr, idx_ptr, y_ptr, counts_ptr, D, e_start, e_local, K: tl.constexpr, BD: tl.constexpr,
-                   BC: tl.constexpr):
+                   BC: tl.constexpr, PDL: tl.constexpr):
     """y[t] = sum over the token's K slots routed to local experts of out[t*K + j] (fp32 sum, slot order).
 
     Program (0, 0) also zeroes counts [e_local + 1] (BC >= e_local + 1): the route kernel of the next call
     counts into it.  This kernel runs after the last reader of counts (the down kernel) in stream order, so
     the workspace leaves every call as it came (counts zero) and no memset launch precedes the route kernel."""
+    pdl_prologue(PDL)  # counts are zeroed below: after the down kernel, its last reader, completed
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         rc = tl.arange(0, BC)
         tl.store(counts_ptr + rc, tl.zeros([BC], tl.int32), mask=rc < e_local + 1)

@@ -20,6 +20,7 @@ from core.cache_dir import cache_root
 from plugins.common.cubin import CubinUnavailable, cubin
 from plugins.common.device import device_facts
 from plugins.common.driver import checked
+from plugins.common.pdl import USE_PDL, launch_options
 from plugins.moe_w4a16.expert_kernels import combine_kernel
 from plugins.moe_w4a16.fragment_layout import ROWS
 from plugins.moe_w4a16.layout import GROUP, padded_k
@@ -77,6 +78,7 @@ class _Module:
     funcs: dict
     smem_set: dict
     where: str
+    pdl: bool = False  # launch with programmatic dependent launch (sm_90+; off for good once the driver refuses it)
 
 
 _MODULES: dict[int, _Module] = {}
@@ -96,7 +98,7 @@ def kernels(device: torch.device) -> _Module:
         with torch.cuda.device(index):
             torch.cuda.init()
             module = _ok(cu, cu.cuModuleLoadData(data), f"cuModuleLoadData ({where})")
-        mod = _MODULES[index] = _Module(cu, module, {}, {}, where)
+        mod = _MODULES[index] = _Module(cu, module, {}, {}, where, USE_PDL and device_facts(device).capability[0] >= 9)
     return mod
 
 
@@ -130,9 +132,24 @@ def _func(mod: _Module, name: str, smem: int):
 
 
 def _launch(mod: _Module, name: str, grid: int, smem: int, args: tuple, types: tuple) -> None:
+    """One launch on torch's current stream; with mod.pdl through cuLaunchKernelEx with programmatic stream
+    serialization (the kernels wait for their predecessor grid first: moe_v3.cu's pdl_prologue)."""
     cu = mod.cu
     func = _func(mod, name, smem)
     stream = cu.CUstream(torch.cuda.current_stream().cuda_stream)
+    if mod.pdl:
+        config = cu.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = grid, 1, 1
+        config.blockDimX, config.blockDimY, config.blockDimZ = 32 * WARPS, 1, 1
+        config.sharedMemBytes, config.hStream = smem, stream
+        attr = cu.CUlaunchAttribute()
+        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        config.attrs, config.numAttrs = [attr], 1
+        err = cu.cuLaunchKernelEx(config, func, (args, types), 0)[0]
+        if err == cu.CUresult.CUDA_SUCCESS:
+            return
+        mod.pdl = False  # refused (an old driver): plain launches from now on, this one included
     _ok(cu, cu.cuLaunchKernel(func, grid, 1, 1, 32 * WARPS, 1, 1, smem, stream, (args, types), 0), f"launch {name}")
 
 
@@ -226,5 +243,6 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
             (ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32))
     combine_kernel[(t, cdiv(d, min(1024, next_pow2(d))))](ws.out, ws.topk_idx, y, ws.counts, d, e_start, e_local,
                                                           K=top_k, BD=min(1024, next_pow2(d)),
-                                                          BC=next_pow2(e_local + 1), num_warps=4)
+                                                          BC=next_pow2(e_local + 1), PDL=mod.pdl, num_warps=4,
+                                                          **launch_options(mod.pdl))
     return y

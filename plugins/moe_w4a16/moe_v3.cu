@@ -382,16 +382,28 @@ __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2,
     }
 }
 
+// Programmatic dependent launch (launch_v3.py launches with it on sm_90+): wait until the predecessor grid has
+// completed and its memory is visible, before reading anything, then let this kernel's dependents launch.
+// Without the launch attribute the wait returns at once.
+__device__ __forceinline__ void pdl_prologue() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 #define GATE_UP(NT, P, MINB)                                                                                    \
     extern "C" __global__ void __launch_bounds__(THREADS, MINB) kdtree_moe_v3_gate_up_nt##NT##_p##P(         \
         const uint4* w13, const uint2* s13, const uint4* x, const int* counts, const int* lists, u16* h, int t, \
         int top_k, int e_local, int c_real, int n_groups, int n_pairs, int inter) {                          \
+        pdl_prologue();                                                                                        \
         gate_up<NT, P>(w13, s13, x, counts, lists, h, t, top_k, e_local, c_real, n_groups, n_pairs, inter);   \
     }
 #define DOWN(NT, P, MINB)                                                                                       \
     extern "C" __global__ void __launch_bounds__(THREADS, MINB) kdtree_moe_v3_down_nt##NT##_p##P(            \
         const uint4* w2, const uint2* s2, const uint4* h, const float* topk_w, const int* counts,             \
         const int* lists, u16* out, int t, int e_local, int c_real, int n_groups, int n_pairs, int d) {       \
+        pdl_prologue();                                                                                        \
         down<NT, P>(w2, s2, h, topk_w, counts, lists, out, t, e_local, c_real, n_groups, n_pairs, d);         \
     }
 

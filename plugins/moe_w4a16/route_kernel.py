@@ -25,6 +25,7 @@ import triton.language as tl
 
 from plugins.common.activation_kernel import silu_mul_rounded
 from plugins.common.keys import pack, unpack
+from plugins.common.pdl import launch_options, pdl_for, pdl_prologue
 
 KEY_NONE = tl.constexpr(-(2**63))  # below every packed key: a lane already picked, masked or outside the allowed groups
 
@@ -34,7 +35,8 @@ def route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, counts_ptr, active_ptr, l
                  T, E, stride_l, e_start, e_local, scaling, su_ptr, h_ptr, I_SH, stride_su, stride_h,
                  K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr,
                  BT: tl.constexpr, BE: tl.constexpr, BKK: tl.constexpr, BG: tl.constexpr,
-                 SHARED: tl.constexpr, BS: tl.constexpr, IEEE_EXP: tl.constexpr):
+                 SHARED: tl.constexpr, BS: tl.constexpr, IEEE_EXP: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     NEG = float("-inf")
     pid = tl.program_id(0)
     rt = pid * BT + tl.arange(0, BT)  # [BT] tokens
@@ -116,6 +118,7 @@ def launch_route(logits: torch.Tensor, bias: torch.Tensor, topk_idx: torch.Tenso
     dtype), the same programs also write shared_h = silu(gate) * up (plugins/common/activation_kernel.py)."""
     t, e = logits.shape
     shared = shared_h is not None
+    pdl = pdl_for(logits)
     i_sh = shared_h.shape[1] if shared else 0
     route_kernel[(t,)](logits, bias, topk_idx, topk_w, counts, active, lists, t, e, logits.stride(0), e_start,
                        e_local, float(scaling), shared_gate_up if shared else logits,
@@ -123,7 +126,7 @@ def launch_route(logits: torch.Tensor, bias: torch.Tensor, topk_idx: torch.Tenso
                        shared_h.stride(0) if shared else 0, K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group,
                        NORM=bool(norm_topk_prob), BT=1, BE=next_pow2(e), BKK=next_pow2(top_k),
                        BG=next_pow2(n_group), SHARED=shared, BS=min(1024, next_pow2(max(i_sh, 1))),
-                       IEEE_EXP=logits.is_cuda, num_warps=1)
+                       IEEE_EXP=logits.is_cuda, PDL=pdl, num_warps=1, **launch_options(pdl))
 
 
 def next_pow2(n: int) -> int:
