@@ -84,6 +84,9 @@ class _Module:
 _MODULES: dict[int, _Module] = {}
 
 
+PDL_MARKER = b"kdtree_moe_v3_waits_for_predecessor"  # in moe_v3.cu: its kernels start with the PDL wait
+
+
 def _ok(cu, res, what: str):
     return checked(cu, res, f"moe_w4a16 v3: {what}")
 
@@ -98,7 +101,9 @@ def kernels(device: torch.device) -> _Module:
         with torch.cuda.device(index):
             torch.cuda.init()
             module = _ok(cu, cu.cuModuleLoadData(data), f"cuModuleLoadData ({where})")
-        mod = _MODULES[index] = _Module(cu, module, {}, {}, where, USE_PDL and device_facts(device).capability[0] >= 9)
+        waits = cu.cuModuleGetFunction(module, PDL_MARKER)[0] == cu.CUresult.CUDA_SUCCESS  # an older cubin: no
+        pdl = waits and USE_PDL and device_facts(device).capability[0] >= 9
+        mod = _MODULES[index] = _Module(cu, module, {}, {}, where, pdl)
     return mod
 
 

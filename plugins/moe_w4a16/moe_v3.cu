@@ -391,6 +391,9 @@ __device__ __forceinline__ void pdl_prologue() {
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
+// Never launched: its presence in a cubin tells launch_v3.py the kernels above wait (a cubin built from an older
+// source, e.g. an artifact's, does not hold it and is launched without PDL).
+extern "C" __global__ void kdtree_moe_v3_waits_for_predecessor() {}
 
 #define GATE_UP(NT, P, MINB)                                                                                    \
     extern "C" __global__ void __launch_bounds__(THREADS, MINB) kdtree_moe_v3_gate_up_nt##NT##_p##P(         \
