@@ -4,7 +4,8 @@ run by Triton's interpreter) stands in for its reference, and every `x.is_cuda` 
 kv_commit / round_emit and the TP-free greedy path run exactly as they are launched on a GPU, minus the graphs and
 the MoE's CUDA C kernels (the op's reference serves it).  The tiny Kimi preset in fp32, two requests of different
 lengths, greedy: AR and DDTree tokens equal each other and the reference path's.  This catches a launcher's wrong
-shape, stride or dtype before a GPU is lent; the kernels' numerics are the kernel tests' business."""
+shape, stride or dtype before a GPU is lent; the kernels' numerics are the kernel tests' business.  The same for
+one rank of a TP2 plan (the vocab-parallel paths, the sharded drafter)."""
 
 from __future__ import annotations
 
@@ -39,13 +40,15 @@ def _as_launched(fn):
     return run
 
 
-def _worker() -> dict:
+def _worker(tp: int) -> dict:
     from benchmarks.launch_count import LaunchCount, cuda_branches
     from plugins.common.op import LIB, OPS
     from runtime.load.synthetic import draw_models
+    from runtime.parallel.solo import SoloRankComm
 
     torch.manual_seed(0)
-    target, drafter = draw_models("tiny-kimi", None, dtype=torch.float32, device="cpu")
+    comm = SoloRankComm(0, tp, torch.device("cpu")) if tp > 1 else None  # rank 0's shard, its own collectives
+    target, drafter = draw_models("tiny-kimi", comm, dtype=torch.float32, device="cpu")
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, target.cfg.vocab_size, (n,), generator=g).tolist() for n in (5, 11)]
     ref = {spec: _decode(target, drafter, prompts, spec) for spec in ("none", "ddtree")}
@@ -60,7 +63,7 @@ def _worker() -> dict:
 
 
 def test_decode_through_the_kernels_matches_the_reference():
-    res = interpreted(__file__, timeout=900)
+    res = interpreted(__file__, "1", timeout=900)
     assert res["kernels"]["none"] == res["reference"]["none"], res
     assert res["kernels"]["ddtree"] == res["kernels"]["none"], res
     assert res["reference"]["ddtree"] == res["reference"]["none"], res
@@ -72,6 +75,17 @@ def test_decode_through_the_kernels_matches_the_reference():
         assert op in res["ran"] and op in res["registered"], (op, res["ran"])
 
 
+def test_tp_rank_through_the_kernels_matches_the_reference():
+    """Rank 0 of a TP2 plan run alone (runtime/parallel/solo.py: its collectives return its own share, so the
+    tokens are that rank's model's, deterministic on both paths): the vocab-parallel embedding, the TP greedy
+    token's two kernels and the sharded drafter run through their launchers."""
+    res = interpreted(__file__, "2", timeout=900)
+    assert res["kernels"] == res["reference"], res
+    assert res["kernels"]["ddtree"] == res["kernels"]["none"], res
+    for op in ("embed_range", "vocab_argmax_local", "vocab_argmax_pick", "drafter_attention", "kv_norm_rope_store"):
+        assert op in res["ran"], (op, res["ran"])
+
+
 if __name__ == "__main__" and "--interpreter" in sys.argv:
     interpreter_shims()
-    print(json.dumps(_worker()))
+    print(json.dumps(_worker(int(sys.argv[-1]))))
