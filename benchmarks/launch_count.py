@@ -54,6 +54,11 @@ KDTREE_LAUNCHES = {
     "kv_commit": 2,  # copy rows, advance lens (plugins/kv_commit/kernel.py)
     "drafter_attention": 2,  # split + combine (plugins/drafter_attention/kernel.py; 1 with one split)
 }
+# the model against the H200's count, once: this script run on a worktree of d276429 (the commit of the last tiny
+# profile; rename prime_session / rewind_session to _prime / _rewind there) and that profile (layer-fusion.json)
+CALIBRATION = {"commit": "d276429", "tiny-kimi model": {"ar": 120, "ddtree-16": 224},
+               "tiny-kimi H200 profile": {"ar": 138, "ddtree-16": 259},
+               "missing from the model": "cuBLAS split-K reduce kernels, the graph's memcpy nodes"}
 NO_KERNEL = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default, aten.new_empty.default,
              aten.new_empty_strided.default, aten.lift_fresh.default, aten._unsafe_view.default, aten.sym_size.int,
              aten.sym_stride.int, aten.sym_numel.default, aten.sym_storage_offset.default, aten.is_same_size.default}
@@ -209,7 +214,7 @@ def main() -> None:
     torch.manual_seed(0)
     doc = {"benchmark": "launch-count", "kind": "model (CPU dispatch count), not a GPU measurement",
            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "git_commit": _git_commit(),
-           "context": a.context, "budget": a.budget, "torch": torch.__version__, "kdtree_launches": KDTREE_LAUNCHES,
+           "context": a.context, "budget": a.budget, "torch": torch.__version__, "kdtree_launches": KDTREE_LAUNCHES, "calibration": CALIBRATION,
            "models": {m: count_model(m, a.context, a.budget, a.depth, a.sites) for m in a.models.split(",") if m}}
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)
