@@ -214,7 +214,8 @@ def main() -> None:
     torch.manual_seed(0)
     doc = {"benchmark": "launch-count", "kind": "model (CPU dispatch count), not a GPU measurement",
            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "git_commit": _git_commit(),
-           "context": a.context, "budget": a.budget, "torch": torch.__version__, "kdtree_launches": KDTREE_LAUNCHES, "calibration": CALIBRATION,
+           "context": a.context, "budget": a.budget, "torch": torch.__version__, "kdtree_launches": KDTREE_LAUNCHES,
+           "calibration": CALIBRATION,
            "models": {m: count_model(m, a.context, a.budget, a.depth, a.sites) for m in a.models.split(",") if m}}
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)
