@@ -91,7 +91,7 @@ def specialisations() -> list:
          "idx_ptr": "*i32", "ctx_ptr": "*i64"}
     for ar, tree, block_a in ((True, False, 2), (False, False, 32), (False, True, 8)):
         out.append(kernel(f"emit_ar{int(ar)}_tree{int(tree)}", _round_emit_kernel, t,
-                          dict(AR=ar, TREE=tree, BLOCK_A=block_a, BLOCK_S=16), 1))
+                          dict(AR=ar, TREE=tree, BLOCK_A=block_a, BLOCK_S=16, PDL=True), 1))
     # the MoE routing kernel forming the shared expert's activation (K2.6 TP8: 384 experts, top 8, i' 256)
     t = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "idx_ptr": "*i32", "w_ptr": "*fp32", "counts_ptr": "*i32",
          "active_ptr": "*i32", "lists_ptr": "*i32", "scaling": "fp32", "su_ptr": "*fp32", "h_ptr": "*bf16"}
@@ -102,9 +102,24 @@ def specialisations() -> list:
     out.append(kernel("moe_combine_bf16", combine_kernel, t, dict(K=8, BD=1024, BC=512, PDL=True), 4))
     # the TP greedy token: each rank's (max, index) pairs, then the pick across ranks
     out.append(kernel("vocab_argmax_local", vocab_argmax_local_kernel, {"x_ptr": "*fp32", "pair_ptr": "*fp64"},
-                      dict(BLOCK_V=4096), 8))
+                      dict(BLOCK_V=4096, PDL=True), 8))
     out.append(kernel("vocab_argmax_pick", vocab_argmax_pick_kernel, {"every_ptr": "*fp64", "ids_ptr": "*i64",
-                                                                      "flag_ptr": "*i64"}, dict(BLOCK_R=32), 1))
+                                                                      "flag_ptr": "*i64"}, dict(BLOCK_R=32, PDL=True), 1))
+    # tree_build's top-k kernels (K2.6: vocab 163840, depth 7, K = B = 16), with PDL
+    from plugins.tree_build.topk_kernel import (
+        HIST_BINS,
+        _gather_kernel,
+        _lse_partial_kernel,
+        _radix_pass_kernel,
+        _sort_rows_kernel,
+    )
+    t = {"logits_ptr": "*fp32", "m_ptr": "*fp32", "s_ptr": "*fp32", "hist_ptr": "*i32", "cnt_ptr": "*i32",
+         "chunk_hist_ptr": "*i32", "cand_lp_ptr": "*fp32", "cand_id_ptr": "*i32", "lp_ptr": "*fp32", "ids_ptr": "*i32"}
+    out.append(kernel("lse_partial", _lse_partial_kernel, t, dict(CH=4096, HIST_BINS=HIST_BINS, PDL=True), 8))
+    out.append(kernel("radix_pass", _radix_pass_kernel, t, dict(PASS=1, CH=4096, C_PAD=64, HIST_BINS=HIST_BINS,
+                                                               PDL=True), 8))
+    out.append(kernel("gather", _gather_kernel, t, dict(CH=4096, C_PAD=64, HIST_BINS=HIST_BINS, PDL=True), 8))
+    out.append(kernel("sort_rows", _sort_rows_kernel, t, dict(K_PAD=16, PDL=True), 4))
     return out
 
 
@@ -117,7 +132,7 @@ def test_round_kernels_compile_for_sm90(tmp_path):
                           text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     recs = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(recs) == 27
+    assert len(recs) == 31
     for r in recs:
         assert (tmp_path / r["cubin"]).read_bytes()[:4] == b"\x7fELF", r
         if r["name"].startswith("rope"):

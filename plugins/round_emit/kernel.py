@@ -8,11 +8,14 @@ import torch
 import triton
 import triton.language as tl
 
+from plugins.common.pdl import launch_options, pdl_for, pdl_prologue
+
 
 @triton.jit
 def _round_emit_kernel(cand_ptr, count_ptr, stop_ptr, produced_ptr, max_new_ptr, live_ptr, nonfinite_ptr, out_ptr,
                        bonus_ptr, tok_ptr, idx_ptr, ctx_ptr, A, S, s_c, s_s, s_o, s_t, s_i, s_x, AR: tl.constexpr,
-                       TREE: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_S: tl.constexpr):
+                       TREE: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     r = tl.program_id(0).to(tl.int64)
     slot = tl.arange(0, BLOCK_A)
     am = slot < A
@@ -74,4 +77,5 @@ def round_emit_triton(cand: torch.Tensor | None, count: torch.Tensor, stop_ids: 
                              bonus if bonus is not None else cand, tok, idx, ctx, a, s, cand.stride(0),
                              stop_ids.stride(0), out.stride(0), tok.stride(0), idx.stride(0), ctx.stride(0),
                              AR=bonus is not None and not tree, TREE=tree, BLOCK_A=max(2, triton.next_power_of_2(a)),
-                             BLOCK_S=max(2, triton.next_power_of_2(s)), num_warps=1)
+                             BLOCK_S=max(2, triton.next_power_of_2(s)), PDL=pdl_for(count), num_warps=1,
+                             **launch_options(pdl_for(count)))

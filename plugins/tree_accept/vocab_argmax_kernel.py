@@ -7,11 +7,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from plugins.common.pdl import pdl_prologue
 from plugins.tree_accept.posterior_kernel import argmax_final, argmax_step
 
 
 @triton.jit
-def vocab_argmax_local_kernel(x_ptr, pair_ptr, valid, start, s_row, BLOCK_V: tl.constexpr):
+def vocab_argmax_local_kernel(x_ptr, pair_ptr, valid, start, s_row, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     lane = tl.arange(0, BLOCK_V).to(tl.int64)
     best = tl.full((BLOCK_V,), float("-inf"), dtype=tl.float64)  # per-lane running max (fp64: exact for fp32 / fp64)
@@ -31,7 +33,9 @@ def vocab_argmax_local_kernel(x_ptr, pair_ptr, valid, start, s_row, BLOCK_V: tl.
 
 
 @triton.jit
-def vocab_argmax_pick_kernel(every_ptr, ids_ptr, flag_ptr, world, rows, rows_per_req, BLOCK_R: tl.constexpr):
+def vocab_argmax_pick_kernel(every_ptr, ids_ptr, flag_ptr, world, rows, rows_per_req, BLOCK_R: tl.constexpr,
+                             PDL: tl.constexpr):
+    pdl_prologue(PDL)
     req = tl.program_id(0).to(tl.int64)
     lane = tl.arange(0, BLOCK_R)
     row = req * rows_per_req + lane  # [BLOCK_R] this request's rows

@@ -8,7 +8,10 @@ import torch
 
 from plugins.common.bitmask import mask_words
 from plugins.common.op import kdtree_op
-from plugins.tree_build.reference import build_from_topk_reference, topk_logprobs_reference
+from plugins.tree_build.reference import (
+    build_from_topk_reference,
+    topk_logprobs_reference,
+)
 from plugins.tree_build.workspace import TreeBuildWorkspace
 
 __all__ = ["tree_build", "tree_build_op", "TreeBuildWorkspace", "topk_logprobs_reference",

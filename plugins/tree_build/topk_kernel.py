@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from plugins.common.keys import ordered, unordered
+from plugins.common.pdl import launch_options, pdl_for, pdl_prologue
 
 PASSES = 4  # 8-bit radix digits, most significant first
 HIST_BINS = 256
@@ -29,7 +30,8 @@ HIST_BINS = 256
 
 @triton.jit
 def _lse_partial_kernel(logits_ptr, m_ptr, s_ptr, hist_ptr, cnt_ptr, V, C,
-                        CH: tl.constexpr, HIST_BINS: tl.constexpr):
+                        CH: tl.constexpr, HIST_BINS: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     row = tl.program_id(0)
     c = tl.program_id(1)
     offs = c * CH + tl.arange(0, CH)
@@ -86,7 +88,9 @@ def _resolve(hist_ptr, row, k, NPASS: tl.constexpr, HIST_BINS: tl.constexpr):
 
 @triton.jit
 def _radix_pass_kernel(logits_ptr, m_ptr, s_ptr, hist_ptr, chunk_hist_ptr, V, C, K,
-                       PASS: tl.constexpr, CH: tl.constexpr, C_PAD: tl.constexpr, HIST_BINS: tl.constexpr):
+                       PASS: tl.constexpr, CH: tl.constexpr, C_PAD: tl.constexpr, HIST_BINS: tl.constexpr,
+                       PDL: tl.constexpr):
+    pdl_prologue(PDL)
     row = tl.program_id(0)
     c = tl.program_id(1)
     lse = _row_lse(m_ptr, s_ptr, row, C, C_PAD)
@@ -104,7 +108,8 @@ def _radix_pass_kernel(logits_ptr, m_ptr, s_ptr, hist_ptr, chunk_hist_ptr, V, C,
 
 @triton.jit
 def _gather_kernel(logits_ptr, m_ptr, s_ptr, hist_ptr, chunk_hist_ptr, cnt_ptr, cand_lp_ptr, cand_id_ptr,
-                   V, C, K, CH: tl.constexpr, C_PAD: tl.constexpr, HIST_BINS: tl.constexpr):
+                   V, C, K, CH: tl.constexpr, C_PAD: tl.constexpr, HIST_BINS: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     row = tl.program_id(0)
     c = tl.program_id(1)
     lse = _row_lse(m_ptr, s_ptr, row, C, C_PAD)
@@ -126,7 +131,8 @@ def _gather_kernel(logits_ptr, m_ptr, s_ptr, hist_ptr, chunk_hist_ptr, cnt_ptr, 
 
 
 @triton.jit
-def _sort_rows_kernel(cand_lp_ptr, cand_id_ptr, lp_ptr, ids_ptr, K, K_PAD: tl.constexpr):
+def _sort_rows_kernel(cand_lp_ptr, cand_id_ptr, lp_ptr, ids_ptr, K, K_PAD: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     row = tl.program_id(0)
     r = tl.arange(0, K_PAD)
     valid = r < K
@@ -146,13 +152,14 @@ def topk_logprobs_triton(logits, k: int, ws) -> None:
     c_pad = triton.next_power_of_2(c)
     warps = 8 if ch >= 2048 else 4
     grid = (rows, c)
+    pdl = {"PDL": pdl_for(logits), **launch_options(pdl_for(logits))}  # plugins/common/pdl.py
     _lse_partial_kernel[grid](logits, ws.m, ws.s, ws.hist, ws.cnt, v, c, CH=ch, HIST_BINS=HIST_BINS,
-                              num_warps=warps)
+                              **pdl, num_warps=warps)
     for p in range(PASSES):
         _radix_pass_kernel[grid](logits, ws.m, ws.s, ws.hist, ws.chunk_hist, v, c, k, PASS=p, CH=ch, C_PAD=c_pad,
-                                 HIST_BINS=HIST_BINS, num_warps=warps)
+                                 HIST_BINS=HIST_BINS, **pdl, num_warps=warps)
     _gather_kernel[grid](logits, ws.m, ws.s, ws.hist, ws.chunk_hist, ws.cnt, ws.cand_lp, ws.cand_id, v, c, k,
-                         CH=ch, C_PAD=c_pad, HIST_BINS=HIST_BINS, num_warps=warps)
+                         CH=ch, C_PAD=c_pad, HIST_BINS=HIST_BINS, **pdl, num_warps=warps)
     k_pad = max(2, triton.next_power_of_2(k))
     _sort_rows_kernel[(rows,)](ws.cand_lp, ws.cand_id, ws.lp, ws.ids, k, K_PAD=k_pad,
-                               num_warps=4 if k_pad <= 256 else 8)
+                               **pdl, num_warps=4 if k_pad <= 256 else 8)

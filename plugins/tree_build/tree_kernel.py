@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from plugins.common.keys import max_combine, ordered, pack, unordered, unpack
+from plugins.common.pdl import launch_options, pdl_for, pdl_prologue
 
 
 @triton.jit
@@ -46,7 +47,8 @@ def _tree_kernel(lp_ptr, ids_ptr, root_ptr, start_ptr,
                  score_ws, int_ws, tab_ws,
                  K, B, D, W,
                  B_PAD: tl.constexpr, P_PAD: tl.constexpr, D_PAD: tl.constexpr, W_MAX: tl.constexpr,
-                 LOGK: tl.constexpr, HAS_SCORES: tl.constexpr):
+                 LOGK: tl.constexpr, HAS_SCORES: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     req = tl.program_id(0)
     N = B + 1
     lp_req = lp_ptr + req * D * K          # [D, K] this request's sorted log-probs
@@ -220,4 +222,4 @@ def build_tree_triton(lp, ids, root, start, tokens, parents, depth, positions, m
                        scores if scores is not None else ws.score,  # a placeholder pointer, never written
                        ws.score, ws.ints, ws.table, ws.k, budget, ws.depth, w,
                        B_PAD=ws.b_pad, P_PAD=ws.p_pad, D_PAD=ws.d_pad, W_MAX=ws.b_pad // 64 + 1, LOGK=logk,
-                       HAS_SCORES=scores is not None, num_warps=warps)
+                       HAS_SCORES=scores is not None, PDL=pdl_for(lp), **launch_options(pdl_for(lp)), num_warps=warps)
