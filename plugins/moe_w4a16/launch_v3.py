@@ -151,10 +151,13 @@ def _launch(mod: _Module, name: str, grid: int, smem: int, args: tuple, types: t
         attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
         attr.value.programmaticStreamSerializationAllowed = 1
         config.attrs, config.numAttrs = [attr], 1
-        err = cu.cuLaunchKernelEx(config, func, (args, types), 0)[0]
+        try:
+            err = cu.cuLaunchKernelEx(config, func, (args, types), 0)[0]
+        except (TypeError, ValueError, RuntimeError, AttributeError):  # bindings without the Ex launch's types
+            err = None
         if err == cu.CUresult.CUDA_SUCCESS:
             return
-        mod.pdl = False  # refused (an old driver): plain launches from now on, this one included
+        mod.pdl = False  # refused (an old driver or bindings): plain launches from now on, this one included
     _ok(cu, cu.cuLaunchKernel(func, grid, 1, 1, 32 * WARPS, 1, 1, smem, stream, (args, types), 0), f"launch {name}")
 
 

@@ -87,8 +87,9 @@ class ConditionalRound:
         if self.switch:
             try:
                 return self._compose_switch(cap, head, bodies)
-            except GraphUnavailable as e:  # a driver without SWITCH nodes: the IF form (and no more tries)
-                self.switch, self.note = False, f"SWITCH node refused ({e}): IF nodes"
+            except (GraphUnavailable, AttributeError, IndexError, TypeError) as e:  # a driver or bindings without
+                # SWITCH nodes: the IF form (and no more tries)
+                self.switch, self.note = False, f"SWITCH node refused ({type(e).__name__}: {e}): IF nodes"
         return self._compose_if(cap, head, bodies)
 
     def _compose_switch(self, cap: int, head: torch.cuda.CUDAGraph, bodies: list[torch.cuda.CUDAGraph]):
