@@ -1,9 +1,9 @@
 """drafter_attention: the Triton kernels (split + combine) against the torch reference on fresh random blocks:
-requests of different visible lengths (1 .. the capacity, or past it: clamped), 1-4 kv heads of 1-4 query heads each, 2-8 slots, head
-dims 16-128, bf16 and fp32, one split (the direct path) or several.  CPU: the interpreter in a subprocess; GPU
-(-m gpu): 200+ cases.  The kernel sums in another order than the reference (online softmax, unnormalised
-probabilities rounded), so both are compared with the exact fp64 attention of the same stored values: the
-kernel's error must stay within twice the reference's plus a few units of the dtype's rounding."""
+requests of different visible lengths (1 .. the capacity, or past it: clamped), 1-4 kv heads of 1-4 query heads
+each, 2-8 slots, head dims 16-128, bf16 and fp32, one split (the direct path) or several.  CPU: the interpreter in
+a subprocess; GPU (-m gpu): 200+ cases.  The kernel sums in another order than the reference (online softmax,
+unnormalised probabilities rounded), so both are compared with the exact fp64 attention of the same stored
+values: the kernel's error must stay within twice the reference's plus a few units of the dtype's rounding."""
 
 from __future__ import annotations
 

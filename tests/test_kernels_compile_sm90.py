@@ -103,8 +103,8 @@ def specialisations() -> list:
     # the TP greedy token: each rank's (max, index) pairs, then the pick across ranks
     out.append(kernel("vocab_argmax_local", vocab_argmax_local_kernel, {"x_ptr": "*fp32", "pair_ptr": "*fp64"},
                       dict(BLOCK_V=4096, PDL=True), 8))
-    out.append(kernel("vocab_argmax_pick", vocab_argmax_pick_kernel, {"every_ptr": "*fp64", "ids_ptr": "*i64",
-                                                                      "flag_ptr": "*i64"}, dict(BLOCK_R=32, PDL=True), 1))
+    t = {"every_ptr": "*fp64", "ids_ptr": "*i64", "flag_ptr": "*i64"}
+    out.append(kernel("vocab_argmax_pick", vocab_argmax_pick_kernel, t, dict(BLOCK_R=32, PDL=True), 1))
     # tree_build's top-k kernels (K2.6: vocab 163840, depth 7, K = B = 16), with PDL
     from plugins.tree_build.topk_kernel import (
         HIST_BINS,

@@ -124,7 +124,8 @@ class TargetModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., d] -> logits [..., v] (fp32, or fp64 for an fp64 model), the full vocabulary on
         every rank (all-gather of the vocab-parallel pieces under TP)."""
-        local = linear(hidden, self.w.lm_head, out_dtype=acc_dtype(hidden.dtype))  # [..., v_l] from the fp32 accumulator
+        # [..., v_l] straight from the fp32 accumulator
+        local = linear(hidden, self.w.lm_head, out_dtype=acc_dtype(hidden.dtype))
         if self.comm is None:
             return local
         return self.comm.all_gather(local, dim=-1)[..., :self.cfg.vocab_size].contiguous()  # [..., v]: padding cut
