@@ -34,9 +34,10 @@ def pdl_for(t: torch.Tensor) -> bool:
     return USE_PDL and t.is_cuda and device_facts(t.device).capability[0] >= 9
 
 
-def launch_options(pdl: bool) -> dict:
-    """The launch keywords for a kernel launched with pdl (the interpreter takes none)."""
-    return {"launch_pdl": True} if pdl else {}
+def pdl_args(pdl: bool) -> dict:
+    """A launch's PDL keywords: the kernel's PDL constexpr (pdl_prologue) and, with pdl, the launch attribute (the
+    interpreter takes no launch options)."""
+    return {"PDL": pdl, "launch_pdl": True} if pdl else {"PDL": False}
 
 
 @triton.jit

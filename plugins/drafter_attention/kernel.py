@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from plugins.common.device import device_facts
-from plugins.common.pdl import launch_options, pdl_for, pdl_prologue
+from plugins.common.pdl import pdl_args, pdl_for, pdl_prologue
 
 BLOCK_N = 64
 MIN_ROWS_PER_SPLIT = 256  # a split's share of the capacity at least this many rows
@@ -143,8 +143,7 @@ def drafter_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         n = b * g * sp * bm
         o_part, m_part, l_part = ws[:n * e], ws[n * e:n * (e + 1)], ws[n * (e + 1):]
     ieee = q.dtype == torch.float32
-    pdl = pdl_for(q)
-    opts = {**_OPTS, "PDL": pdl, **launch_options(pdl)}
+    opts = {**_OPTS, **pdl_args(pdl_for(q))}
     _split_kernel[(g, sp, b)](q, k_cache, v_cache, visible, out, o_part, m_part, l_part,
                                q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1),
                                k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

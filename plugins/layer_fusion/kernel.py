@@ -34,15 +34,14 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from plugins.common.activation_kernel import silu_mul_rounded
-from plugins.common.pdl import launch_options, pdl_for, pdl_prologue
+from plugins.common.pdl import pdl_args, pdl_for, pdl_prologue
 
 _OPTS = {"enable_fp_fusion": False}
 
 
 def _opts(t: torch.Tensor) -> dict:
     """A launch's options: no fp contraction, and PDL (constexpr and launch attribute) for t's device."""
-    pdl = pdl_for(t)
-    return {**_OPTS, "PDL": pdl, **launch_options(pdl)}
+    return {**_OPTS, **pdl_args(pdl_for(t))}
 
 
 def _warps(width: int) -> int:

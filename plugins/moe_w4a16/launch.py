@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from plugins.common.pdl import launch_options, pdl_for
+from plugins.common.pdl import pdl_args, pdl_for
 from plugins.moe_w4a16.expert_kernels import combine_kernel, down_kernel, gate_up_kernel, silu_mul_kernel
 from plugins.moe_w4a16.layout import BLOCK_K, GROUP
 from plugins.moe_w4a16.plan import KernelConfig, cdiv, expert_programs, launch_plan
@@ -120,9 +120,8 @@ def moe_w4a16_triton(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
         INT4=int4, N_KB=plan.n_kb2, BN=cfg.bn2, BM=cfg.bm, PACKED=paired, SCALE_TILE=cfg.scale_tile, DOT_PREC=prec,
         num_warps=cfg.warps2, num_stages=cfg.stages2)
     bd = min(cfg.bd, next_pow2(d))
-    pdl = pdl_for(x)
     combine_kernel[(t, cdiv(d, bd))](ws.out, topk_idx, y, counts, d, e_start, e_local, K=top_k, BD=bd,
-                                     BC=next_pow2(e_local + 1), PDL=pdl, num_warps=4, **launch_options(pdl))
+                                     BC=next_pow2(e_local + 1), num_warps=4, **pdl_args(pdl_for(x)))
     return y
 
 

@@ -20,7 +20,7 @@ from core.cache_dir import cache_root
 from plugins.common.cubin import CubinUnavailable, cubin
 from plugins.common.device import device_facts
 from plugins.common.driver import checked
-from plugins.common.pdl import USE_PDL, launch_options
+from plugins.common.pdl import USE_PDL, pdl_args
 from plugins.moe_w4a16.expert_kernels import combine_kernel
 from plugins.moe_w4a16.fragment_layout import ROWS
 from plugins.moe_w4a16.layout import GROUP, padded_k
@@ -251,6 +251,5 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
             (ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32))
     combine_kernel[(t, cdiv(d, min(1024, next_pow2(d))))](ws.out, ws.topk_idx, y, ws.counts, d, e_start, e_local,
                                                           K=top_k, BD=min(1024, next_pow2(d)),
-                                                          BC=next_pow2(e_local + 1), PDL=mod.pdl, num_warps=4,
-                                                          **launch_options(mod.pdl))
+                                                          BC=next_pow2(e_local + 1), num_warps=4, **pdl_args(mod.pdl))
     return y

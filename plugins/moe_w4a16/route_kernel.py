@@ -25,7 +25,7 @@ import triton.language as tl
 
 from plugins.common.activation_kernel import silu_mul_rounded
 from plugins.common.keys import pack, unpack
-from plugins.common.pdl import launch_options, pdl_for, pdl_prologue
+from plugins.common.pdl import pdl_args, pdl_for, pdl_prologue
 
 KEY_NONE = tl.constexpr(-(2**63))  # below every packed key: a lane already picked, masked or outside the allowed groups
 
@@ -118,7 +118,6 @@ def launch_route(logits: torch.Tensor, bias: torch.Tensor, topk_idx: torch.Tenso
     dtype), the same programs also write shared_h = silu(gate) * up (plugins/common/activation_kernel.py)."""
     t, e = logits.shape
     shared = shared_h is not None
-    pdl = pdl_for(logits)
     i_sh = shared_h.shape[1] if shared else 0
     route_kernel[(t,)](logits, bias, topk_idx, topk_w, counts, active, lists, t, e, logits.stride(0), e_start,
                        e_local, float(scaling), shared_gate_up if shared else logits,
@@ -126,7 +125,7 @@ def launch_route(logits: torch.Tensor, bias: torch.Tensor, topk_idx: torch.Tenso
                        shared_h.stride(0) if shared else 0, K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group,
                        NORM=bool(norm_topk_prob), BT=1, BE=next_pow2(e), BKK=next_pow2(top_k),
                        BG=next_pow2(n_group), SHARED=shared, BS=min(1024, next_pow2(max(i_sh, 1))),
-                       IEEE_EXP=logits.is_cuda, PDL=pdl, num_warps=1, **launch_options(pdl))
+                       IEEE_EXP=logits.is_cuda, num_warps=1, **pdl_args(pdl_for(logits)))
 
 
 def next_pow2(n: int) -> int:

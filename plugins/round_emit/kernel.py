@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from plugins.common.pdl import launch_options, pdl_for, pdl_prologue
+from plugins.common.pdl import pdl_args, pdl_for, pdl_prologue
 
 
 @triton.jit
@@ -77,5 +77,5 @@ def round_emit_triton(cand: torch.Tensor | None, count: torch.Tensor, stop_ids: 
                              bonus if bonus is not None else cand, tok, idx, ctx, a, s, cand.stride(0),
                              stop_ids.stride(0), out.stride(0), tok.stride(0), idx.stride(0), ctx.stride(0),
                              AR=bonus is not None and not tree, TREE=tree, BLOCK_A=max(2, triton.next_power_of_2(a)),
-                             BLOCK_S=max(2, triton.next_power_of_2(s)), PDL=pdl_for(count), num_warps=1,
-                             **launch_options(pdl_for(count)))
+                             BLOCK_S=max(2, triton.next_power_of_2(s)), num_warps=1,
+                             **pdl_args(pdl_for(count)))

@@ -50,15 +50,14 @@ def vocab_argmax_local(local: torch.Tensor, valid: int, start: int, pair: torch.
 def _local_cuda(local: torch.Tensor, valid: int, start: int, pair: torch.Tensor) -> None:
     import triton
 
-    from plugins.common.pdl import launch_options, pdl_for
+    from plugins.common.pdl import pdl_args, pdl_for
     from plugins.tree_accept.vocab_argmax_kernel import vocab_argmax_local_kernel
     _check_local(local, valid, pair)
     rows = local.shape[0]
     if rows:
-        pdl = pdl_for(local)
         vocab_argmax_local_kernel[(rows,)](local, pair, valid, start, local.stride(0),
-                                           BLOCK_V=min(4096, max(16, triton.next_power_of_2(valid))), PDL=pdl,
-                                           num_warps=8, **launch_options(pdl))
+                                           BLOCK_V=min(4096, max(16, triton.next_power_of_2(valid))), num_warps=8,
+                                           **pdl_args(pdl_for(local)))
 
 
 @kdtree_op("vocab_argmax_pick", mutates_args=("ids", "flag"))
@@ -74,16 +73,15 @@ def vocab_argmax_pick(every: torch.Tensor, ids: torch.Tensor, flag: torch.Tensor
 def _pick_cuda(every: torch.Tensor, ids: torch.Tensor, flag: torch.Tensor) -> None:
     import triton
 
-    from plugins.common.pdl import launch_options, pdl_for
+    from plugins.common.pdl import pdl_args, pdl_for
     from plugins.tree_accept.vocab_argmax_kernel import vocab_argmax_pick_kernel
     _check_pick(every, ids, flag)
     w, rows = every.shape[:2]
     b = flag.shape[0]
     if b:
-        pdl = pdl_for(every)
         vocab_argmax_pick_kernel[(b,)](every, ids, flag, w, rows, rows // b,
-                                       BLOCK_R=max(2, triton.next_power_of_2(rows // b)), PDL=pdl, num_warps=1,
-                                       **launch_options(pdl))
+                                       BLOCK_R=max(2, triton.next_power_of_2(rows // b)), num_warps=1,
+                                       **pdl_args(pdl_for(every)))
 
 
 def _check_local(local: torch.Tensor, valid: int, pair: torch.Tensor) -> None:

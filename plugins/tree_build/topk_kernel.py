@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from plugins.common.keys import ordered, unordered
-from plugins.common.pdl import launch_options, pdl_for, pdl_prologue
+from plugins.common.pdl import pdl_args, pdl_for, pdl_prologue
 
 PASSES = 4  # 8-bit radix digits, most significant first
 HIST_BINS = 256
@@ -152,7 +152,7 @@ def topk_logprobs_triton(logits, k: int, ws) -> None:
     c_pad = triton.next_power_of_2(c)
     warps = 8 if ch >= 2048 else 4
     grid = (rows, c)
-    pdl = {"PDL": pdl_for(logits), **launch_options(pdl_for(logits))}  # plugins/common/pdl.py
+    pdl = pdl_args(pdl_for(logits))
     _lse_partial_kernel[grid](logits, ws.m, ws.s, ws.hist, ws.cnt, v, c, CH=ch, HIST_BINS=HIST_BINS,
                               **pdl, num_warps=warps)
     for p in range(PASSES):

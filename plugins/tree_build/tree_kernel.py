@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from plugins.common.keys import max_combine, ordered, pack, unordered, unpack
-from plugins.common.pdl import launch_options, pdl_for, pdl_prologue
+from plugins.common.pdl import pdl_args, pdl_for, pdl_prologue
 
 
 @triton.jit
@@ -222,4 +222,4 @@ def build_tree_triton(lp, ids, root, start, tokens, parents, depth, positions, m
                        scores if scores is not None else ws.score,  # a placeholder pointer, never written
                        ws.score, ws.ints, ws.table, ws.k, budget, ws.depth, w,
                        B_PAD=ws.b_pad, P_PAD=ws.p_pad, D_PAD=ws.d_pad, W_MAX=ws.b_pad // 64 + 1, LOGK=logk,
-                       HAS_SCORES=scores is not None, PDL=pdl_for(lp), **launch_options(pdl_for(lp)), num_warps=warps)
+                       HAS_SCORES=scores is not None, **pdl_args(pdl_for(lp)), num_warps=warps)

@@ -13,7 +13,7 @@ import torch
 import triton
 
 from plugins.common.device import device_facts
-from plugins.common.pdl import USE_PDL  # PDL on sm_90+ (the combine launches while the split kernel runs)
+from plugins.common.pdl import USE_PDL, pdl_args  # PDL on sm_90+ (the combine launches while the split kernel runs)
 from plugins.tree_verify_mla.kernel import (
     LOG2E,
     tree_verify_mla_combine_kernel,
@@ -178,7 +178,7 @@ def tree_verify_mla_triton(q: torch.Tensor, cache: torch.Tensor, cache_lens: tor
         raise ValueError(f"tree_verify_mla: config needs 16 <= block_n | 64, block_m >= 16, dv_split in (1, 2) "
                          f"and d_v / dv_split >= 16, got {cfg} for d_v {d_v}")
     pdl = (USE_PDL if pdl is None else pdl) and q.is_cuda and device_facts(q.device).capability[0] >= 9
-    launch = {"launch_pdl": True} if pdl else {}  # the interpreter takes no launch options
+    launch = pdl_args(pdl)  # the PDL constexpr, and the launch attribute with it (the interpreter takes none)
     s = p.num_splits
     m_rows = n * h
     need = 0 if s == 1 else b * s * m_rows * (d_v + 1)
@@ -205,7 +205,7 @@ def tree_verify_mla_triton(q: torch.Tensor, cache: torch.Tensor, cache_lens: tor
         lse.stride(0), lse.stride(1),
         n, h, l_max, s, float(scale) * LOG2E,
         D_V=d_v, D_R=d_r, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DV_SPLIT=cfg.dv_split, KEYS_M=cfg.keys_m,
-        DIRECT=s == 1, IEEE=q.dtype == torch.float32, PDL=pdl, num_warps=cfg.num_warps,
+        DIRECT=s == 1, IEEE=q.dtype == torch.float32, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **launch)
     if s == 1:
         return
@@ -216,4 +216,4 @@ def tree_verify_mla_triton(q: torch.Tensor, cache: torch.Tensor, cache_lens: tor
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
         n, h, s,
-        S_PAD=s_pad, D_V=d_v, BLOCK_DV=block_dv, PDL=pdl, num_warps=4, **launch)
+        S_PAD=s_pad, D_V=d_v, BLOCK_DV=block_dv, num_warps=4, **launch)

@@ -86,74 +86,70 @@ class ConditionalRound:
     def _compose(self, cap: int, head: torch.cuda.CUDAGraph, bodies: list[torch.cuda.CUDAGraph]):
         if self.switch:
             try:
-                return self._compose_switch(cap, head, bodies)
+                return self._instantiate(cap, head, bodies, self._switch_nodes)
             except (GraphUnavailable, AttributeError, IndexError, TypeError) as e:  # a driver or bindings without
                 # SWITCH nodes: the IF form (and no more tries)
                 self.switch, self.note = False, f"SWITCH node refused ({type(e).__name__}: {e}): IF nodes"
-        return self._compose_if(cap, head, bodies)
+        return self._instantiate(cap, head, bodies, self._if_nodes)
 
-    def _compose_switch(self, cap: int, head: torch.cuda.CUDAGraph, bodies: list[torch.cuda.CUDAGraph]):
-        cu, nb = self.cu, len(bodies)
+    def _instantiate(self, cap: int, head: torch.cuda.CUDAGraph, bodies: list[torch.cuda.CUDAGraph], conditional):
+        """One executable graph: child(head) -> the setter kernel and conditional node(s) `conditional` adds."""
+        cu = self.cu
         graph = self._ok(cu.cuGraphCreate(0), "cuGraphCreate")
         try:
             node = self._ok(cu.cuGraphAddChildGraphNode(graph, None, 0, cu.CUgraph(head.raw_cuda_graph())),
                             f"cuGraphAddChildGraphNode (head {cap})")
-            handle = self._ok(cu.cuGraphConditionalHandleCreate(graph, self.ctx, nb, cu.CU_GRAPH_COND_ASSIGN_DEFAULT),
-                              "cuGraphConditionalHandleCreate")  # default nb: no body unless set
-            kp = cu.CUDA_KERNEL_NODE_PARAMS()
-            kp.func = self.switch_func
-            kp.gridDimX, kp.gridDimY, kp.gridDimZ = 1, 1, 1
-            kp.blockDimX, kp.blockDimY, kp.blockDimZ = 32, 1, 1
-            kp.sharedMemBytes = 0
-            kp.kernelParams = ((int(handle), self.hot.data_ptr(), nb),
-                               (ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_int))
-            node = self._ok(cu.cuGraphAddKernelNode(graph, [node], 1, kp), "cuGraphAddKernelNode (SWITCH setter)")
-            params = cu.CUgraphNodeParams()
-            params.type = cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_CONDITIONAL
-            params.conditional.handle = handle
-            params.conditional.type = cu.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_SWITCH
-            params.conditional.size = nb
-            params.conditional.ctx = self.ctx
-            self._ok(cu.cuGraphAddNode(graph, [node], None, 1, params), "cuGraphAddNode (SWITCH)")
-            for i, body in enumerate(bodies):  # branch i: the switch's i-th body graph, owned by the node
-                self._ok(cu.cuGraphAddChildGraphNode(params.conditional.phGraph_out[i], None, 0,
-                                                     cu.CUgraph(body.raw_cuda_graph())),
-                         f"cuGraphAddChildGraphNode (body {i})")
+            conditional(graph, node, cap, bodies)
             return self._ok(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
         finally:
             cu.cuGraphDestroy(graph)  # the executable graph is independent of it
 
-    def _compose_if(self, cap: int, head: torch.cuda.CUDAGraph, bodies: list[torch.cuda.CUDAGraph]):
+    def _setter(self, graph, node, func, threads: int, args: tuple, types: tuple, what: str):
+        """The setter kernel's node (one block of `threads`) after `node`."""
+        kp = self.cu.CUDA_KERNEL_NODE_PARAMS()
+        kp.func = func
+        kp.gridDimX, kp.gridDimY, kp.gridDimZ = 1, 1, 1
+        kp.blockDimX, kp.blockDimY, kp.blockDimZ = threads, 1, 1
+        kp.sharedMemBytes = 0
+        kp.kernelParams = (args, types)
+        return self._ok(self.cu.cuGraphAddKernelNode(graph, [node], 1, kp), f"cuGraphAddKernelNode ({what})")
+
+    def _conditional(self, graph, node, handle, kind, size: int, bodies: list[torch.cuda.CUDAGraph], what: str):
+        """A conditional node of `kind` after `node` whose branch i is child(bodies[i])."""
+        cu = self.cu
+        params = cu.CUgraphNodeParams()
+        params.type = cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_CONDITIONAL
+        params.conditional.handle = handle
+        params.conditional.type = kind
+        params.conditional.size = size
+        params.conditional.ctx = self.ctx
+        node = self._ok(cu.cuGraphAddNode(graph, [node], None, 1, params), f"cuGraphAddNode ({what})")
+        for i, body in enumerate(bodies):  # branch i: the node's i-th body graph, owned by the node
+            inner = params.conditional.phGraph_out[i]
+            self._ok(cu.cuGraphAddChildGraphNode(inner, None, 0, cu.CUgraph(body.raw_cuda_graph())),
+                     f"cuGraphAddChildGraphNode ({what}, body {i})")
+        return node
+
+    def _switch_nodes(self, graph, node, cap: int, bodies: list[torch.cuda.CUDAGraph]) -> None:
         cu, nb = self.cu, len(bodies)
-        graph = self._ok(cu.cuGraphCreate(0), "cuGraphCreate")
-        try:
-            node = self._ok(cu.cuGraphAddChildGraphNode(graph, None, 0, cu.CUgraph(head.raw_cuda_graph())),
-                            f"cuGraphAddChildGraphNode (head {cap})")
-            handles = [self._ok(cu.cuGraphConditionalHandleCreate(graph, self.ctx, 0, cu.CU_GRAPH_COND_ASSIGN_DEFAULT),
-                                "cuGraphConditionalHandleCreate") for _ in range(nb)]
-            self.handles[cap] = torch.tensor([int(h) for h in handles], dtype=torch.int64, device=self.hot.device)
-            kp = cu.CUDA_KERNEL_NODE_PARAMS()
-            kp.func = self.func
-            kp.gridDimX, kp.gridDimY, kp.gridDimZ = 1, 1, 1
-            kp.blockDimX, kp.blockDimY, kp.blockDimZ = 32 * ((nb + 31) // 32), 1, 1
-            kp.sharedMemBytes = 0
-            kp.kernelParams = ((self.handles[cap].data_ptr(), self.hot.data_ptr(), nb),
-                               (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int))
-            node = self._ok(cu.cuGraphAddKernelNode(graph, [node], 1, kp), "cuGraphAddKernelNode (setter)")
-            for i, (h, body) in enumerate(zip(handles, bodies)):
-                params = cu.CUgraphNodeParams()
-                params.type = cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_CONDITIONAL
-                params.conditional.handle = h
-                params.conditional.type = cu.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_IF
-                params.conditional.size = 1
-                params.conditional.ctx = self.ctx
-                node = self._ok(cu.cuGraphAddNode(graph, [node], None, 1, params), f"cuGraphAddNode (IF {i})")
-                inner = params.conditional.phGraph_out[0]  # the IF node's body graph, owned by the node
-                self._ok(cu.cuGraphAddChildGraphNode(inner, None, 0, cu.CUgraph(body.raw_cuda_graph())),
-                         f"cuGraphAddChildGraphNode (body {i})")
-            return self._ok(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
-        finally:
-            cu.cuGraphDestroy(graph)  # the executable graph is independent of it
+        handle = self._ok(cu.cuGraphConditionalHandleCreate(graph, self.ctx, nb, cu.CU_GRAPH_COND_ASSIGN_DEFAULT),
+                          "cuGraphConditionalHandleCreate")  # default nb: no body unless set
+        node = self._setter(graph, node, self.switch_func, 32, (int(handle), self.hot.data_ptr(), nb),
+                            (ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_int), "SWITCH setter")
+        self._conditional(graph, node, handle, cu.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_SWITCH, nb, bodies,
+                          "SWITCH")
+
+    def _if_nodes(self, graph, node, cap: int, bodies: list[torch.cuda.CUDAGraph]) -> None:
+        cu, nb = self.cu, len(bodies)
+        handles = [self._ok(cu.cuGraphConditionalHandleCreate(graph, self.ctx, 0, cu.CU_GRAPH_COND_ASSIGN_DEFAULT),
+                            "cuGraphConditionalHandleCreate") for _ in range(nb)]
+        self.handles[cap] = torch.tensor([int(h) for h in handles], dtype=torch.int64, device=self.hot.device)
+        node = self._setter(graph, node, self.func, 32 * ((nb + 31) // 32),
+                            (self.handles[cap].data_ptr(), self.hot.data_ptr(), nb),
+                            (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int), "IF setter")
+        for i, (h, body) in enumerate(zip(handles, bodies)):
+            node = self._conditional(graph, node, h, cu.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_IF, 1, [body],
+                                     f"IF {i}")
 
     def _ok(self, res, what: str):
         return checked(self.cu, res, f"composing {self.name}: {what}", GraphUnavailable)

@@ -96,14 +96,18 @@ def assemble_drafter(cfg: DrafterConfig, flat: dict[str, torch.Tensor], target: 
     for li in range(cfg.num_layers):
         p = f"layers.{li}."
         layers.append(DrafterLayerWeights(
-            attn_norm=flat.pop(p + "attn_norm"), qkv=torch.cat([rows(p + "q", h), rows(p + "k", g), rows(p + "v", g)]),
-            o=cols(p + "o", h),
-            q_norm=flat.pop(p + "q_norm"), k_norm=flat.pop(p + "k_norm"), mlp_norm=flat.pop(p + "mlp_norm"),
+            attn_norm=flat.pop(p + "attn_norm"), o=cols(p + "o", h), q_norm=flat.pop(p + "q_norm"),
+            mlp_norm=flat.pop(p + "mlp_norm"),
             gate_up=torch.cat([rows(p + "gate", i), rows(p + "up", i)]), down=cols(p + "down", i)))
     fc = cols("fc", len(cfg.target_layer_ids) * target.cfg.hidden_size)
-    hq = cfg.num_heads // shards * e  # q rows of each qkv
-    ctx_kv = torch.cat([lw.qkv[hq:] for lw in layers]) if layers else fc.new_empty(0, cfg.hidden_size)
-    k_norms = torch.stack([lw.k_norm for lw in layers]) if layers else fc.new_empty(0, e)
+    # every layer's q | k | v rows in one tensor (DrafterWeights.qkv), filled piece by piece (no second copy)
+    hl, gl = h // shards, g // shards
+    qkv = fc.new_empty(cfg.num_layers, hl + 2 * gl, cfg.hidden_size)  # [layers, (h_l + 2*g_l)*e, H]
+    k_norms = fc.new_empty(cfg.num_layers, e)  # [layers, e]
+    for li in range(cfg.num_layers):
+        for name, lo, n in (("q", 0, h), ("k", hl, g), ("v", hl + gl, g)):
+            qkv[li, lo:lo + n // shards] = rows(f"layers.{li}.{name}", n)
+        k_norms[li] = flat.pop(f"layers.{li}.k_norm")
     weights = DrafterWeights(fc=fc, hidden_norm=flat.pop("hidden_norm"), layers=layers, norm=flat.pop("norm"),
-                             ctx_kv=ctx_kv, k_norms=k_norms, shards=shards)
+                             qkv=qkv, k_norms=k_norms, shards=shards)
     return DFlashDrafter(cfg, weights, target)

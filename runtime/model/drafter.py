@@ -36,10 +36,8 @@ from runtime.model.target import TargetModel
 @dataclass
 class DrafterLayerWeights:
     attn_norm: torch.Tensor  # [H]
-    qkv: torch.Tensor  # [(h_l + 2*g_l)*e, H]  q rows | k rows | v rows (the block's projections: one GEMM)
     o: torch.Tensor  # [H, h_l*e]
     q_norm: torch.Tensor  # [e]
-    k_norm: torch.Tensor  # [e]
     mlp_norm: torch.Tensor  # [H]
     gate_up: torch.Tensor  # [2*i_l, H]
     down: torch.Tensor  # [H, i_l]
@@ -51,8 +49,10 @@ class DrafterWeights:
     hidden_norm: torch.Tensor  # [H]
     layers: list[DrafterLayerWeights]
     norm: torch.Tensor  # [H]
-    ctx_kv: torch.Tensor  # [layers*2*g_l*e, H] every layer's k | v rows (a copy): the context's K/V in one GEMM
-    k_norms: torch.Tensor  # [layers, e] every layer's k_norm
+    # every layer's q | k | v rows, stacked: layer li's block projections are qkv[li] (one GEMM), the context's K/V
+    # of all layers qkv[:, h_l*e:] (one batched GEMM: the context is the same for every layer)
+    qkv: torch.Tensor  # [layers, (h_l + 2*g_l)*e, H]
+    k_norms: torch.Tensor  # [layers, e] every layer's k norm (one store kernel for all layers)
     shards: int = 1  # 1: whole (replicated on every rank); tp: this rank's cut of heads, MLP and fc input
 
 
@@ -115,13 +115,14 @@ class DFlashDrafter:
         xn = rms_norm(x, layers[0].attn_norm, c.rms_norm_eps) if layers else x  # [b, s, H]
         if layers:  # every layer's context rows at [lens, lens + a): one GEMM, one kernel (the context is shared)
             # rows past ctx_len land at [start, ...), which each layer's block overwrites below
-            self._store_kv(linear(ctx, w.ctx_kv), w.k_norms, cos_c, sin_c, ctx_pos, cache.k, cache.v)
+            kv = torch.matmul(ctx.reshape(b * a, -1), w.qkv[:, hq:].transpose(1, 2))  # [layers, b*a, 2*g_l*e]
+            self._store_kv(kv.transpose(0, 1), w.k_norms, cos_c, sin_c, ctx_pos, cache.k, cache.v)
         for li, lw in enumerate(layers):
-            qkv = linear(xn, lw.qkv)  # [b, s, (h_l + 2*g_l)*e]
+            qkv = linear(xn, w.qkv[li]).view(b * s, -1)  # [b*s, (h_l + 2*g_l)*e]
             # the block's own rows: scratch past the committed length, the next call's context overwrites them;
             # its queries normed and roped in the same kernel
-            q = self._store_kv(qkv[..., hq:], w.k_norms[li:li + 1], cos_b, sin_b, blk_pos, cache.k[li:li + 1],
-                               cache.v[li:li + 1], qkv[..., :hq], lw.q_norm).view(b, s, self.heads, c.head_dim)
+            q = self._store_kv(qkv[:, None, hq:], w.k_norms[li:li + 1], cos_b, sin_b, blk_pos, cache.k[li:li + 1],
+                               cache.v[li:li + 1], qkv[:, :hq], lw.q_norm).view(b, s, self.heads, c.head_dim)
             attn = drafter_attention(q, cache.k[li], cache.v[li], visible, c.head_dim ** -0.5)  # [b, s, h_l*e]
             x, hn = add_rms_norm(x, self._reduce(linear(attn, lw.o)), lw.mlp_norm, c.rms_norm_eps)  # residual, norm
             nxt = layers[li + 1].attn_norm if li + 1 < len(layers) else w.norm  # the next norm (the final one last)
@@ -136,12 +137,12 @@ class DFlashDrafter:
     def _store_kv(self, kv: torch.Tensor, k_norms: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor | None = None,
                   q_norm: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The projected K/V of L layers for rows at positions pos [b, n]: kv [b, n, L*2*g_l*e] (per layer k | v;
-        unit stride along the last dim, rows may be strided), k_norms [L, e], into k_cache / v_cache
-        [L, b, cap, g_l, e] (rows min(pos, cap - 1)): k normed per head and roped, v as projected.  With q
-        [b, n, h_l*e] and q_norm [e]: returns the queries normed and roped, [b*n, h_l, e].  One kernel on CUDA."""
+        """The projected K/V of L layers for the b * n rows at positions pos [b, n]: kv [b*n, L, 2*g_l*e] (per layer
+        k | v; unit stride along the last dim), k_norms [L, e], into k_cache / v_cache [L, b, cap, g_l, e] (rows
+        min(pos, cap - 1)): k normed per head and roped, v as projected.  With q [b*n, h_l*e] and q_norm [e]:
+        returns the queries normed and roped, [b*n, h_l, e].  One kernel on CUDA."""
         c = self.cfg
-        b, n, _ = kv.shape
+        b, n = pos.shape
         kv = kv.view(b * n, k_norms.shape[0], 2, self.kv_heads, c.head_dim)  # [b*n, L, 2, g_l, e]
         qh = None if q is None else q.view(b * n, self.heads, c.head_dim)  # [b*n, h_l, e]
         return kv_norm_rope_store(kv, k_norms, c.rms_norm_eps, cos.reshape(b * n, -1), sin.reshape(b * n, -1),

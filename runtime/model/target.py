@@ -124,11 +124,14 @@ class TargetModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., d] -> logits [..., v] (fp32, or fp64 for an fp64 model), the full vocabulary on
         every rank (all-gather of the vocab-parallel pieces under TP)."""
-        # [..., v_l] straight from the fp32 accumulator
-        local = linear(hidden, self.w.lm_head, out_dtype=acc_dtype(hidden.dtype))
+        local = self._local_logits(hidden)  # [..., v_l]
         if self.comm is None:
             return local
         return self.comm.all_gather(local, dim=-1)[..., :self.cfg.vocab_size].contiguous()  # [..., v]: padding cut
+
+    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., d] -> this rank's vocabulary rows' logits [..., v_l], straight from the fp32 accumulator."""
+        return linear(hidden, self.w.lm_head, out_dtype=acc_dtype(hidden.dtype))
 
     def greedy(self, hidden: torch.Tensor, nonfinite: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [b, ...rest, d] -> (argmax token ids [b, ...rest] int64, equal to logits(hidden).argmax(-1);
@@ -148,7 +151,7 @@ class TargetModel:
             logits = self.logits(hidden)  # [..., v]
             nonfinite.copy_((~torch.isfinite(logits.amax(dim=-1))).view(b, -1).any(1))
             return logits.argmax(dim=-1), nonfinite
-        local = linear(hidden, self.w.lm_head, out_dtype=acc_dtype(hidden.dtype))  # [..., v_l]
+        local = self._local_logits(hidden)  # [..., v_l]
         rows = local.reshape(-1, local.shape[-1])  # [R, v_l]
         pair = torch.empty(rows.shape[0], 2, dtype=torch.float64, device=rows.device)  # [R, 2] exact in fp64
         # padding rows of the vocabulary (core/plan.py) past vocab_end never win
