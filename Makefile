@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed
 # build artifacts (`kdtree build`, models built on the fly by tests) are cached under the workspace
 export KDTREE_CACHE ?= $(CURDIR)/.cache/kdtree
 
-.PHONY: setup test test-gpu demo demo-tiny bench lint clean
+.PHONY: setup test test-gpu test-gpu-quick demo demo-tiny bench lint clean
 
 setup: $(STAMP)
 
@@ -25,6 +25,10 @@ test: setup
 # on the GPU machine (system python there already has torch, triton, transformers)
 test-gpu:
 	$(PY) -m pytest -q -m gpu
+
+# every GPU test file at once, a fifth of the random cases: a re-check that fits one device call
+test-gpu-quick:
+	KDTREE_GPU_QUICK=1 bash tests/run_gpu_parallel.sh
 
 $(TINY)/config.json: | setup
 	$(BIN)/kdtree make-tiny $(TINY) --preset kimi --int4 --kimi25 --force

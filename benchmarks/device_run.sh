@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests, then every benchmark; results into $OUT/results.tgz.
 # Usage (device tool): bash benchmarks/device_run.sh [tests|bench|all] [pytest -k expr]
-# Env: TESTS="tests/x.py ..." limits the GPU tests; BENCH="tree_verify_mla moe_w4a16 ..." picks benchmarks;
-# QUICK=1 passes --quick.
+# Env: TESTS="tests/x.py ..." limits the GPU tests; PARALLEL=1 runs each file in its own process, side by side
+# (with KDTREE_GPU_QUICK=1: a fifth of the random cases, every file in one call); BENCH="tree_verify_mla ..." picks
+# benchmarks; QUICK=1 passes --quick.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kdtree-out}
@@ -18,9 +19,14 @@ status=0
 pack() { tar -czf "$OUT/results.tgz.tmp" -C "$OUT" res && mv "$OUT/results.tgz.tmp" "$OUT/results.tgz"; }
 if [[ $what == tests || $what == all ]]; then
   # TESTS="tests/a.py tests/b.py" limits the run to those files
-  timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -m gpu -rs -p no:cacheprovider ${TESTS:-} ${kexpr:+-k "$kexpr"} 2>&1 \
-    | tee "$OUT/res/pytest-gpu.log" | tail -40
-  status=${PIPESTATUS[0]}
+  if [[ -n ${PARALLEL:-} ]]; then  # one pytest process per file, side by side (tests/run_gpu_parallel.sh)
+    LOGS="$OUT/res" FILE_TIMEOUT_S=${TEST_TIMEOUT:-400} bash tests/run_gpu_parallel.sh ${TESTS:-}
+    status=$?
+  else
+    timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -m gpu -rs -p no:cacheprovider ${TESTS:-} ${kexpr:+-k "$kexpr"} \
+      2>&1 | tee "$OUT/res/pytest-gpu.log" | tail -40
+    status=${PIPESTATUS[0]}
+  fi
   pack
 fi
 if [[ $what == bench || $what == all ]]; then

@@ -51,9 +51,18 @@ KDTREE_LAUNCHES = {
     "tree_verify_mla": 2,  # split + combine (plugins/tree_verify_mla/launcher.py)
     "moe_w4a16": 4,  # route, gate_up, down, combine (plugins/moe_w4a16/launch_v3.py)
     "tree_build": 8,  # lse partials, 4 radix passes, gather, sort, tree (plugins/tree_build/topk_kernel.py)
-    "kv_commit": 2,  # copy rows, advance lens (plugins/kv_commit/kernel.py)
+    "kv_commit": 2,  # copy rows, advance lens (plugins/kv_commit/kernel.py; 1 with advance=False)
     "drafter_attention": 2,  # split + combine (plugins/drafter_attention/kernel.py; 1 with one split)
 }
+
+
+def launches(op: str, args: tuple) -> int:
+    """Kernels a kdtree:: op's launcher starts for these arguments."""
+    if op == "kv_commit" and args[-1] is False:  # advance=False: the caller's round_emit advances the lengths
+        return 1
+    return KDTREE_LAUNCHES.get(op, 1)
+
+
 # the model against the H200's count, once: this script run on a worktree of d276429 (the commit of the last tiny
 # profile; rename prime_session / rewind_session to _prime / _rewind there) and that profile (layer-fusion.json)
 CALIBRATION = {"commit": "d276429", "tiny-kimi model": {"ar": 120, "ddtree-16": 224},
@@ -94,7 +103,7 @@ class LaunchCount(TorchDispatchMode):
         if func in HOST_READS:
             self.host_reads[(name, call_site(self.depth))] += 1
         elif name.startswith("kdtree::"):
-            self.kernels[(name, call_site(self.depth))] += KDTREE_LAUNCHES.get(name.split("::")[1], 1)
+            self.kernels[(name, call_site(self.depth))] += launches(name.split("::")[1], args)
         elif func not in NO_KERNEL and not func.is_view:
             self.kernels[(name, call_site(self.depth))] += 1
         if name in self.stub:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gpu_cases import gpu_cases
 from interpreter import interpreted
 
 from plugins.kv_commit.reference import kv_commit_reference
@@ -139,10 +140,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def run_kv_commit_case(fn, args, **kw):
-    """Runs fn and the reference (on clones, same device); bitwise comparison of every output."""
+    """Runs fn and the reference (on clones, same device); bitwise comparison of every output (advance=False in kw:
+    the lengths stay)."""
     ref = [t.clone() if t is not None else None for t in args]
     fn(*args, **kw)
-    kv_commit_reference(*ref)
+    kv_commit_reference(*ref, advance=kw.get("advance", True))
     checks = [(args[0], ref[0]), (args[1], ref[1])] + ([(args[6], ref[6])] if args[5] is not None else [])
     return all(torch.equal(_bits(x), _bits(w)) for x, w in checks)
 
@@ -167,7 +169,7 @@ def _interpreter_checks() -> dict:
     out["tree_accept"].append(dict(case="duplicates", ok=ok))
     for i in range(24):
         args, meta = kv_commit_case(g, small=True, dtype=torch.float32 if i % 2 else torch.bfloat16)
-        kw = dict(layers_per_program=[1, 2, 8][i % 3], feats_per_program=16)
+        kw = dict(layers_per_program=[1, 2, 8][i % 3], feats_per_program=16, advance=i % 4 != 3)
         out["kv_commit"].append(dict(meta, ok=run_kv_commit_case(kv_commit_triton, args, **kw)))
     out["kv_commit"].append(dict(case="capacity guard", ok=_capacity_guard(kv_commit_triton, "cpu")))
     many = _many_requests("cpu")  # cache_lens of > ADVANCE_BLOCK requests: several advance programs
@@ -410,7 +412,7 @@ def test_tree_accept_kernel_on_gpu_many_shapes():
     from plugins.tree_accept import tree_accept
     g = torch.Generator().manual_seed(20261202)
     cases, t0 = [], time.time()
-    for i in range(240):
+    for i in range(gpu_cases(240)):
         post, tok, par, a, meta = tree_accept_case(g, small=False)
         ok, longest, capped = run_tree_accept_case(tree_accept, post, tok, par, a, "cuda")  # the registered op
         cases.append(dict(meta, ok=ok, longest=longest, capped=capped))
@@ -436,14 +438,14 @@ def test_kv_commit_kernel_on_gpu_many_shapes():
     from plugins.kv_commit.kernel import kv_commit_triton
     g = torch.Generator(device="cuda").manual_seed(20261203)
     cases, t0 = [], time.time()
-    for i in range(240):
+    for i in range(gpu_cases(240)):
         dtype = [torch.bfloat16, torch.bfloat16, torch.float16, torch.float32][i % 4]
         args, meta = kv_commit_case(g, small=False, dtype=dtype)
         if i % 3 == 0:
             ok = run_kv_commit_case(kv_commit, args)  # the registered op
         else:
             kw = dict(layers_per_program=[1, 4, 8, 16][i % 4], feats_per_program=[1024, 4096, 8192][i % 3],
-                      num_warps=[2, 4, 8][i % 3])
+                      num_warps=[2, 4, 8][i % 3], advance=i % 5 != 4)
             ok = run_kv_commit_case(kv_commit_triton, args, **kw)
         cases.append(dict(meta, dtype=str(dtype), ok=ok))
     cases.append(dict(case="capacity guard", y=2, f=0, ok=_capacity_guard(kv_commit_triton, "cuda")))

@@ -3,7 +3,8 @@ requests of different visible lengths (1 .. the capacity, or past it: clamped), 
 each, 2-8 slots, head dims 16-128, bf16 and fp32, one split (the direct path) or several.  CPU: the interpreter in
 a subprocess; GPU (-m gpu): 200+ cases.  The kernel sums in another order than the reference (online softmax,
 unnormalised probabilities rounded), so both are compared with the exact fp64 attention of the same stored
-values: the kernel's error must stay within twice the reference's plus a few units of the dtype's rounding."""
+values: the kernel's error must stay within twice the reference's plus a few units of the dtype's rounding
+(units(): more for fp32 on the GPU, whose exp is approximate)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from gpu_cases import gpu_cases
 from interpreter import interpreted, interpreter_shims
 
 from plugins.drafter_attention.reference import drafter_attention_reference
@@ -30,6 +32,14 @@ def exact(q, k_cache, v_cache, visible, scale) -> torch.Tensor:
             sc = q[r, :, hh].double().cpu() @ k[:, hh // rep].T * scale  # [s, n]
             out[r, :, hh] = sc.softmax(-1) @ v[:, hh // rep]
     return out.reshape(b, s, h * e)
+
+
+def units(q: torch.Tensor) -> int:
+    """The dtype's rounding units the kernel may add to twice the reference's error: 4, and 32 for fp32 on the GPU,
+    whose exp2 is the hardware's approximation (ex2.approx, ~2 ulp) at every rescaling of the online softmax where
+    the reference's exp is correctly rounded.  32 units of fp32 is 4e-6 of the largest output: a wrong row, mask or
+    scale is off by orders of magnitude more."""
+    return 32 if q.is_cuda and q.dtype == torch.float32 else 4
 
 
 def random_case(g: torch.Generator, device: str, big: bool) -> dict:
@@ -66,7 +76,7 @@ def run_cases(device: str, count: int, seed: int = 0, big: bool = False) -> list
         err_k = (out.double().cpu() - want).abs().max().item()
         err_r = (ref.double().cpu() - want).abs().max().item()
         unit = torch.finfo(q.dtype).eps * want.abs().max().item()
-        ok = bool(torch.isfinite(out).all()) and err_k <= 2 * err_r + 4 * unit
+        ok = bool(torch.isfinite(out).all()) and err_k <= 2 * err_r + units(q) * unit
         results.append(dict(case=f"b{b} s{s} h{h} g{k.shape[2]} e{e} cap{k.shape[1]} {q.dtype} splits {c['splits']}",
                             ok=ok, err_kernel=err_k, err_reference=err_r))
     return results
@@ -109,7 +119,7 @@ def test_bad_arguments_name_the_tensor():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kernel_matches_reference_on_gpu():
-    cases = run_cases("cuda", 240, seed=11, big=True)
+    cases = run_cases("cuda", gpu_cases(240), seed=11, big=True)
     assert all(c["ok"] for c in cases), [c for c in cases if not c["ok"]][:10]
 
 

@@ -2,9 +2,9 @@
 kernel that would not build fails here and not first on the GPU: the MLA absorption products, the rope tables,
 the round's emission, the older rope kernel that shares their rounding (_rotate), the MoE routing kernel with
 the shared expert's activation, the TP greedy token's two kernels, the drafter's attention, K/V store and block,
-the residual norm, SiLU * up and the vocab-parallel embedding (the layer kernels with programmatic dependent
+the residual norm, SiLU * up, the vocab-parallel embedding and one rank's first stage (the layer kernels with programmatic dependent
 launch, as sm_90 launches them), at the specialisations the runtime launches (bf16 K2.6 shapes at t = 1 .. 64,
-the fp32 tiny models).  Each gives an ELF cubin; the rope tables' kernel must not use the approximate cos / sin."""
+the fp32 tiny models).  Each gives an ELF cubin; the rope tables' kernels must not use the approximate cos / sin."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ def specialisations() -> list:
     from plugins.layer_fusion.kernel import (
         _add_rms_norm_kernel,
         _drafter_block_kernel,
+        _embed_norm_rope_kernel,
         _embed_range_kernel,
         _kv_norm_rope_store_kernel,
         _mla_q_absorb_kernel,
@@ -69,6 +70,10 @@ def specialisations() -> list:
                       dict(BLOCK=256, IEEE_EXP=True, PDL=True), 1))
     t = {"tok_ptr": "*i64", "w_ptr": "*bf16", "out_ptr": "*bf16"}
     out.append(kernel("embed_range_bf16", _embed_range_kernel, t, dict(BLOCK=1024, PDL=True), 4))
+    t = {"tok_ptr": "*i64", "w_ptr": "*bf16", "nw_ptr": "*bf16", "x_ptr": "*bf16", "h_ptr": "*bf16", "pos_ptr": "*i32",
+         "inv_ptr": "*fp32", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "eps": "fp32", "scale": "fp32"}
+    out.append(kernel("embed_norm_rope_bf16", _embed_norm_rope_kernel, t,
+                      dict(IEEE=True, BLOCK=8192, BLOCK_R=32, PDL=True), 16))
     # the drafter (K2.6: head_dim 128, block 8, 8 q heads over 1 kv head per rank when sharded)
     t = {"kv_ptr": "*bf16", "w_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "pos_ptr": "*i64",
          "k_ptr": "*bf16", "v_ptr": "*bf16", "q_ptr": "*bf16", "qw_ptr": "*bf16", "qo_ptr": "*bf16", "eps": "fp32"}
@@ -88,10 +93,10 @@ def specialisations() -> list:
                       dict(E=128, BLOCK_M=64, S_PAD=32, PDL=True), 1))
     t = {"cand_ptr": "*i64", "count_ptr": "*i32", "stop_ptr": "*i64", "produced_ptr": "*i32", "max_new_ptr": "*i32",
          "live_ptr": "*i32", "nonfinite_ptr": "*i64", "out_ptr": "*i64", "bonus_ptr": "*i64", "tok_ptr": "*i64",
-         "idx_ptr": "*i32", "ctx_ptr": "*i64"}
-    for ar, tree, block_a in ((True, False, 2), (False, False, 32), (False, True, 8)):
+         "idx_ptr": "*i32", "ctx_ptr": "*i64", "lens_ptr": "*i32"}
+    for ar, tree, block_a in ((True, False, 2), (False, False, 32), (False, True, 8)):  # an AR step advances lens
         out.append(kernel(f"emit_ar{int(ar)}_tree{int(tree)}", _round_emit_kernel, t,
-                          dict(AR=ar, TREE=tree, BLOCK_A=block_a, BLOCK_S=16, PDL=True), 1))
+                          dict(AR=ar, TREE=tree, LENS=ar, BLOCK_A=block_a, BLOCK_S=16, PDL=True), 1))
     # the MoE routing kernel forming the shared expert's activation (K2.6 TP8: 384 experts, top 8, i' 256)
     t = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "idx_ptr": "*i32", "w_ptr": "*fp32", "counts_ptr": "*i32",
          "active_ptr": "*i32", "lists_ptr": "*i32", "scaling": "fp32", "su_ptr": "*fp32", "h_ptr": "*bf16"}
@@ -132,10 +137,10 @@ def test_round_kernels_compile_for_sm90(tmp_path):
                           text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     recs = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(recs) == 31
+    assert len(recs) == 32
     for r in recs:
         assert (tmp_path / r["cubin"]).read_bytes()[:4] == b"\x7fELF", r
-        if r["name"].startswith("rope"):
+        if r["name"].startswith(("rope", "embed_norm_rope")):
             ptx = (tmp_path / r["ptx"]).read_text()
             assert "cos.approx" not in ptx and "sin.approx" not in ptx, r["name"]
     pdl = {k.name for k in specialisations() if k.constexprs.get("PDL")}

@@ -20,11 +20,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from gpu_cases import gpu_cases
 from interpreter import interpreted
 
 from plugins.layer_fusion.reference import (
     add_rms_norm_reference,
     drafter_block_reference,
+    embed_norm_rope_reference,
     embed_range_reference,
     kv_norm_rope_store_reference,
     mla_q_absorb_reference,
@@ -63,6 +65,7 @@ def run_cases(device: str, count: int, seed: int = 0) -> list[dict]:
     from plugins.layer_fusion.kernel import (
         add_rms_norm_triton,
         drafter_block_triton,
+        embed_norm_rope_triton,
         embed_range_triton,
         kv_norm_rope_store_triton,
         mla_q_absorb_triton,
@@ -220,6 +223,26 @@ def run_cases(device: str, count: int, seed: int = 0) -> list[dict]:
         out.append(dict(op="embed_range", case=f"v{v} count{count} start{start} d{dd} {dt}", ok=torch.equal(got, want),
                         err=0.0))
 
+        # embed_norm_rope: the embedding rows exactly (ids outside the range: zero rows), their norm as rms_norm's,
+        # cos / sin as rope_cos_sin's (int32 or int64 positions, the AR step's are the cache lengths)
+        if dt != torch.bfloat16 or device == "cuda":
+            dd, r2 = pick((16, 300, 7168)), pick((32, 3))
+            weight, nw = rnd(v, dd, dtype=dt, scale=2), rnd(dd, dtype=dt)
+            toks = torch.randint(0, start + v + 10, (pick((1, 3)), pick((1, 6))), generator=g).to(device)
+            pos = torch.randint(0, 1 << 18, toks.shape, generator=g).to(device=device, dtype=pick((torch.int32,
+                                                                                                  torch.int64)))
+            inv = (1.0 / (10000.0 ** (torch.arange(r2, dtype=torch.float32) / r2))).to(device)
+            n_tok = toks.numel()
+            got = [torch.empty(n_tok, dd, dtype=dt, device=device) for _ in range(2)] + \
+                [torch.empty(n_tok, r2, dtype=dt, device=device) for _ in range(2)]
+            embed_norm_rope_triton(toks.reshape(-1), weight, start, count, nw, 1e-6, pos.reshape(-1), inv, 1.25, *got)
+            want = [w.reshape(n_tok, -1) for w in embed_norm_rope_reference(toks, weight, start, count, nw, 1e-6, pos,
+                                                                           inv, 1.25)]
+            (ok_h, err_h), exact = _close(got[1], want[1], exact=False), device == "cuda"
+            (ok_c, err_c), (ok_s, err_s) = _close(got[2], want[2], exact), _close(got[3], want[3], exact)
+            out.append(dict(op="embed_norm_rope", case=f"v{v} count{count} start{start} d{dd} r{2 * r2} {dt}",
+                            ok=torch.equal(got[0], want[0]) and ok_h and ok_c and ok_s, err=max(err_h, err_c, err_s)))
+
         # odd cases: gate_up is an fp32 GEMM output (the router's GEMM, runtime/model/moe), rounded to dt first
         i = pick((5, 256, 2304))
         wide_in = k % 2 == 1
@@ -242,7 +265,7 @@ def interpreter_results():
 
 @pytest.mark.parametrize("op", ["add_rms_norm", "rms_norm", "rope_cos_sin", "mla_q_absorb", "mla_v_absorb",
                                 "mla_rope_kv", "silu_mul", "kv_norm_rope_store",
-                                "drafter_block", "embed_range"])
+                                "drafter_block", "embed_range", "embed_norm_rope"])
 def test_kernel_matches_reference_in_interpreter(interpreter_results, op):
     cases = [c for c in interpreter_results if c["op"] == op]
     assert cases and all(c["ok"] for c in cases), [c for c in cases if not c["ok"]]
@@ -282,7 +305,7 @@ def test_cpu_ops_are_the_references():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kernels_on_gpu_many_cases():
-    cases = run_cases("cuda", 240, seed=11)
+    cases = run_cases("cuda", gpu_cases(240), seed=11)
     bad = [c for c in cases if not c["ok"]]
     results = os.environ.get("KDTREE_RESULTS_DIR")
     if results:

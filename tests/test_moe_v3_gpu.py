@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gpu_cases import gpu_cases
 from test_moe_w4a16 import _poison_allocator
 
 from plugins.layer_fusion import silu_mul
@@ -97,8 +98,9 @@ BIG = [  # K2.6 TP8 rank (384 x 256 x 7168, top-8), EP8 rank (48 whole experts o
 def test_v3_matches_reference_on_random_and_k26_shapes():
     dev = torch.device("cuda")
     results = []
-    for j, c in enumerate([*_random_shapes(200), *BIG]):
-        results.append(_case(*c, dev=dev) | {"big": j >= 200})
+    n = gpu_cases(200)
+    for j, c in enumerate([*_random_shapes(n), *BIG]):
+        results.append(_case(*c, dev=dev) | {"big": j >= n})
     bad = [r for r in results if not (r["finite"] and r["rel"] < 2e-2 and r["deterministic"] and r["counts_rezeroed"]
                                       and r["shared_equal"])]
     summary = {"op": "moe_w4a16 v3", "checked": len(results), "failed": len(bad), "tolerance_rel": 2e-2,

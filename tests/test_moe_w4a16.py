@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gpu_cases import gpu_cases
 
 from core.quant_int4 import dequantize_int4, pack_int4, quantize_int4
 from plugins.common.activation import silu_mul_reference
@@ -343,11 +344,12 @@ def _write_device_summary(results: list[dict], done: bool, warmed: dict) -> dict
 def test_gpu_matches_reference_on_random_and_k26_shapes():
     from compile_warmup import warm
     dev = torch.device("cuda")
-    cases = [*_random_shapes(200), *BIG]
+    n = gpu_cases(200)
+    cases = [*_random_shapes(n), *BIG]
     warmed = warm(Path(__file__), *_warm_groups(cases))
     results = []
     for j, c in enumerate(cases):
-        results.append(_gpu_case(*c, dev=dev) | {"big": j >= 200})
+        results.append(_gpu_case(*c, dev=dev) | {"big": j >= n})
         if j % 20 == 19:
             _write_device_summary(results, False, warmed)
     summary = _write_device_summary(results, True, warmed)

@@ -53,5 +53,5 @@ def test_schema_and_kernels():
         y = torch.ops.kdtree.rms_norm(torch.empty(3, 8), torch.empty(8), 1e-6)
         i32 = dict(dtype=torch.int32)
         none = torch.ops.kdtree.kv_commit(torch.empty(2, 1, 16, 8), torch.zeros(1, **i32), torch.empty(2, 1, 4, 8),
-                                          torch.zeros(1, 4, **i32), torch.zeros(1, **i32), None, None)
+                                          torch.zeros(1, 4, **i32), torch.zeros(1, **i32), None, None, True)
     assert y.shape == (3, 8) and none is None

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from gpu_cases import gpu_cases
 from interpreter import interpreted
 
 from plugins.round_emit.reference import round_emit_reference
@@ -36,6 +37,8 @@ def random_round(g: torch.Generator, device: str, ar: bool, tree: bool = False) 
     args = dict(cand=ints(0, vocab, b, a), count=count, stop_ids=stop_ids, produced=produced, max_new=max_new,
                 live=live, nonfinite=ints(0, 2, b), out=ints(-9, 9, b, a + 6),
                 bonus=ints(0, vocab, b) if ar or tree else None)
+    if ar and int(torch.randint(2, (1,), generator=g)):  # half the AR rounds also advance the committed lengths
+        args["cache_lens"] = ints(0, 4000, b, dt=torch.int32)
     if tree:
         n = int(torch.randint(1, 40, (1,), generator=g))
         args.update(cand=None, count=ints(1, a + 1, b, dt=torch.int32), tokens=ints(0, vocab, b, n),
@@ -89,6 +92,10 @@ def test_reference_stops_at_the_first_stop_or_max_new():
         torch.zeros(3, dtype=torch.int32)
     round_emit_reference(cand[:, :1], count, stop_ids, produced, max_new, live, nonfinite, out, bonus)
     assert count.tolist() == [1, 0, 1] and bonus.tolist() == [5, 3, 6] and live.tolist() == [1, 0, 0]
+    lens = torch.tensor([7, 7, 7], dtype=torch.int32)  # an AR step's kv_commit(advance=False): the emit advances
+    round_emit_reference(cand[:, :1], count, stop_ids, produced, max_new, live, nonfinite, out, bonus,
+                         cache_lens=lens)
+    assert lens.tolist() == [8, 7, 7]  # by the step's count := live (request 2 stopped in the step before)
 
 
 def test_reference_tree_round_takes_the_path_then_the_bonus():
@@ -111,12 +118,17 @@ def test_bad_arguments_name_the_tensor():
     with pytest.raises(ValueError, match="max_new"):
         round_emit(torch.zeros(2, 3, dtype=torch.int64), z32, torch.zeros(2, 1, dtype=torch.int64), z32.clone(),
                    torch.zeros(2), z32.clone(), torch.zeros(2, dtype=torch.int64), torch.zeros(2, 9, dtype=torch.int64))
+    with pytest.raises(ValueError, match="cache_lens"):  # a tree round's kv_commit reads the unadvanced lengths
+        round_emit(None, z32, torch.zeros(2, 1, dtype=torch.int64), z32.clone(), z32.clone(), z32.clone(),
+                   torch.zeros(2, dtype=torch.int64), torch.zeros(2, 9, dtype=torch.int64),
+                   torch.zeros(2, dtype=torch.int64), torch.zeros(2, 4, dtype=torch.int64), z32.view(2, 1),
+                   torch.zeros(2, 1, dtype=torch.int64), z32.clone())
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kernel_matches_reference_on_gpu():
-    cases = run_cases("cuda", 300, seed=7)
+    cases = run_cases("cuda", gpu_cases(300), seed=7)
     assert all(c["ok"] for c in cases), [c for c in cases if not c["ok"]][:10]
 
 

@@ -71,7 +71,7 @@ def test_decode_through_the_kernels_matches_the_reference():
     # the round's ops all went through their launchers
     for op in ("add_rms_norm", "mla_rope_kv", "mla_q_absorb", "mla_v_absorb", "tree_verify_mla", "tree_build",
                "tree_accept", "kv_commit", "round_emit", "posterior", "drafter_attention", "kv_norm_rope_store",
-               "drafter_block", "rope_cos_sin"):
+               "drafter_block", "rope_cos_sin", "embed_norm_rope"):
         assert op in res["ran"] and op in res["registered"], (op, res["ran"])
 
 

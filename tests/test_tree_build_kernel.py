@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gpu_cases import gpu_cases
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -348,7 +349,7 @@ def _write_device_summary(results: list[dict], t0: float, done: bool, warmed: di
 def test_tree_build_kernel_gpu():
     from compile_warmup import warm
     t0 = time.time()
-    shapes = _gpu_shapes(int(os.environ.get("KDTREE_TREE_BUILD_SHAPES", "240")))
+    shapes = _gpu_shapes(int(os.environ.get("KDTREE_TREE_BUILD_SHAPES", gpu_cases(240))))
     warmed = warm(Path(__file__), *_warm_groups(shapes))
     results = []
     for i, s in enumerate(shapes):

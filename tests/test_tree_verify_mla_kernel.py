@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gpu_cases import gpu_cases
 
 from interpreter import interpreter_shims
 
@@ -266,7 +267,7 @@ def test_gpu_random_shapes():
     from plugins.tree_verify_mla.launcher import tree_verify_mla_triton, workspace_numel
     gen = torch.Generator().manual_seed(2026)
     rows, failures = [], []
-    for i in range(240):
+    for i in range(gpu_cases(240)):
         s = _random_shape(gen, i)
         b, n, h, l_max, dtype = s["b"], s["n"], s["h"], s["l_max"], s["dtype"]
         x = make_inputs(b, n, h, l_max, s["lens"], 512, 64, dtype, gen, s["kind"], device="cuda")

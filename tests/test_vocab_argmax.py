@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from gpu_cases import gpu_cases
 from interpreter import interpreted
 
 from plugins.tree_accept.vocab_argmax import local_reference, pick_reference
@@ -100,7 +101,7 @@ def test_bad_arguments_name_the_tensor():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kernels_match_reference_on_gpu():
-    cases = run_cases("cuda", 300, seed=5)
+    cases = run_cases("cuda", gpu_cases(300), seed=5)
     bad = [c for c in cases if not (c["pairs"] and c["flag"] and c["ids"])]
     assert not bad, bad[:10]
 

@@ -7,7 +7,9 @@ the whole cache: 43 µs a call on the tiny drafter (benchmarks/results/layer-fus
 Program (kv head, split, request): the M side is the kv head's rep * s query rows (row m = r * s + t: query head
 gi * rep + r, slot t), padded to BLOCK_M; the split's cache rows are its share of [0, min(visible[b], cap)), cut into
 SPLITS pieces of whole BLOCK_N tiles on the device (the length changes every round; the launch does not).
-Online softmax in fp32 (natural base, as the reference); p rounded to the cache dtype for the value product.
+Online softmax in fp32 in base 2 (the scale times log2(e) folded into the scores, so the GPU's exp2 takes the
+shifted score as it is: base e costs a rounded multiply by log2(e) of every shifted score, which put 2 of 240
+fp32 cases past the test's bound on the H200); p rounded to the cache dtype for the value product.
 With one split the program writes the normalised output; otherwise the unnormalised accumulator and (max, sum)
 per row, which the combine merges.  A split with no row writes max = -inf, sum 0 and a zero accumulator.
 Both kernels launch with PDL on sm_90+ (plugins/common/pdl.py).
@@ -25,13 +27,14 @@ from plugins.common.pdl import pdl_args, pdl_for, pdl_prologue
 BLOCK_N = 64
 MIN_ROWS_PER_SPLIT = 256  # a split's share of the capacity at least this many rows
 MAX_SPLITS = 64
+LOG2E = 1.4426950408889634  # scores in base 2: exp2(scale * log2(e) * q.k - m), as tree_verify_mla
 _OPTS = {"enable_fp_fusion": False}
 
 
 @triton.jit
 def _split_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, out_ptr, o_ptr, m_ptr, l_ptr,
                   s_qb, s_qt, s_qh, s_kb, s_kr, s_kg, s_vb, s_vr, s_vg, s_ob, s_ot,
-                  S, REP, G, SPLITS, CAP, scale,
+                  S, REP, G, SPLITS, CAP, scale2,
                   E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
                   IEEE: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
@@ -66,10 +69,10 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, out_ptr, o_ptr, m_ptr, l_ptr,
             sc = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             sc = tl.dot(q, tl.trans(k))
-        sc = tl.where(ok[None, :], sc * scale, float("-inf"))  # [BLOCK_M, BLOCK_N] fp32
+        sc = tl.where(ok[None, :], sc * scale2, float("-inf"))  # [BLOCK_M, BLOCK_N] fp32, base-2 logits
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(sc - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(sc - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + vv_base + rows[:, None].to(tl.int64) * s_vr + ei[None, :], mask=ok[:, None],
                     other=0.0)  # [BLOCK_N, E]
@@ -103,7 +106,7 @@ def _combine_kernel(o_ptr, m_ptr, l_ptr, out_ptr, s_ob, s_ot, S, REP, G, SPLITS,
     m = tl.load(m_ptr + part, mask=ok, other=float("-inf"))
     l_s = tl.load(l_ptr + part, mask=ok, other=0.0)
     big = tl.max(m, axis=0)  # finite: split 0 holds row 0 (visible >= 1)
-    w = tl.where(m > float("-inf"), tl.exp(m - big), 0.0)  # [S_PAD]
+    w = tl.where(m > float("-inf"), tl.exp2(m - big), 0.0)  # [S_PAD] (m in base 2)
     ei = tl.arange(0, E)
     o = tl.load(o_ptr + part[:, None] * E + ei[None, :], mask=ok[:, None], other=0.0)  # [S_PAD, E]
     y = tl.sum(o * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
@@ -147,7 +150,7 @@ def drafter_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     _split_kernel[(g, sp, b)](q, k_cache, v_cache, visible, out, o_part, m_part, l_part,
                                q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1),
                                k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-                               out.stride(0), out.stride(1), s, rep, g, sp, cap, float(scale),
+                               out.stride(0), out.stride(1), s, rep, g, sp, cap, float(scale) * LOG2E,
                                E=e, BLOCK_M=bm, BLOCK_N=BLOCK_N, DIRECT=direct, IEEE=ieee,
                                num_warps=4 if bm * e <= 64 * 64 else 8, num_stages=2, **opts)
     if direct:

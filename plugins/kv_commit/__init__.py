@@ -14,16 +14,18 @@ __all__ = ["kv_commit", "kv_commit_op"]
 
 def kv_commit(cache: torch.Tensor, cache_lens: torch.Tensor, scratch: torch.Tensor, accept_idx: torch.Tensor,
               accept_len: torch.Tensor, feats: torch.Tensor | None = None,
-              ctx_feats: torch.Tensor | None = None) -> None:
-    """Appends scratch[:, r, accept_idx[r, :accept_len[r]]] to cache[:, r], advances cache_lens and,
-    given feats [b, n, f], gathers the accepted rows into ctx_feats [b, a, f]."""
+              ctx_feats: torch.Tensor | None = None, advance: bool = True) -> None:
+    """Appends scratch[:, r, accept_idx[r, :accept_len[r]]] to cache[:, r], advances cache_lens (advance False:
+    the caller's next kernel does, e.g. an AR step's round_emit) and, given feats [b, n, f], gathers the accepted
+    rows into ctx_feats [b, a, f]."""
     # every argument passed explicitly: torch 2.11's mutation bookkeeping indexes the given args only
-    kv_commit_op(cache, cache_lens, scratch, accept_idx, accept_len, feats, ctx_feats)
+    kv_commit_op(cache, cache_lens, scratch, accept_idx, accept_len, feats, ctx_feats, advance)
 
 
 @kdtree_op("kv_commit", mutates_args=("cache", "cache_lens", "ctx_feats"))
 def kv_commit_op(cache: torch.Tensor, cache_lens: torch.Tensor, scratch: torch.Tensor, accept_idx: torch.Tensor,
-                 accept_len: torch.Tensor, feats: torch.Tensor | None, ctx_feats: torch.Tensor | None) -> None:
+                 accept_len: torch.Tensor, feats: torch.Tensor | None, ctx_feats: torch.Tensor | None,
+                 advance: bool) -> None:
     """The registered op (no defaults: call kv_commit()).  Appends scratch[:, r, accept_idx[r, :accept_len[r]]] to cache[:, r], advances cache_lens and,
     given feats [b, n, f], gathers the accepted rows into ctx_feats [b, a, f]."""
     y, b, l_max, d_qk = cache.shape
@@ -40,11 +42,12 @@ def kv_commit_op(cache: torch.Tensor, cache_lens: torch.Tensor, scratch: torch.T
                               or ctx_feats.shape[1] != accept_idx.shape[1] or ctx_feats.shape[2] != feats.shape[2]):
         raise ValueError(f"kv_commit: feats must be [{b}, <= n, f] and ctx_feats [{b}, a, f], got "
                          f"{tuple(feats.shape)}, {tuple(ctx_feats.shape)}")
-    kv_commit_reference(cache, cache_lens, scratch, accept_idx, accept_len, feats, ctx_feats)
+    kv_commit_reference(cache, cache_lens, scratch, accept_idx, accept_len, feats, ctx_feats, advance)
 
 
 @kv_commit_op.register_kernel("cuda")
 def _kv_commit_cuda(cache: torch.Tensor, cache_lens: torch.Tensor, scratch: torch.Tensor, accept_idx: torch.Tensor,
-                    accept_len: torch.Tensor, feats: torch.Tensor | None, ctx_feats: torch.Tensor | None) -> None:
+                    accept_len: torch.Tensor, feats: torch.Tensor | None, ctx_feats: torch.Tensor | None,
+                    advance: bool) -> None:
     from plugins.kv_commit.kernel import kv_commit_triton
-    kv_commit_triton(cache, cache_lens, scratch, accept_idx, accept_len, feats, ctx_feats)
+    kv_commit_triton(cache, cache_lens, scratch, accept_idx, accept_len, feats, ctx_feats, advance=advance)

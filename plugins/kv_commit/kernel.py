@@ -13,7 +13,8 @@ Two launches, in stream order:
             Feature programs: (r, j, chunk of FB features) copy feats[r, accept_idx[r, j]] -> ctx_feats[r, j].
             Programs with j >= accept_len[r] exit at once (the grid never depends on data).
   2. advance cache_lens += accept_len (a separate launch, so no copy program can read an advanced length:
-            programs of one launch have no ordering among themselves).
+            programs of one launch have no ordering among themselves).  advance=False leaves it to the
+            caller's next kernel (an AR step's round_emit).
 
 Device-side guards instead of host checks: rows whose source index is outside [0, n) (or outside the
 feats' node count) or whose destination is outside [0, l_max) are skipped, not written; slots
@@ -90,7 +91,8 @@ def _advance_lens_kernel(lens_ptr, alen_ptr, b, BLOCK: tl.constexpr):
 
 def kv_commit_triton(cache: torch.Tensor, cache_lens: torch.Tensor, scratch: torch.Tensor, accept_idx: torch.Tensor,
                      accept_len: torch.Tensor, feats: torch.Tensor | None = None, ctx_feats: torch.Tensor | None = None,
-                     layers_per_program: int = 8, feats_per_program: int = 4096, num_warps: int = 4) -> None:
+                     layers_per_program: int = 8, feats_per_program: int = 4096, num_warps: int = 4,
+                     advance: bool = True) -> None:
     """cache [y, b, l_max, d_qk], cache_lens [b] int32, scratch [y, b, n, d_qk], accept_idx [b, a] int32,
     accept_len [b] int32, optional feats [b, n_f <= n, f] -> ctx_feats [b, a, f].  Static checks only."""
     check_kv_commit(cache, cache_lens, scratch, accept_idx, accept_len, feats, ctx_feats)
@@ -119,8 +121,9 @@ def kv_commit_triton(cache: torch.Tensor, cache_lens: torch.Tensor, scratch: tor
             cache.stride(0), cache.stride(1), cache.stride(2), scratch.stride(0), scratch.stride(1),
             scratch.stride(2), accept_idx.stride(0), *fs,
             D=d, D_MAIN=d_main, D_REST=d_rest, LCH=lch, FB=fb, HAS_FEATS=has_feats, num_warps=num_warps)
-    _advance_lens_kernel[(triton.cdiv(b, ADVANCE_BLOCK),)](cache_lens, accept_len, b, BLOCK=ADVANCE_BLOCK,
-                                                            num_warps=1)
+    if advance:
+        _advance_lens_kernel[(triton.cdiv(b, ADVANCE_BLOCK),)](cache_lens, accept_len, b, BLOCK=ADVANCE_BLOCK,
+                                                                num_warps=1)
 
 
 def check_kv_commit(cache, cache_lens, scratch, accept_idx, accept_len, feats, ctx_feats) -> None:

@@ -11,7 +11,7 @@ Shapes: y layers, b requests, l_max cache capacity, n tree nodes, a accept capac
     ctx_feats   [b, a, f] or None    written: ctx_feats[r, j] = feats[r, accept_idx[r, j]] for j < accept_len[r]
 
 cache[:, r, cache_lens[r] + j] = scratch[:, r, accept_idx[r, j]] for j < accept_len[r], then
-cache_lens[r] += accept_len[r].  The scratch is separate from the cache, so the copy never reads a
+cache_lens[r] += accept_len[r] (unless advance is False: an AR step's round_emit advances it, one launch fewer).  The scratch is separate from the cache, so the copy never reads a
 row it has already overwritten.
 """
 
@@ -22,7 +22,7 @@ import torch
 
 def kv_commit_reference(cache: torch.Tensor, cache_lens: torch.Tensor, scratch: torch.Tensor,
                         accept_idx: torch.Tensor, accept_len: torch.Tensor, feats: torch.Tensor | None = None,
-                        ctx_feats: torch.Tensor | None = None) -> None:
+                        ctx_feats: torch.Tensor | None = None, advance: bool = True) -> None:
     b, a = accept_idx.shape
     j = torch.arange(a, device=cache.device)
     valid = j[None, :] < accept_len[:, None]  # [b, a]
@@ -32,4 +32,5 @@ def kv_commit_reference(cache: torch.Tensor, cache_lens: torch.Tensor, scratch: 
     cache[:, rows[valid], dst[valid]] = src
     if feats is not None and ctx_feats is not None:
         ctx_feats[valid] = feats[rows[valid], accept_idx.long()[valid]]
-    cache_lens += accept_len
+    if advance:
+        cache_lens += accept_len

@@ -17,6 +17,7 @@ from plugins.common.op import kdtree_op
 from plugins.layer_fusion.reference import (
     add_rms_norm_reference,
     drafter_block_reference,
+    embed_norm_rope_reference,
     embed_range_reference,
     kv_norm_rope_store_reference,
     mla_q_absorb_reference,
@@ -29,7 +30,7 @@ from plugins.layer_fusion.reference import (
 )
 
 __all__ = ["rms_norm", "add_rms_norm", "rope_cos_sin", "mla_q_absorb", "mla_v_absorb", "mla_rope_kv", "silu_mul",
-           "kv_norm_rope_store", "drafter_block", "embed_range", "rotate_reference"]
+           "kv_norm_rope_store", "drafter_block", "embed_range", "embed_norm_rope", "rotate_reference"]
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # KDTREE_FUSION=0 (read once, at import): the references on CUDA too, i.e. the unfused torch ops, the peer
@@ -389,6 +390,59 @@ def _embed_range_cuda(tokens: torch.Tensor, weight: torch.Tensor, start: int, co
     out = torch.empty(flat.shape[0], weight.shape[1], dtype=weight.dtype, device=weight.device)
     embed_range_triton(flat, weight, start, count, out)
     return out.view(*tokens.shape, weight.shape[1])
+
+
+def embed_norm_rope(tokens: torch.Tensor, weight: torch.Tensor, start: int, count: int, norm_weight: torch.Tensor,
+                    eps: float, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tokens, positions [b, n] -> (x, rms_norm(x) * norm_weight) [b, n, d] and cos, sin [b, n, r/2] in weight's dtype:
+    embed_range, the first layer's norm and rope_cos_sin in one launch, for one rank (no all-reduce between the
+    embedding and the norm).  reference.embed_norm_rope_reference."""
+    if not (_fused(weight, norm_weight) and tokens.dtype == torch.int64 and not positions.dtype.is_floating_point
+            and inv_freq.dtype == torch.float32):
+        return embed_norm_rope_reference(tokens, weight, start, count, norm_weight, eps, positions, inv_freq, scale)
+    return embed_norm_rope_op(tokens, weight, start, count, norm_weight, eps, positions, inv_freq, scale)
+
+
+@kdtree_op("embed_norm_rope", mutates_args=())
+def embed_norm_rope_op(tokens: torch.Tensor, weight: torch.Tensor, start: int, count: int, norm_weight: torch.Tensor,
+                       eps: float, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return embed_norm_rope_reference(tokens, weight, start, count, norm_weight, eps, positions, inv_freq, scale)
+
+
+@embed_norm_rope_op.register_fake
+def _(tokens, weight, start, count, norm_weight, eps, positions, inv_freq, scale):
+    x = weight.new_empty(*tokens.shape, weight.shape[1])
+    cs = weight.new_empty(*positions.shape, inv_freq.shape[0])
+    return x, torch.empty_like(x), cs, torch.empty_like(cs)
+
+
+@embed_norm_rope_op.register_kernel("cuda")
+def _embed_norm_rope_cuda(tokens: torch.Tensor, weight: torch.Tensor, start: int, count: int,
+                          norm_weight: torch.Tensor, eps: float, positions: torch.Tensor, inv_freq: torch.Tensor,
+                          scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if not (_fused(weight, norm_weight) and tokens.dtype == torch.int64):
+        return embed_norm_rope_reference(tokens, weight, start, count, norm_weight, eps, positions, inv_freq, scale)
+    from plugins.layer_fusion.kernel import embed_norm_rope_triton
+    d = weight.shape[-1]
+    if weight.dim() != 2 or weight.stride(1) != 1 or count > weight.shape[0] or norm_weight.shape != (d,) \
+            or not norm_weight.is_contiguous():
+        raise ValueError(f"embed_norm_rope: need weight [>= {count}, d] with unit last stride and norm_weight [d] "
+                         f"contiguous, got {tuple(weight.shape)} {weight.stride()}, {tuple(norm_weight.shape)}")
+    if positions.shape != tokens.shape or positions.dtype.is_floating_point or inv_freq.dim() != 1 \
+            or inv_freq.dtype != torch.float32 or not inv_freq.is_contiguous():
+        raise ValueError(f"embed_norm_rope: need integer positions shaped as tokens {tuple(tokens.shape)} and "
+                         f"contiguous fp32 inv_freq [r/2], got positions {positions.dtype} {tuple(positions.shape)}, "
+                         f"inv_freq {inv_freq.dtype} {tuple(inv_freq.shape)}")
+    flat, pos = tokens.reshape(-1).contiguous(), positions.reshape(-1).contiguous()  # [t] each
+    x = torch.empty(flat.shape[0], d, dtype=weight.dtype, device=weight.device)  # [t, d]
+    h = torch.empty_like(x)
+    cos = torch.empty(flat.shape[0], inv_freq.shape[0], dtype=weight.dtype, device=weight.device)  # [t, r/2]
+    sin = torch.empty_like(cos)
+    embed_norm_rope_triton(flat, weight, start, count, norm_weight, eps, pos, inv_freq, scale, x, h, cos, sin)
+    rows, cols = (*tokens.shape, d), (*tokens.shape, inv_freq.shape[0])
+    return x.view(rows), h.view(rows), cos.view(cols), sin.view(cols)
 
 
 # ---- the MLP's activation

@@ -445,6 +445,53 @@ def embed_range_triton(tokens: torch.Tensor, weight: torch.Tensor, start: int, c
 
 
 @triton.jit
+def _embed_norm_rope_kernel(tok_ptr, w_ptr, nw_ptr, x_ptr, h_ptr, pos_ptr, inv_ptr, cos_ptr, sin_ptr, D, start,
+                            count, R2, s_w, eps, scale, IEEE: tl.constexpr, BLOCK: tl.constexpr,
+                            BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+    """Program (t, 0): token t's embedding row (zeros outside [start, start + count), as _embed_range_kernel) into
+    x and its rms_norm into h (rounded as _norm_row); program (t, 1): cos / sin of its position (as
+    _rope_cos_sin_kernel)."""
+    pdl_prologue(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    if tl.program_id(1) == 0:
+        j = tl.arange(0, BLOCK)
+        m = j < D
+        row = tl.load(tok_ptr + t) - start
+        ok = (row >= 0) & (row < count)
+        v = tl.load(w_ptr + tl.where(ok, row, 0) * s_w + j, mask=m & ok, other=0.0)  # [BLOCK]
+        tl.store(x_ptr + t * D + j, v, mask=m)
+        xf = v.to(tl.float32)
+        xn = (xf * tl.math.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)).to(h_ptr.dtype.element_ty).to(tl.float32)
+        nw = tl.load(nw_ptr + j, mask=m, other=0.0).to(tl.float32)
+        tl.store(h_ptr + t * D + j, (nw * xn).to(h_ptr.dtype.element_ty), mask=m)
+    else:  # (names apart from the other branch's: Triton types a name once across both)
+        jr = tl.arange(0, BLOCK_R)
+        mr = jr < R2
+        angle = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_ptr + jr, mask=mr, other=0.0)  # [BLOCK_R] fp32
+        if IEEE:
+            c, s = libdevice.cos(angle), libdevice.sin(angle)
+        else:
+            c, s = tl.cos(angle), tl.sin(angle)
+        tl.store(cos_ptr + t * R2 + jr, (c * scale).to(cos_ptr.dtype.element_ty), mask=mr)
+        tl.store(sin_ptr + t * R2 + jr, (s * scale).to(sin_ptr.dtype.element_ty), mask=mr)
+
+
+def embed_norm_rope_triton(tokens: torch.Tensor, weight: torch.Tensor, start: int, count: int,
+                           norm_weight: torch.Tensor, eps: float, positions: torch.Tensor, inv_freq: torch.Tensor,
+                           scale: float, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """tokens, positions [t] (contiguous integers), weight [>= count, d] (unit last stride), norm_weight [d],
+    inv_freq [r/2] fp32 -> x, h [t, d] and cos, sin [t, r/2] (all contiguous)."""
+    t, d = x.shape
+    if t == 0:
+        return
+    block = triton.next_power_of_2(d)
+    _embed_norm_rope_kernel[(t, 2)](tokens, weight, norm_weight, x, h, positions, inv_freq, cos, sin, d, start, count,
+                                    cos.shape[1], weight.stride(0), float(eps), float(scale), IEEE=tokens.is_cuda,
+                                    BLOCK=block, BLOCK_R=triton.next_power_of_2(cos.shape[1]),
+                                    num_warps=_warps(block), **_opts(tokens))
+
+
+@triton.jit
 def _silu_mul_kernel(gu_ptr, out_ptr, I, s_g, s_o, BLOCK: tl.constexpr, IEEE_EXP: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)

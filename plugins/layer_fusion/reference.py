@@ -146,3 +146,14 @@ def embed_range_reference(tokens: torch.Tensor, weight: torch.Tensor, start: int
     outside = (local < 0) | (local >= count)
     x = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight)  # [b, n, d]
     return x.masked_fill_(outside[..., None], 0.0)
+
+
+def embed_norm_rope_reference(tokens: torch.Tensor, weight: torch.Tensor, start: int, count: int,
+                              norm_weight: torch.Tensor, eps: float, positions: torch.Tensor, inv_freq: torch.Tensor,
+                              scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A forward's first stage on one rank (no all-reduce between the embedding and the first norm): tokens,
+    positions [b, n] -> x = embed_range_reference(...) [b, n, d], rms_norm(x) * norm_weight [b, n, d], and cos, sin
+    [b, n, r/2] in weight's dtype (rope_cos_sin_reference)."""
+    x = embed_range_reference(tokens, weight, start, count)  # [b, n, d]
+    cos, sin = rope_cos_sin_reference(positions, inv_freq, scale, weight.dtype)  # [b, n, r/2] each
+    return x, rms_norm_reference(x, norm_weight, eps), cos, sin

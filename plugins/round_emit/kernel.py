@@ -13,8 +13,9 @@ from plugins.common.pdl import pdl_args, pdl_for, pdl_prologue
 
 @triton.jit
 def _round_emit_kernel(cand_ptr, count_ptr, stop_ptr, produced_ptr, max_new_ptr, live_ptr, nonfinite_ptr, out_ptr,
-                       bonus_ptr, tok_ptr, idx_ptr, ctx_ptr, A, S, s_c, s_s, s_o, s_t, s_i, s_x, AR: tl.constexpr,
-                       TREE: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+                       bonus_ptr, tok_ptr, idx_ptr, ctx_ptr, lens_ptr, A, S, s_c, s_s, s_o, s_t, s_i, s_x,
+                       AR: tl.constexpr, TREE: tl.constexpr, LENS: tl.constexpr, BLOCK_A: tl.constexpr,
+                       BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     r = tl.program_id(0).to(tl.int64)
     slot = tl.arange(0, BLOCK_A)
@@ -37,6 +38,8 @@ def _round_emit_kernel(cand_ptr, count_ptr, stop_ptr, produced_ptr, max_new_ptr,
         first_tok = tl.sum(tl.where(slot == 0, cand, 0), axis=0)
         bonus = tl.load(bonus_ptr + r)
         tl.store(bonus_ptr + r, tl.where(live != 0, first_tok, bonus))
+        if LENS:  # the committed row's advance (the step's kv_commit ran with advance=False)
+            tl.store(lens_ptr + r, tl.load(lens_ptr + r) + count)
     elif not TREE:
         count = tl.load(count_ptr + r)
     js = tl.arange(0, BLOCK_S)
@@ -64,7 +67,8 @@ def _round_emit_kernel(cand_ptr, count_ptr, stop_ptr, produced_ptr, max_new_ptr,
 def round_emit_triton(cand: torch.Tensor | None, count: torch.Tensor, stop_ids: torch.Tensor, produced: torch.Tensor,
                       max_new: torch.Tensor, live: torch.Tensor, nonfinite: torch.Tensor, out: torch.Tensor,
                       bonus: torch.Tensor | None, tokens: torch.Tensor | None = None,
-                      path_idx: torch.Tensor | None = None, ctx_tokens: torch.Tensor | None = None) -> None:
+                      path_idx: torch.Tensor | None = None, ctx_tokens: torch.Tensor | None = None,
+                      cache_lens: torch.Tensor | None = None) -> None:
     """reference.round_emit_reference's writes in one launch (CUDA tensors; CPU ones under TRITON_INTERPRET=1)."""
     tree = tokens is not None
     b, a = path_idx.shape if tree else cand.shape
@@ -74,8 +78,10 @@ def round_emit_triton(cand: torch.Tensor | None, count: torch.Tensor, stop_ids: 
     cand = path_idx if tree else cand  # an unread pointer in a tree round
     tok, idx, ctx = (tokens, path_idx, ctx_tokens) if tree else (cand, cand, cand)
     _round_emit_kernel[(b,)](cand, count, stop_ids, produced, max_new, live, nonfinite, out,
-                             bonus if bonus is not None else cand, tok, idx, ctx, a, s, cand.stride(0),
+                             bonus if bonus is not None else cand, tok, idx, ctx,
+                             cache_lens if cache_lens is not None else count, a, s, cand.stride(0),
                              stop_ids.stride(0), out.stride(0), tok.stride(0), idx.stride(0), ctx.stride(0),
-                             AR=bonus is not None and not tree, TREE=tree, BLOCK_A=max(2, triton.next_power_of_2(a)),
+                             AR=bonus is not None and not tree, TREE=tree, LENS=cache_lens is not None,
+                             BLOCK_A=max(2, triton.next_power_of_2(a)),
                              BLOCK_S=max(2, triton.next_power_of_2(s)), num_warps=1,
                              **pdl_args(pdl_for(count)))

@@ -7,7 +7,9 @@ host row out[r] = [cand[r, :a] | emitted | live | count | nonfinite] (out's late
 nonfinite flag, read into the row, is cleared (posterior only ever sets it).
 
 AR rounds (bonus given): one candidate, the next token, real for live requests: count := live (count is
-the round's accept length) and bonus := cand[:, 0] where live, before the emission above.
+the round's accept length) and bonus := cand[:, 0] where live, before the emission above; given cache_lens
+[b] int32 (the step's kv_commit ran with advance=False), also cache_lens += count: the committed row's
+advance, in this launch instead of one of its own.
 
 Tree rounds (tokens given, cand None): the candidates come from the accepted path.  count := count * live
 (frozen requests accept nothing), path[r, j] = tokens[r, path_idx[r, j]] (root first; slots past the accept
@@ -23,10 +25,12 @@ import torch
 def round_emit_reference(cand: torch.Tensor | None, count: torch.Tensor, stop_ids: torch.Tensor,
                          produced: torch.Tensor, max_new: torch.Tensor, live: torch.Tensor, nonfinite: torch.Tensor,
                          out: torch.Tensor, bonus: torch.Tensor | None = None, tokens: torch.Tensor | None = None,
-                         path_idx: torch.Tensor | None = None, ctx_tokens: torch.Tensor | None = None) -> None:
+                         path_idx: torch.Tensor | None = None, ctx_tokens: torch.Tensor | None = None,
+                         cache_lens: torch.Tensor | None = None) -> None:
     """cand [b, a] int64, count [b] int32, stop_ids [b, S] int64 (-1 padded), produced / max_new / live [b]
     int32, nonfinite [b] int64, out [b, >= a + 4] int64, bonus [b] int64 or None; a tree round instead gives
-    cand None, tokens [b, N] int64, path_idx [b, a] int32, ctx_tokens [b, a] int64 (see the module doc)."""
+    cand None, tokens [b, N] int64, path_idx [b, a] int32, ctx_tokens [b, a] int64; cache_lens [b] int32 (AR
+    only) or None (see the module doc)."""
     if tokens is not None:  # tree round: the candidates are the accepted path's, then the bonus
         count.mul_(live)
         path = tokens.gather(1, path_idx.long())  # [b, a] root first
@@ -39,6 +43,8 @@ def round_emit_reference(cand: torch.Tensor | None, count: torch.Tensor, stop_id
     if bonus is not None:  # AR: the next token is real for live requests
         count.copy_(live)
         bonus.copy_(torch.where(live.bool(), cand[:, 0], bonus))
+        if cache_lens is not None:
+            cache_lens += count
     slot = torch.arange(a, device=cand.device)[None, :]  # [1, a]
     valid = slot < count[:, None]  # [b, a]
     stop = (cand[:, :, None] == stop_ids[:, None, :]).any(-1)  # [b, a]

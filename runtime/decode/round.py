@@ -8,7 +8,8 @@ state that changes between calls, every result copied into a buffer.
   spec_round:  draft -> tree_build -> verify (target over the N tree tokens) -> posterior
                (`pick`: the kdtree::posterior op: argmax, or a counter-based sample) -> tree_accept
                -> emit (kdtree::round_emit, which also takes the accepted path's tokens) -> kv_commit
-  ar_step:     target over the bonus token -> kv_commit -> next token -> emit
+  ar_step:     target over the bonus token -> kv_commit (rows only) -> next token -> emit (which also advances
+               the committed lengths: one launch fewer)
 
 Budget per round (`--budget auto`, runtime/decode/budget.py): tree_build also writes each node's path
 log-probability, the round chooses a bucket b on the device and verifies, accepts, commits and emits the
@@ -235,10 +236,11 @@ def ar_step(target: TargetModel, cache: LatentCache, buf: RoundBuffers, one: tor
         hidden, _ = target.forward(buf.bonus[:, None], cache.lens[:, None], cache, one, features=False)  # [b, 1, d]
         nxt = pick(target, hidden[:, 0], greedy, buf)  # [b]
     with clock("commit"):
-        kv_commit(cache.kv, cache.lens, cache.scratch, buf.accept_idx, buf.live)
-        # accept_len := live, bonus := nxt where live, then the emission (one kernel on CUDA)
+        kv_commit(cache.kv, cache.lens, cache.scratch, buf.accept_idx, buf.live, advance=False)
+        # accept_len := live, bonus := nxt where live, lens += live (the commit's advance), then the emission: one
+        # kernel on CUDA
         round_emit(nxt[:, None], buf.accept_len, buf.stop_ids, buf.produced, buf.max_new, buf.live, buf.nonfinite,
-                   buf.out, buf.bonus)
+                   buf.out, buf.bonus, cache_lens=cache.lens)
 
 
 def one_token_mask(b: int, device) -> torch.Tensor:

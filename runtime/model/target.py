@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from core.config import ModelConfig
 from core.plan import ParallelPlan
 from plugins.common.precision import acc_dtype
-from plugins.layer_fusion import add_rms_norm, embed_range
+from plugins.layer_fusion import add_rms_norm, embed_norm_rope, embed_range
 from plugins.moe_w4a16 import MoEWorkspace, expert_dims
 from plugins.tree_accept.vocab_argmax import vocab_argmax_local, vocab_argmax_pick
 from runtime.model.attention import mla_forward
@@ -91,11 +91,16 @@ class TargetModel:
         cache.scratch[:, :, :n] and uses cache.work for the ops' scratch; the committed cache is only read.
         """
         cfg = self.cfg
-        x = self.embed(tokens)  # [b, n, d]
-        cos, sin = self.rope.cos_sin(positions, x.dtype)
         feats: dict[int, torch.Tensor] = {}
         layers, eps = self.w.layers, cfg.rms_norm_eps
-        hn = rms_norm(x, layers[0].attn_norm, eps) if layers else rms_norm(x, self.w.norm, eps)  # [b, n, d]
+        first_norm = layers[0].attn_norm if layers else self.w.norm
+        if self.comm is None or self.comm.world == 1:  # no all-reduce after the embedding: one launch for all four
+            x, hn, cos, sin = embed_norm_rope(tokens, self.w.embed, self.vocab_start, self.vocab_end - self.vocab_start,
+                                              first_norm, eps, positions, self.rope.inv_freq, self.rope.scale)
+        else:
+            x = self.embed(tokens)  # [b, n, d]
+            cos, sin = self.rope.cos_sin(positions, x.dtype)  # [b, n, r/2] each
+            hn = rms_norm(x, first_norm, eps)  # [b, n, d]
         for li, lw in enumerate(layers):
             a = mla_forward(cfg, lw.attn, self.rope, hn, cos, sin, cache.kv[li], cache.lens, cache.scratch[li],
                             tree_mask, cache.work)  # [b, n, d] partial
