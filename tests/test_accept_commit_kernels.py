@@ -379,7 +379,8 @@ def test_posterior_cpu_op_is_choose():
 @pytest.mark.slow
 def test_aot_kernels_compile_for_sm90(tmp_path):
     """plugins/{tree_accept,kv_commit}/aot.py through the build's Triton AOT step (its subprocess entry,
-    without TRITON_INTERPRET), for sm_90: a cubin and a launcher record per specialisation."""
+    without TRITON_INTERPRET), for sm_90: a cubin and a launcher record per specialisation, each waiting for its
+    predecessor grid first (programmatic dependent launch)."""
     pytest.importorskip("triton")
     modules = ["plugins.tree_accept.aot", "plugins.kv_commit.aot"]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -396,6 +397,8 @@ def test_aot_kernels_compile_for_sm90(tmp_path):
     for r in recs:
         meta = json.loads((tmp_path / r["meta"]).read_text())
         assert (tmp_path / r["cubin"]).read_bytes()[:4] == b"\x7fELF" and meta["target"][1] == 90, r
+        # programmatic dependent launch compiled in: the wait on the predecessor grid (plugins/common/pdl.py)
+        assert b"griddepcontrol.wait" in (tmp_path / r["ptx"]).read_bytes(), r
 
 
 # ------------------------------------------------------------------------------------------------ GPU

@@ -9,8 +9,9 @@ kernel launched without the attribute (torch's, cuBLAS's) still follows full com
 the attribute becomes a programmatic edge.
 
 Who uses it: every layer_fusion kernel, drafter_attention, tree_verify_mla, the MoE's route / combine (and v3's
-CUDA C kernels, launch_v3.py), tree_build's five kernels, round_emit and the TP greedy token's two kernels.  Not
-(yet) the ones the build compiles ahead of time (tree_accept, posterior, kv_commit: their aot.py specialisations).
+CUDA C kernels, launch_v3.py), tree_build's five kernels, round_emit, the TP greedy token's two kernels, and
+tree_accept, posterior and kv_commit's two (their aot.py specialisations compile PDL in: without the launch
+attribute the wait returns at once).
 
 KDTREE_PDL=0 (read at import) launches every kernel without it: the peer the benchmarks measure.
 """

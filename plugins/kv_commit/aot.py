@@ -20,13 +20,14 @@ def aot_kernels(budgets: tuple[int, ...]) -> list[TritonKernel]:
            "s_cy": "i64", "s_cb": "i64", "s_cl": "i64", "s_sy": "i64", "s_sb": "i64", "s_sn": "i64", "s_ib": "i32",
            "s_fb": "i64", "s_fn": "i64", "s_xb": "i64", "s_xa": "i64",
            "D": "constexpr", "D_MAIN": "constexpr", "D_REST": "constexpr", "LCH": "constexpr", "FB": "constexpr",
-           "HAS_FEATS": "constexpr"}
+           "HAS_FEATS": "constexpr", "PDL": "constexpr"}
     d_main = 1 << (D_QK.bit_length() - 1)
-    tile = {"D": D_QK, "D_MAIN": d_main, "D_REST": D_QK - d_main, "LCH": LAYERS_PER_PROGRAM, "FB": FEATS_PER_PROGRAM}
+    tile = {"D": D_QK, "D_MAIN": d_main, "D_REST": D_QK - d_main, "LCH": LAYERS_PER_PROGRAM, "FB": FEATS_PER_PROGRAM,
+            "PDL": True}  # sm_90+ launches them with programmatic dependent launch (plugins/common/pdl.py)
     out = [TritonKernel("kv_commit", f"kv_commit_copy_d{D_QK}_{'feats' if feats else 'nofeats'}",
                         _kv_commit_copy_kernel, sig, {**tile, "HAS_FEATS": feats}, num_warps=NUM_WARPS)
            for feats in (True, False)]
     out.append(TritonKernel("kv_commit", "kv_commit_advance", _advance_lens_kernel,
-                            {"lens_ptr": "*i32", "alen_ptr": "*i32", "b": "i32", "BLOCK": "constexpr"},
-                            {"BLOCK": ADVANCE_BLOCK}, num_warps=1))
+                            {"lens_ptr": "*i32", "alen_ptr": "*i32", "b": "i32", "BLOCK": "constexpr",
+                             "PDL": "constexpr"}, {"BLOCK": ADVANCE_BLOCK, "PDL": True}, num_warps=1))
     return out

@@ -27,13 +27,16 @@ import torch
 import triton
 import triton.language as tl
 
+from plugins.common.pdl import pdl_args, pdl_for, pdl_prologue
+
 
 @triton.jit
 def _kv_commit_copy_kernel(cache_ptr, lens_ptr, scratch_ptr, idx_ptr, alen_ptr, feats_ptr, ctx_ptr,
                            y, l_max, n, n_feat, f, a, n_layer_chunks, n_feat_chunks,
                            s_cy, s_cb, s_cl, s_sy, s_sb, s_sn, s_ib, s_fb, s_fn, s_xb, s_xa,
                            D: tl.constexpr, D_MAIN: tl.constexpr, D_REST: tl.constexpr, LCH: tl.constexpr,
-                           FB: tl.constexpr, HAS_FEATS: tl.constexpr):
+                           FB: tl.constexpr, HAS_FEATS: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     pid = tl.program_id(0)
     n_cache = tl.num_programs(0) // (n_layer_chunks + n_feat_chunks) * n_layer_chunks  # b * a * layer chunks
     if pid < n_cache:
@@ -82,7 +85,8 @@ ADVANCE_BLOCK = 128  # requests per advance program (one fixed specialisation fo
 
 
 @triton.jit
-def _advance_lens_kernel(lens_ptr, alen_ptr, b, BLOCK: tl.constexpr):
+def _advance_lens_kernel(lens_ptr, alen_ptr, b, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < b
     lens = tl.load(lens_ptr + offs, mask=inside)
@@ -120,10 +124,11 @@ def kv_commit_triton(cache: torch.Tensor, cache_lens: torch.Tensor, scratch: tor
             y, l_max, n, n_feat, f, a, n_layer_chunks, n_feat_chunks,
             cache.stride(0), cache.stride(1), cache.stride(2), scratch.stride(0), scratch.stride(1),
             scratch.stride(2), accept_idx.stride(0), *fs,
-            D=d, D_MAIN=d_main, D_REST=d_rest, LCH=lch, FB=fb, HAS_FEATS=has_feats, num_warps=num_warps)
+            D=d, D_MAIN=d_main, D_REST=d_rest, LCH=lch, FB=fb, HAS_FEATS=has_feats, num_warps=num_warps,
+            **pdl_args(pdl_for(cache)))
     if advance:
         _advance_lens_kernel[(triton.cdiv(b, ADVANCE_BLOCK),)](cache_lens, accept_len, b, BLOCK=ADVANCE_BLOCK,
-                                                                num_warps=1)
+                                                                num_warps=1, **pdl_args(pdl_for(cache)))
 
 
 def check_kv_commit(cache, cache_lens, scratch, accept_idx, accept_len, feats, ctx_feats) -> None:

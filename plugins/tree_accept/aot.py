@@ -17,19 +17,20 @@ POSTERIOR_BLOCK_V, POSTERIOR_WARPS = 4096, 8  # posterior_triton's defaults
 def aot_kernels(budgets: tuple[int, ...]) -> list[TritonKernel]:
     sig = {"post_ptr": "*i64", "tok_ptr": "*i64", "par_ptr": "*i32", "idx_ptr": "*i32", "len_ptr": "*i32",
            "bonus_ptr": "*i64", "n": "i32", "a": "i32", "s_post": "i32", "s_tok": "i32", "s_par": "i32",
-           "s_idx": "i32", "BLOCK": "constexpr"}
+           "s_idx": "i32", "BLOCK": "constexpr", "PDL": "constexpr"}  # PDL: as sm_90+ launches them
     out = []
     for b in dict.fromkeys(budgets):
         block = max(triton.next_power_of_2(b + 1), 16)  # as tree_accept_triton for N = b + 1
-        out.append(TritonKernel("tree_accept", f"tree_accept_b{b}", _tree_accept_kernel, sig, {"BLOCK": block},
+        out.append(TritonKernel("tree_accept", f"tree_accept_b{b}", _tree_accept_kernel, sig,
+                                {"BLOCK": block, "PDL": True},
                                 num_warps=_warps(block)))
     for dtype in ("bf16", "fp32"):
         sig = {"logits_ptr": f"*{dtype}", "out_ptr": "*i64", "state_ptr": "*i64", "inv_temp_ptr": "*fp32",
                "flag_ptr": "*i64", "v": "i32", "s_row": "i64", "rows_per_req": "i64", "SAMPLE": "constexpr",
-               "FLAG": "constexpr", "BLOCK_V": "constexpr"}
+               "FLAG": "constexpr", "BLOCK_V": "constexpr", "PDL": "constexpr"}
         for sample in (False, True):  # the round always asks for the non-finite flag
             out.append(TritonKernel("posterior", f"posterior_{dtype}_{'sample' if sample else 'argmax'}",
                                     posterior_kernel, sig, {"SAMPLE": sample, "FLAG": True,
-                                                            "BLOCK_V": POSTERIOR_BLOCK_V},
+                                                            "BLOCK_V": POSTERIOR_BLOCK_V, "PDL": True},
                                     num_warps=POSTERIOR_WARPS))
     return out

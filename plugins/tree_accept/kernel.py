@@ -23,12 +23,15 @@ import torch
 import triton
 import triton.language as tl
 
+from plugins.common.pdl import pdl_args, pdl_for, pdl_prologue
+
 MAX_NODES = 8192  # one program keeps 3 blocks of next_pow2(N) lanes in registers
 
 
 @triton.jit
 def _tree_accept_kernel(post_ptr, tok_ptr, par_ptr, idx_ptr, len_ptr, bonus_ptr, n, a,
-                        s_post, s_tok, s_par, s_idx, BLOCK: tl.constexpr):
+                        s_post, s_tok, s_par, s_idx, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     r = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)  # [BLOCK] node index
     inside = offs < n
@@ -75,7 +78,7 @@ def tree_accept_triton(posterior: torch.Tensor, tokens: torch.Tensor, parents: t
     block = max(triton.next_power_of_2(n), 16)
     _tree_accept_kernel[(b,)](posterior, tokens, parents, accept_idx, accept_len, bonus, n, accept_idx.shape[1],
                               posterior.stride(0), tokens.stride(0), parents.stride(0), accept_idx.stride(0),
-                              BLOCK=block, num_warps=num_warps or _warps(block))
+                              BLOCK=block, num_warps=num_warps or _warps(block), **pdl_args(pdl_for(tokens)))
 
 
 def check_tree_accept(posterior, tokens, parents, accept_idx, accept_len, bonus) -> None:

@@ -92,6 +92,7 @@ def posterior_triton(logits: torch.Tensor, greedy: bool, state: torch.Tensor, in
     """The fused kernel: one program per row, a running per-lane (value, index) over V in block_v chunks."""
     import triton
 
+    from plugins.common.pdl import pdl_args, pdl_for
     from plugins.tree_accept.posterior_kernel import posterior_kernel
     v = logits.shape[-1]
     rows = out.numel()
@@ -105,6 +106,7 @@ def posterior_triton(logits: torch.Tensor, greedy: bool, state: torch.Tensor, in
     block = min(block_v, max(triton.next_power_of_2(v), 16))
     posterior_kernel[(rows,)](flat, out.view(rows), state, inv_temp, nonfinite if nonfinite is not None else state,
                               v, flat.stride(0), rows // logits.shape[0], SAMPLE=not greedy,
-                              FLAG=nonfinite is not None, BLOCK_V=block, num_warps=num_warps)
+                              FLAG=nonfinite is not None, BLOCK_V=block, num_warps=num_warps,
+                              **pdl_args(pdl_for(logits)))
     if not greedy:
         state[:, 1].add_(1)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from plugins.common.pdl import pdl_prologue
+
 
 @triton.jit
 def _mix(z):
@@ -25,7 +27,8 @@ def _mix(z):
 
 @triton.jit
 def posterior_kernel(logits_ptr, out_ptr, state_ptr, inv_temp_ptr, flag_ptr, v, s_row, rows_per_req,
-                     SAMPLE: tl.constexpr, FLAG: tl.constexpr, BLOCK_V: tl.constexpr):
+                     SAMPLE: tl.constexpr, FLAG: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     req = row // rows_per_req
     base = logits_ptr + row * s_row
