@@ -20,7 +20,6 @@ import torch
 from build_pipeline import artifact_cache as cache
 from build_pipeline.artifact_cache import FORMAT
 from build_pipeline.compile_kernels import compile_all, parse_archs
-from build_pipeline.export_onnx import export_rank
 from build_pipeline.integrity import sha256_file
 from build_pipeline.kernel_cache import UNWARMED, not_warmed
 from build_pipeline.shard import GLOBALS_FILE, layer_file, write_rank_shards
@@ -137,6 +136,9 @@ def _build_into(stage: Path, model_dir: Path, drafter_dir: Path | None, cfg: Mod
     steps["shard"] = time.perf_counter() - t
 
     t = time.perf_counter()
+    # imported here, on a cache miss only: onnx (with ml_dtypes) takes ~0.6 s to import, which every `kdtree run
+    # <checkpoint dir>` hitting the cache would otherwise pay before its first token
+    from build_pipeline.export_onnx import export_rank
     graphs = {r: export_rank(cfg, plan, r, _graph_tensors(stage, cfg, r), stage) for r in range(plan.tp)}
     steps["export_onnx"] = time.perf_counter() - t
 

@@ -108,13 +108,13 @@ def test_corrupted_file_is_detected_and_rebuilt(k25, kcache):
 
 
 def test_interrupted_build_leaves_nothing_complete(k25, kcache, monkeypatch):
-    import build_pipeline.build as b
+    import build_pipeline.export_onnx as x  # build imports export_rank from it at the export step
 
     def boom(*args, **kwargs):
         raise RuntimeError("simulated crash while exporting")
 
     with monkeypatch.context() as m:
-        m.setattr(b, "export_rank", boom)
+        m.setattr(x, "export_rank", boom)
         with pytest.raises(RuntimeError, match="simulated crash"):
             build(k25, tp=2, archs="none", progress=False)
     assert _entries(kcache) == [] and not list(kcache.glob(".stage-*"))
@@ -331,3 +331,15 @@ def test_cli_build_json(k25, kcache, tmp_path):
     (tmp_path / "mine" / "notes.txt").write_text("keep")
     r = CliRunner().invoke(app, ["build", k25, "--arch", "none", "--out", str(tmp_path / "mine")])
     assert r.exit_code == 1 and "--out" in r.stderr and (tmp_path / "mine" / "notes.txt").is_file()
+
+
+def test_run_path_does_not_import_onnx():
+    """onnx (and ml_dtypes) take ~0.5 s to import: only a cache miss, which exports the graphs, may load them; the
+    build module, the engine and the CLI (a `kdtree run <checkpoint dir>` hitting the cache) do not."""
+    import subprocess
+    import sys
+    code = ("import sys, build_pipeline.build, runtime.cli, runtime.engine.engine, runtime.load.models; "
+            "sys.exit('onnx' in sys.modules)")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:] or "onnx was imported"
