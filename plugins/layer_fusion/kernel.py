@@ -131,12 +131,20 @@ def _rope_cos_sin_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, T, R2, scale, IEEE:
     dt = cos_ptr.dtype.element_ty
     at = rt.to(tl.int64)[:, None] * R2 + j[None, :]
     m = tm[:, None] & jm[None, :]
+    c, s = _scaled_cos_sin(angle, scale, IEEE)
+    tl.store(cos_ptr + at, c.to(dt), mask=m)
+    tl.store(sin_ptr + at, s.to(dt), mask=m)
+
+
+@triton.jit
+def _scaled_cos_sin(angle, scale, IEEE: tl.constexpr):
+    """cos and sin of fp32 angles times scale; IEEE: libdevice's (the CUDA math library's, as torch), else Triton's
+    (the interpreter's NumPy)."""
     if IEEE:
         c, s = libdevice.cos(angle), libdevice.sin(angle)
     else:
         c, s = tl.cos(angle), tl.sin(angle)
-    tl.store(cos_ptr + at, (c * scale).to(dt), mask=m)
-    tl.store(sin_ptr + at, (s * scale).to(dt), mask=m)
+    return c * scale, s * scale
 
 
 def rope_cos_sin_triton(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, cos: torch.Tensor,
@@ -262,10 +270,16 @@ def _norm_row(src, w_ptr, dst, D, eps, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     m = offs < D
     x = tl.load(src + offs, mask=m, other=0.0).to(tl.float32)
-    var = tl.sum(x * x, axis=0) / D
-    xn = (x * tl.math.rsqrt(var + eps)).to(dst.dtype.element_ty).to(tl.float32)
+    tl.store(dst + offs, _normed(x, w_ptr, offs, m, D, eps, dst.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _normed(x, w_ptr, offs, m, D, eps, dt: tl.constexpr):
+    """rms_norm(x) * w of one row held in registers (x fp32 [BLOCK], 0 in masked lanes) in dt, rounded where
+    transformers' RMSNorm rounds."""
+    xn = (x * tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)).to(dt).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    tl.store(dst + offs, (w * xn).to(dst.dtype.element_ty), mask=m)
+    return (w * xn).to(dt)
 
 
 @triton.jit
@@ -427,10 +441,16 @@ def _embed_range_kernel(tok_ptr, w_ptr, out_ptr, D, start, count, s_w, s_o, BLOC
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = j < D
-    row = tl.load(tok_ptr + t) - start
+    tl.store(out_ptr + t * s_o + j, _vocab_row(tok_ptr + t, w_ptr, start, count, s_w, j, m), mask=m)
+
+
+@triton.jit
+def _vocab_row(tok_ptr, w_ptr, start, count, s_w, j, m):
+    """Columns j (mask m) of the weight row of the token at tok_ptr among this rank's ids [start, start + count),
+    zeros for an id outside the range."""
+    row = tl.load(tok_ptr) - start
     ok = (row >= 0) & (row < count)
-    v = tl.load(w_ptr + tl.where(ok, row, 0) * s_w + j, mask=m & ok, other=0.0)
-    tl.store(out_ptr + t * s_o + j, v, mask=m)
+    return tl.load(w_ptr + tl.where(ok, row, 0) * s_w + j, mask=m & ok, other=0.0)
 
 
 def embed_range_triton(tokens: torch.Tensor, weight: torch.Tensor, start: int, count: int, out: torch.Tensor) -> None:
@@ -448,37 +468,29 @@ def embed_range_triton(tokens: torch.Tensor, weight: torch.Tensor, start: int, c
 def _embed_norm_rope_kernel(tok_ptr, w_ptr, nw_ptr, x_ptr, h_ptr, pos_ptr, inv_ptr, cos_ptr, sin_ptr, D, start,
                             count, R2, s_w, eps, scale, IEEE: tl.constexpr, BLOCK: tl.constexpr,
                             BLOCK_R: tl.constexpr, PDL: tl.constexpr):
-    """Program (t, 0): token t's embedding row (zeros outside [start, start + count), as _embed_range_kernel) into
-    x and its rms_norm into h (rounded as _norm_row); program (t, 1): cos / sin of its position (as
-    _rope_cos_sin_kernel)."""
+    """Program (t, 0): token t's embedding row (as _embed_range_kernel) into x and its norm into h (as _norm_row);
+    program (t, 1): cos / sin of its position (as _rope_cos_sin_kernel)."""
     pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     if tl.program_id(1) == 0:
         j = tl.arange(0, BLOCK)
         m = j < D
-        row = tl.load(tok_ptr + t) - start
-        ok = (row >= 0) & (row < count)
-        v = tl.load(w_ptr + tl.where(ok, row, 0) * s_w + j, mask=m & ok, other=0.0)  # [BLOCK]
+        v = _vocab_row(tok_ptr + t, w_ptr, start, count, s_w, j, m)  # [BLOCK]
         tl.store(x_ptr + t * D + j, v, mask=m)
-        xf = v.to(tl.float32)
-        xn = (xf * tl.math.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)).to(h_ptr.dtype.element_ty).to(tl.float32)
-        nw = tl.load(nw_ptr + j, mask=m, other=0.0).to(tl.float32)
-        tl.store(h_ptr + t * D + j, (nw * xn).to(h_ptr.dtype.element_ty), mask=m)
+        tl.store(h_ptr + t * D + j, _normed(v.to(tl.float32), nw_ptr, j, m, D, eps, h_ptr.dtype.element_ty), mask=m)
     else:  # (names apart from the other branch's: Triton types a name once across both)
         jr = tl.arange(0, BLOCK_R)
         mr = jr < R2
         angle = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_ptr + jr, mask=mr, other=0.0)  # [BLOCK_R] fp32
-        if IEEE:
-            c, s = libdevice.cos(angle), libdevice.sin(angle)
-        else:
-            c, s = tl.cos(angle), tl.sin(angle)
-        tl.store(cos_ptr + t * R2 + jr, (c * scale).to(cos_ptr.dtype.element_ty), mask=mr)
-        tl.store(sin_ptr + t * R2 + jr, (s * scale).to(sin_ptr.dtype.element_ty), mask=mr)
+        c, s = _scaled_cos_sin(angle, scale, IEEE)
+        tl.store(cos_ptr + t * R2 + jr, c.to(cos_ptr.dtype.element_ty), mask=mr)
+        tl.store(sin_ptr + t * R2 + jr, s.to(sin_ptr.dtype.element_ty), mask=mr)
 
 
 def embed_norm_rope_triton(tokens: torch.Tensor, weight: torch.Tensor, start: int, count: int,
                            norm_weight: torch.Tensor, eps: float, positions: torch.Tensor, inv_freq: torch.Tensor,
-                           scale: float, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+                           scale: float, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor,
+                           sin: torch.Tensor) -> None:
     """tokens, positions [t] (contiguous integers), weight [>= count, d] (unit last stride), norm_weight [d],
     inv_freq [r/2] fp32 -> x, h [t, d] and cos, sin [t, r/2] (all contiguous)."""
     t, d = x.shape
