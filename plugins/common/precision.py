@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the Triton kernels take; fp64 runs references
+
 
 def acc(t: torch.Tensor) -> torch.Tensor:
     """t in its accumulation dtype: float64 stays, everything else becomes float32."""

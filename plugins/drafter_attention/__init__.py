@@ -9,11 +9,10 @@ from __future__ import annotations
 import torch
 
 from plugins.common.op import kdtree_op
+from plugins.common.precision import KERNEL_DTYPES
 from plugins.drafter_attention.reference import drafter_attention_reference
 
 __all__ = ["drafter_attention", "drafter_attention_op"]
-
-_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def drafter_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, visible: torch.Tensor,
@@ -52,7 +51,7 @@ def _drafter_attention_cuda(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 def kernel_supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     e = q.shape[-1]
-    return (q.dtype in _KERNEL_DTYPES and k_cache.dtype == v_cache.dtype == q.dtype and 16 <= e <= 256
+    return (q.dtype in KERNEL_DTYPES and k_cache.dtype == v_cache.dtype == q.dtype and 16 <= e <= 256
             and e & (e - 1) == 0 and q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1)
 
 

@@ -14,6 +14,7 @@ import os
 import torch
 
 from plugins.common.op import kdtree_op
+from plugins.common.precision import KERNEL_DTYPES
 from plugins.layer_fusion.reference import (
     add_rms_norm_reference,
     drafter_block_reference,
@@ -32,7 +33,6 @@ from plugins.layer_fusion.reference import (
 __all__ = ["rms_norm", "add_rms_norm", "rope_cos_sin", "mla_q_absorb", "mla_v_absorb", "mla_rope_kv", "silu_mul",
            "kv_norm_rope_store", "drafter_block", "embed_range", "embed_norm_rope", "rotate_reference"]
 
-_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # KDTREE_FUSION=0 (read once, at import): the references on CUDA too, i.e. the unfused torch ops, the peer
 # benchmarks/layer_fusion.py measures in the same run
 FUSION = os.environ.get("KDTREE_FUSION", "1") != "0"
@@ -40,7 +40,7 @@ FUSION = os.environ.get("KDTREE_FUSION", "1") != "0"
 
 def _fused(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
     """Run the kernel: a CUDA tensor of a kernel dtype, every other tensor of the same dtype."""
-    return FUSION and x.is_cuda and x.dtype in _KERNEL_DTYPES and all(o is None or o.dtype == x.dtype for o in others)
+    return FUSION and x.is_cuda and x.dtype in KERNEL_DTYPES and all(o is None or o.dtype == x.dtype for o in others)
 
 
 def _check_rows(name: str, d: int, **tensors: torch.Tensor | None) -> None:
@@ -121,7 +121,7 @@ def _add_rms_norm_cuda(x: torch.Tensor, delta: torch.Tensor, delta2: torch.Tenso
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [...] integers, inv_freq [r/2] fp32 -> cos, sin [..., r/2] in dtype (reference.py)."""
-    if not (FUSION and positions.is_cuda and dtype in _KERNEL_DTYPES and inv_freq.dtype == torch.float32):
+    if not (FUSION and positions.is_cuda and dtype in KERNEL_DTYPES and inv_freq.dtype == torch.float32):
         return rope_cos_sin_reference(positions, inv_freq, scale, dtype)
     return rope_cos_sin_op(positions, inv_freq, scale, dtype)
 
@@ -451,7 +451,7 @@ def silu_mul(gate_up: torch.Tensor, out_dtype: torch.dtype | None = None) -> tor
     """gate_up [..., 2i] (gate, then up) -> silu(gate) * up [..., i] in out_dtype (default gate_up's).  A wider
     gate_up (an fp32 GEMM output) is rounded to out_dtype first: the model-dtype GEMM output it stands for."""
     out_dtype = out_dtype or gate_up.dtype
-    if not (_fused(gate_up) and out_dtype in _KERNEL_DTYPES and
+    if not (_fused(gate_up) and out_dtype in KERNEL_DTYPES and
             (out_dtype == gate_up.dtype or gate_up.dtype == torch.float32)):
         return silu_mul_reference(gate_up, out_dtype)
     return silu_mul_op(gate_up, out_dtype)
