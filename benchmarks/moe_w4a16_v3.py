@@ -6,7 +6,9 @@ t in {1, 8, 16, 64, 256, 512}, EP8 rank (48 whole experts x 2048) at t in {1, 16
 tokens share experts) and "uniform" routing.  Roofline bytes: the touched experts' packed weights + scales
 + x, y, logits (benchmarks/moe_w4a16.py's count; v3's layout holds the same bytes per expert).  Both kernel
 paths are timed as CUDA graph replays (scratch from a MoEWorkspace allocated once), the peer eagerly.
-Before timing: v3 against the fp32 reference on the dequantised experts and against v2c at t = 16.
+v3 is timed twice: as it runs by default and with its L2 prefetch of the expert weights (v3_pf,
+KDTREE_MOE_PREFETCH=1).  Before timing: v3 against the fp32 reference on the dequantised experts and against
+v2c at t = 16.
 Writes benchmarks/results/moe_w4a16_v3.json and moe_w4a16_v3.png (fraction of roofline against t).
 
     python3 benchmarks/moe_w4a16_v3.py [--quick] [--out DIR]
@@ -15,6 +17,7 @@ Writes benchmarks/results/moe_w4a16_v3.json and moe_w4a16_v3.png (fraction of ro
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -32,7 +35,7 @@ from plugins.moe_w4a16 import (  # noqa: E402
     route_reference,
 )
 from plugins.moe_w4a16.fragment_layout import dequantize_fragments  # noqa: E402
-from plugins.moe_w4a16.launch_v3 import kernels  # noqa: E402
+from plugins.moe_w4a16.launch_v3 import PREFETCH_ENV, kernels  # noqa: E402
 
 
 def make_experts(e_local: int, i: int, dev) -> dict:
@@ -86,10 +89,13 @@ def bench_shape(name: str, t: int, routing: str, ex: dict, e_start: int, dev, de
     ws = MoEWorkspace.allocate(t, K, e_local, D, i, x.dtype, dev)
     row = {"shape": name, "t": t, "routing": routing, "experts_touched": n_touch, "bytes": nbytes,
            "roofline_us": roof}
-    for label, experts in (("v3", ex["frag"]), ("v2c", ex["planar"])):
+    # v3_pf: v3 with its L2 prefetch of the expert weights (KDTREE_MOE_PREFETCH, read when the graph is captured)
+    for label, experts, pf in (("v3", ex["frag"], "0"), ("v3_pf", ex["frag"], "1"), ("v2c", ex["planar"], "0")):
+        os.environ[PREFETCH_ENV] = pf
         us = time_us(lambda: moe_w4a16(x, logits, None, bias, *experts, K, 1, 1, True, SCALING, e_start,  # noqa: B023
                                        ws.buffer), graph=True)
         row[f"{label}_us"], row[f"{label}_fraction"] = us, roof / us
+    os.environ.pop(PREFETCH_ENV)
     if dense is not None:
         try:
             row["bf16_grouped_mm_us"] = time_us(lambda: grouped_mm_peer(x, logits, bias, *dense, e_start, e_local))
@@ -108,7 +114,7 @@ def plot(rows: list[dict], path: Path) -> None:
         if not sel:
             continue
         ts = [r["t"] for r in sel]
-        for label, color in (("v3", "tab:blue"), ("v2c", "tab:orange")):
+        for label, color in (("v3", "tab:blue"), ("v3_pf", "tab:green"), ("v2c", "tab:orange")):
             ax.plot(ts, [r[f"{label}_fraction"] for r in sel], style, color=color, marker="o",
                     label=f"{label} {shape} {routing}")
     ax.axhline(0.5, color="gray", lw=0.8)
@@ -165,8 +171,10 @@ def main() -> None:
     for t in ([1, 16, 64, 512] if args.quick else [1, 8, 16, 64, 256, 512]):
         for routing in (("tree",) if args.quick else ("tree", "uniform")):
             rows.append(bench_shape(f"k26_tp8_t{t}", t, routing, tp8, 0, dev, dense))
-            print(f"{rows[-1]['shape']} {routing}: v3 {rows[-1]['v3_us']:.1f} us ({rows[-1]['v3_fraction']:.2f}), "
-                  f"v2c {rows[-1]['v2c_us']:.1f} us ({rows[-1]['v2c_fraction']:.2f})", flush=True)
+            r = rows[-1]
+            print(f"{r['shape']} {routing}: v3 {r['v3_us']:.1f} us ({r['v3_fraction']:.2f}), with L2 prefetch "
+                  f"{r['v3_pf_us']:.1f} us ({r['v3_pf_fraction']:.2f}), v2c {r['v2c_us']:.1f} us "
+                  f"({r['v2c_fraction']:.2f})", flush=True)
     del tp8, dense
     torch.cuda.empty_cache()
     if not args.quick:
@@ -178,8 +186,8 @@ def main() -> None:
                         out_dir=args.out)
     plot(rows, Path(path).with_suffix(".png"))
     print(f"wrote {path}")
-    print_table(rows, ["shape", "routing", "experts_touched", "roofline_us", "v3_us", "v3_fraction", "v2c_us",
-                       "v2c_fraction", "bf16_grouped_mm_us"])
+    print_table(rows, ["shape", "routing", "experts_touched", "roofline_us", "v3_us", "v3_fraction", "v3_pf_us",
+                       "v3_pf_fraction", "v2c_us", "v2c_fraction", "bf16_grouped_mm_us"])
 
 
 if __name__ == "__main__":

@@ -54,13 +54,17 @@ def evict(paths: list[Path]) -> str:
     return "posix_fadvise"
 
 
-def one_run(art: Path, pycache: Path, prompt_ids: str, new_tokens: int, device: str) -> dict:
+def one_run(art: Path, pycache: Path, prompt_ids: str, new_tokens: int, device: str,
+            profile: Path | None = None) -> dict:
+    """One fresh `kdtree run ART`; with profile, under cProfile (stats written there; its times are inflated)."""
     with tempfile.TemporaryDirectory(prefix="kdtree-triton-") as triton_dir:
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        # a user's Python keeps bytecode: a PYTHONDONTWRITEBYTECODE of the calling shell would make every run "first"
+        env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONDONTWRITEBYTECODE")}
         env.update(TRITON_CACHE_DIR=triton_dir, PYTHONPYCACHEPREFIX=str(pycache), PYTHONPATH=str(REPO),
                    PYTHONUNBUFFERED="1")
-        cmd = [sys.executable, "-m", "runtime.cli", "run", str(art), "--device", device, "--prompt-ids", prompt_ids,
-               "--max-new-tokens", str(new_tokens)]
+        prof = ["-m", "cProfile", "-o", str(profile)] if profile else []
+        cmd = [sys.executable, *prof, "-m", "runtime.cli", "run", str(art), "--device", device, "--prompt-ids",
+               prompt_ids, "--max-new-tokens", str(new_tokens)]
         errfile = Path(triton_dir) / "stderr.txt"  # a file, not a pipe: a full pipe would stall the run
         with open(errfile, "wb") as errf:
             t0 = time.perf_counter()
@@ -80,8 +84,25 @@ def one_run(art: Path, pycache: Path, prompt_ids: str, new_tokens: int, device: 
             break
     return {"first_token_s": round(first_s, 2) if first else None, "total_s": round(total_s, 2),
             "triton_entries": entries, "prefill_s": stats.get("prefill_s"), "decode_s": stats.get("decode_s"),
-            "load_s": stats.get("load_s"), "capture_s": stats.get("capture_s"), "new_tokens": stats.get("new_tokens"), "spec": stats.get("spec"),
+            "load_s": stats.get("load_s"), "capture_s": stats.get("capture_s"), "new_tokens": stats.get("new_tokens"),
+            "spec": stats.get("spec"),
             "warned": "KernelCacheWarning" in err}
+
+
+def profile_run(art: Path, pycache: Path, out: Path, prompt_ids: str, device: str) -> None:
+    """A warm run of one new token under cProfile; the top functions by cumulative and own time to a text file."""
+    import io
+    import pstats
+
+    with tempfile.TemporaryDirectory(prefix="kdtree-prof-") as tmp:
+        stats_file = Path(tmp) / "run.prof"
+        row = one_run(art, pycache, prompt_ids, 1, device, profile=stats_file)
+        buf = io.StringIO()
+        st = pstats.Stats(str(stats_file), stream=buf)
+        st.sort_stats("cumulative").print_stats(60)
+        st.sort_stats("tottime").print_stats(40)
+    (out / "startup-profile.txt").write_text(f"warm run under cProfile: {row}\n{buf.getvalue()}")
+    print(f"wrote {out / 'startup-profile.txt'}")
 
 
 def main() -> None:
@@ -91,6 +112,8 @@ def main() -> None:
     ap.add_argument("--prompt-ids", default="1,2,3,4,5,6,7,8,9,10,11")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (to try the script)")
+    ap.add_argument("--profile", action="store_true",
+                    help="then one more warm run under cProfile: OUT/startup-profile.txt (where the seconds go)")
     a = ap.parse_args()
     art = Path(a.art)
     manifest = json.loads((art / "manifest.json").read_text())
@@ -106,14 +129,15 @@ def main() -> None:
             row = {"run": case, **one_run(art, Path(pycache), a.prompt_ids, a.max_new_tokens, a.device)}
             row["new_triton_entries"] = row.pop("triton_entries") - shipped
             rows.append(row)
-    extra = {"artifact": str(art), "triton_cache": manifest.get("triton_cache"), "evict": method,
-             "command": f"python -m runtime.cli run ART --device {a.device} --prompt-ids ... --max-new-tokens "
-                        f"{a.max_new_tokens}", "goal_first_token_s": 5.0}
-    path = write_result("startup", rows, extra, a.out)
+        extra = {"artifact": str(art), "triton_cache": manifest.get("triton_cache"), "evict": method,
+                 "command": f"python -m runtime.cli run ART --device {a.device} --prompt-ids ... --max-new-tokens "
+                            f"{a.max_new_tokens}", "goal_first_token_s": 5.0}
+        path = write_result("startup", rows, extra, a.out)
+        if a.profile:
+            profile_run(art, Path(pycache), path.parent, a.prompt_ids, a.device)
     print(f"wrote {path}; page cache emptied by {method}; artifact ships {shipped} Triton cache entries")
     print_table(rows, ["run", "first_token_s", "total_s", "new_triton_entries", "load_s", "prefill_s", "capture_s",
-                       "decode_s", "spec",
-                       "warned"])
+                       "decode_s", "spec", "warned"])
 
 
 if __name__ == "__main__":

@@ -34,6 +34,6 @@ timeout "$(left 200)" python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/
 (( PIPESTATUS[0] == 0 )) || status=1
 [[ -f $W/art/manifest.json ]] || { echo "no artifact: startup not measured"; exit 1; }
 echo "=== kdtree run: first token (first / cold / warm page cache, empty TRITON_CACHE_DIR each)"
-timeout "$(left 150)" python3 benchmarks/startup.py --art "$W/art" --out "$OUT" 2>&1 | tee "$OUT/startup.log" | tail -8
+timeout "$(left 150)" python3 benchmarks/startup.py --art "$W/art" --out "$OUT" ${PROFILE:+--profile} 2>&1 | tee "$OUT/startup.log" | tail -8
 (( PIPESTATUS[0] == 0 )) || status=1
 exit $status

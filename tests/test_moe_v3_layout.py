@@ -169,6 +169,7 @@ def test_every_variant_the_launcher_picks_is_compiled(tmp_path):
         DOWN_P,
         GATE_UP_P,
         PDL_MARKER,
+        PREFETCH_MARKER,
         SOURCE,
         WARPS,
         gate_up_variant,
@@ -184,11 +185,15 @@ def test_every_variant_the_launcher_picks_is_compiled(tmp_path):
         missing = sorted(n for n in names if n.encode() not in data)
         assert not missing, (arch, missing)
         assert PDL_MARKER in data  # the launcher's sign that these kernels wait (PDL)
+        assert PREFETCH_MARKER in data  # ... and take the L2 prefetch argument
     # programmatic dependent launch: every kernel waits for its predecessor grid before reading anything
     ptx = tmp_path / "moe_v3.ptx"
     subprocess.run([shutil.which("nvcc"), "-ptx", "-arch=sm_90", "-std=c++17", "-o", str(ptx), str(SOURCE)], check=True)
-    bodies = [b for b in ptx.read_text().split(".entry ")[1:] if not b.startswith(PDL_MARKER.decode())]
+    markers = (PDL_MARKER.decode(), PREFETCH_MARKER.decode())
+    bodies = [b for b in ptx.read_text().split(".entry ")[1:] if not b.startswith(markers)]
     assert len(bodies) >= len(names) and all("griddepcontrol.wait" in b for b in bodies)
+    # and every kernel can put its weights in flight with the bulk L2 prefetch (taken when pf is set)
+    assert all("cp.async.bulk.prefetch.L2.global" in b for b in bodies)
 
 
 def test_v3_inputs_are_checked_by_name():

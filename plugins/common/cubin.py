@@ -111,3 +111,19 @@ def _nvcc(text: bytes, name: str, arch: str) -> bytes:
         if res.returncode:
             raise CubinUnavailable(f"nvcc: {(res.stderr.strip().splitlines() or ['failed'])[0]}")
         return out.read_bytes()
+
+
+def load_module(source: Path, device, what: str) -> tuple[object, str]:
+    """(CUmodule, where its cubin came from) of plugins/<op>/<stem>.cu on the CUDA device `device` (a torch device
+    with an index), loaded through the driver API; RuntimeError naming `what` if the driver refuses it."""
+    import torch
+    from cuda.bindings import driver as cu
+
+    from core.cache_dir import cache_root
+    from plugins.common.device import device_facts
+    from plugins.common.driver import checked
+
+    data, where = cubin(source, device_facts(device).arch, cache_root())
+    with torch.cuda.device(device.index):
+        torch.cuda.init()
+        return checked(cu, cu.cuModuleLoadData(data), f"{what}: cuModuleLoadData ({where})"), where

@@ -11,13 +11,13 @@ stream).  The cubin comes from the artifact, the kdtree cache or NVRTC/nvcc
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from core.cache_dir import cache_root
-from plugins.common.cubin import CubinUnavailable, cubin
+from plugins.common.cubin import CubinUnavailable, load_module
 from plugins.common.device import device_facts
 from plugins.common.driver import checked
 from plugins.common.pdl import USE_PDL, pdl_args
@@ -29,6 +29,10 @@ from plugins.moe_w4a16.route_kernel import launch_route, next_pow2
 from plugins.moe_w4a16.workspace import MoEWorkspace
 
 SOURCE = Path(__file__).with_name("moe_v3.cu")
+# L2 prefetch of the expert weights inside gate_up / down (moe_v3.cu's `pf`): a hint, results are the same bits
+# either way.  Off until measured on the GPU (benchmarks/moe_w4a16_v3.py times both); KDTREE_MOE_PREFETCH=1 turns
+# it on (read at each call, so a benchmark can time both in one process).
+PREFETCH_ENV = "KDTREE_MOE_PREFETCH"
 WARPS = 8  # moe_v3.cu's WARPS: every k group count is a multiple (k padded to 256)
 MAX_TOKENS = 4096  # per launch: the entry list of 4096 tokens x top-8 fits in shared memory
 
@@ -79,12 +83,14 @@ class _Module:
     smem_set: dict
     where: str
     pdl: bool = False  # launch with programmatic dependent launch (sm_90+; off for good once the driver refuses it)
+    prefetch_arg: bool = False  # the kernels take `pf` (a cubin built from an older source does not)
 
 
 _MODULES: dict[int, _Module] = {}
 
 
 PDL_MARKER = b"kdtree_moe_v3_waits_for_predecessor"  # in moe_v3.cu: its kernels start with the PDL wait
+PREFETCH_MARKER = b"kdtree_moe_v3_takes_prefetch_arg"  # in moe_v3.cu: its kernels take `pf` last
 
 
 def _ok(cu, res, what: str):
@@ -97,13 +103,11 @@ def kernels(device: torch.device) -> _Module:
     mod = _MODULES.get(index)
     if mod is None:
         from cuda.bindings import driver as cu
-        data, where = cubin(SOURCE, device_facts(device).arch, cache_root())
-        with torch.cuda.device(index):
-            torch.cuda.init()
-            module = _ok(cu, cu.cuModuleLoadData(data), f"cuModuleLoadData ({where})")
+        module, where = load_module(SOURCE, torch.device("cuda", index), "moe_w4a16 v3")
         waits = cu.cuModuleGetFunction(module, PDL_MARKER)[0] == cu.CUresult.CUDA_SUCCESS  # an older cubin: no
         pdl = waits and USE_PDL and device_facts(device).capability[0] >= 9
-        mod = _MODULES[index] = _Module(cu, module, {}, {}, where, pdl)
+        takes_pf = cu.cuModuleGetFunction(module, PREFETCH_MARKER)[0] == cu.CUresult.CUDA_SUCCESS
+        mod = _MODULES[index] = _Module(cu, module, {}, {}, where, pdl, takes_pf)
     return mod
 
 
@@ -235,20 +239,22 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
 
     sms = device_facts(x.device).sms
     i32, ptr = ctypes.c_int, ctypes.c_void_p
+    # the prefetch argument, where the cubin takes one
+    pf = ((int(os.environ.get(PREFETCH_ENV, "0") == "1"),), (i32,)) if mod.prefetch_arg else ((), ())
     nt = token_tile(t)
     n_items = max_entries(t, top_k, e_local, nt) * pairs13
     smem = gate_up_smem(t, top_k, e_local, nt)
     _launch(mod, gate_up_variant(nt, c1), min(n_items, GATE_UP_CTAS_PER_SM[nt] * sms), smem,
             (w13.data_ptr(), w13_scale.data_ptr(), x.data_ptr(), ws.counts.data_ptr(), ws.lists.data_ptr(),
-             ws.h.data_ptr(), t, top_k, e_local, d // GROUP, c1, pairs13, i),
-            (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32))
+             ws.h.data_ptr(), t, top_k, e_local, d // GROUP, c1, pairs13, i, *pf[0]),
+            (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32, *pf[1]))
     nt2 = down_tile(t)
     n_items = max_entries(t, top_k, e_local, nt2) * pairs2
     smem = down_smem(t, top_k, e_local, nt2)
     _launch(mod, f"kdtree_moe_v3_down_nt{nt2}_p{DOWN_P[nt2]}", min(cdiv(n_items, WARPS), 2 * sms), smem,
             (w2.data_ptr(), w2_scale.data_ptr(), ws.h.data_ptr(), ws.topk_w.data_ptr(), ws.counts.data_ptr(),
-             ws.lists.data_ptr(), ws.out.data_ptr(), t, e_local, i // GROUP, c2, pairs2, d),
-            (ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32))
+             ws.lists.data_ptr(), ws.out.data_ptr(), t, e_local, i // GROUP, c2, pairs2, d, *pf[0]),
+            (ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, *pf[1]))
     combine_kernel[(t, cdiv(d, min(1024, next_pow2(d))))](ws.out, ws.topk_idx, y, ws.counts, d, e_start, e_local,
                                                           K=top_k, BD=min(1024, next_pow2(d)),
                                                           BC=next_pow2(e_local + 1), num_warps=4, **pdl_args(mod.pdl))

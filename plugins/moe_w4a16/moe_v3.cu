@@ -46,6 +46,22 @@ __device__ __forceinline__ uint4 ld_tokens(const uint4* p) {  // token rows: re-
     return r;
 }
 
+// L2 prefetch (sm_90+: the bulk prefetch, one request per `bytes`, not waited for): a hint that puts a work item's
+// weights in flight at once, where the register ring alone keeps only P groups per warp in flight.  Nothing reads
+// what it fetched, so it cannot change a result.  p and bytes: multiples of 16.
+#define PF_CHUNK 16384u
+__device__ __forceinline__ void l2_prefetch(const void* p, unsigned int bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+
+// The lanes of one warp prefetch [p, p + bytes) in PF_CHUNK pieces.
+__device__ __forceinline__ void warp_prefetch(const void* p, unsigned int bytes, int lane) {
+    for (unsigned int off = lane * PF_CHUNK; off < bytes; off += 32 * PF_CHUNK)
+        l2_prefetch(reinterpret_cast<const char*>(p) + off, bytes - off < PF_CHUNK ? bytes - off : PF_CHUNK);
+}
+
 // A register r of a fragment word: nibbles r and r + 4 -> bf16 pair (q_lo, q_hi), q = stored - 8, exact.
 __device__ __forceinline__ u32 dequant_pair(u32 w) {
     u32 biased, q;
@@ -173,7 +189,7 @@ struct Ring {
 template <int NT, int P>
 __device__ void gate_up(const uint4* __restrict__ w13, const uint2* __restrict__ s13, const uint4* __restrict__ x,
                         const int* __restrict__ counts, const int* __restrict__ lists, u16* __restrict__ h,
-                        int t, int top_k, int e_local, int c_real, int n_groups, int n_pairs, int inter) {
+                        int t, int top_k, int e_local, int c_real, int n_groups, int n_pairs, int inter, int pf) {
     extern __shared__ __align__(16) unsigned char smem[];
     constexpr int TT = 8 * NT;            // token slots per tile
     constexpr int RED = 2 * NT * 4 * 32;  // floats one warp leaves per item
@@ -200,6 +216,10 @@ __device__ void gate_up(const uint4* __restrict__ w13, const uint2* __restrict__
         ring.pw = w13 + blk * 32 + lane;
         ring.ps = s13 + blk * 8 + g;
         ring.chunk = 0;
+        if (pf && warp == WARPS - 1) {  // the item's weights (n_groups * 512 B) and scales, all in flight at once
+            warp_prefetch(w13 + blk * 32, n_groups * 512u, lane);
+            if (lane == 31) l2_prefetch(s13 + blk * 8, n_groups * 64u);
+        }
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
             const int pos = tile * TT + 8 * j + g;
@@ -281,7 +301,8 @@ __device__ void gate_up(const uint4* __restrict__ w13, const uint2* __restrict__
 template <int NT, int P>
 __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2, const uint4* __restrict__ h,
                      const float* __restrict__ topk_w, const int* __restrict__ counts, const int* __restrict__ lists,
-                     u16* __restrict__ out, int t, int e_local, int c_real, int n_groups, int n_pairs, int d) {
+                     u16* __restrict__ out, int t, int e_local, int c_real, int n_groups, int n_pairs, int d,
+                     int pf) {
     extern __shared__ __align__(16) unsigned char smem[];
     constexpr int TT = 8 * NT;
     u16* s_o = reinterpret_cast<u16*>(smem);  // [WARPS][TT tokens][32 rows] bf16: the warp's item, staged
@@ -308,6 +329,12 @@ __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2,
         ring.pw = w2 + blk * 32 + lane;
         ring.ps = s2 + blk * 8 + g;
         ring.chunk = 0;
+        if (pf && wi + n_warps < n_work) {  // the warp's next item in flight while this one streams through the ring
+            const int nx = wi + n_warps, nent = s_ent[nx / n_pairs];
+            const long nblk = ((long)(nent >> 16) * n_pairs + nx % n_pairs) * n_groups;
+            if (lane == 0) l2_prefetch(w2 + nblk * 32, n_groups * 512u);
+            if (lane == 1) l2_prefetch(s2 + nblk * 8, n_groups * 64u);
+        }
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
             const int pos = tile * TT + 8 * j + g;
@@ -394,20 +421,23 @@ __device__ __forceinline__ void pdl_prologue() {
 // Never launched: its presence in a cubin tells launch_v3.py the kernels above wait (a cubin built from an older
 // source, e.g. an artifact's, does not hold it and is launched without PDL).
 extern "C" __global__ void kdtree_moe_v3_waits_for_predecessor() {}
+// Never launched: the kernels take the prefetch argument `pf` last (0: none; 1: gate_up prefetches each item's
+// weights into L2 as it starts it, down each warp's next item).  A cubin without it takes no such argument.
+extern "C" __global__ void kdtree_moe_v3_takes_prefetch_arg() {}
 
 #define GATE_UP(NT, P, MINB)                                                                                    \
     extern "C" __global__ void __launch_bounds__(THREADS, MINB) kdtree_moe_v3_gate_up_nt##NT##_p##P(         \
         const uint4* w13, const uint2* s13, const uint4* x, const int* counts, const int* lists, u16* h, int t, \
-        int top_k, int e_local, int c_real, int n_groups, int n_pairs, int inter) {                          \
+        int top_k, int e_local, int c_real, int n_groups, int n_pairs, int inter, int pf) {                  \
         pdl_prologue();                                                                                        \
-        gate_up<NT, P>(w13, s13, x, counts, lists, h, t, top_k, e_local, c_real, n_groups, n_pairs, inter);   \
+        gate_up<NT, P>(w13, s13, x, counts, lists, h, t, top_k, e_local, c_real, n_groups, n_pairs, inter, pf); \
     }
 #define DOWN(NT, P, MINB)                                                                                       \
     extern "C" __global__ void __launch_bounds__(THREADS, MINB) kdtree_moe_v3_down_nt##NT##_p##P(            \
         const uint4* w2, const uint2* s2, const uint4* h, const float* topk_w, const int* counts,             \
-        const int* lists, u16* out, int t, int e_local, int c_real, int n_groups, int n_pairs, int d) {       \
+        const int* lists, u16* out, int t, int e_local, int c_real, int n_groups, int n_pairs, int d, int pf) {\
         pdl_prologue();                                                                                        \
-        down<NT, P>(w2, s2, h, topk_w, counts, lists, out, t, e_local, c_real, n_groups, n_pairs, d);         \
+        down<NT, P>(w2, s2, h, topk_w, counts, lists, out, t, e_local, c_real, n_groups, n_pairs, d, pf);     \
     }
 
 // Variants (launch_v3.py picks): NT token tiles of 8; gate_up's P divides its groups per warp (kp_d / 256: 28 at

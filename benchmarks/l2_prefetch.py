@@ -1,0 +1,108 @@
+"""Does reading a layer's dense weights from L2 instead of HBM shorten the decode GEMMs?  (issue 15's GEMM gap)
+
+The K2.6 TP8 rank's per-layer dense GEMMs at t = 1 and 16 (cuBLAS through runtime.model.layers.linear) are timed
+three ways, each as a CUDA graph of R calls, median replay / R:
+  cold        each call on another copy of the weights (R copies >= 256 MB: every call reads HBM)
+  hot         every call on the same weights (L2-resident after the first)
+  prefetched  each call preceded by prefetch_l2(its copy) and a spin of D µs on one thread (the stand-in for
+              the kernels a prefetch would overlap); the GEMM's time is the graph's minus the same graph without
+              the GEMMs
+and prefetch_l2's own cost on the stream (prefetch + spin minus spin alone).  Prints a table; writes
+OUT/l2-prefetch.json.
+    python3 benchmarks/l2_prefetch.py --out DIR [--spin-us 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import print_table, roofline_us, time_us, write_result  # noqa: E402
+
+# name -> (n, k, out dtype): one TP8 rank of K2.6 (benchmarks/results/dense_gemm.json had the same shapes)
+SHAPES = {"qkv_a": (2112, 7168, "bf16"), "q_b": (1536, 1536, "bf16"), "o_proj": (7168, 1024, "bf16"),
+          "router_gate_up": (896, 7168, "fp32"), "shared_down": (7168, 256, "bf16")}
+
+
+def main() -> None:
+    import torch
+
+    from plugins.l2_prefetch.launch import prefetch_l2, spin
+    from runtime.model.layers import linear
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--spin-us", type=float, default=10.0)
+    ap.add_argument("--tokens", default="1,16")
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    clock_hz = 1.98e9  # H200 boost clock: the spin's cycles per µs (the spin-alone row reports what it took)
+    cycles = int(a.spin_us * clock_hz / 1e6)
+    torch.manual_seed(0)
+    rows = []
+    for name, (n, k, out) in SHAPES.items():
+        nbytes = n * k * 2
+        copies = max(20, -(-(256 << 20) // nbytes))
+        ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        for t in map(int, a.tokens.split(",")):
+            x = torch.randn(t, k, device=dev, dtype=torch.bfloat16)
+            od = torch.float32 if out == "fp32" else torch.bfloat16
+
+            def gemm(w):
+                return linear(x, w, out_dtype=od)
+
+            def cold():
+                for w in ws:
+                    gemm(w)
+
+            def hot():
+                for _ in ws:
+                    gemm(ws[0])
+
+            def pf_gemm():
+                for w in ws:
+                    prefetch_l2(w)
+                    spin(cycles, dev)
+                    gemm(w)
+
+            def pf_only():
+                for w in ws:
+                    prefetch_l2(w)
+                    spin(cycles, dev)
+
+            def spin_gemm():
+                for w in ws:
+                    spin(cycles, dev)
+                    gemm(w)
+
+            def spin_only():
+                for _ in ws:
+                    spin(cycles, dev)
+
+            us = {f.__name__: time_us(f, graph=True) / copies
+                  for f in (cold, hot, pf_gemm, pf_only, spin_gemm, spin_only)}
+            roof = roofline_us(nbytes + t * k * 2 + t * n * (4 if out == "fp32" else 2))
+            rows.append({"shape": name, "n": n, "k": k, "t": t, "bytes": nbytes, "roofline_us": round(roof, 2),
+                         "cold_us": round(us["cold"], 2), "hot_us": round(us["hot"], 2),
+                         "after_spin_us": round(us["spin_gemm"] - us["spin_only"], 2),
+                         "prefetched_us": round(us["pf_gemm"] - us["pf_only"], 2),
+                         "prefetch_cost_us": round(us["pf_only"] - us["spin_only"], 2),
+                         "spin_us": round(us["spin_only"], 2), "copies": copies,
+                         "cold_fraction": round(roof / us["cold"], 3),
+                         "prefetched_fraction": round(roof / max(us["pf_gemm"] - us["pf_only"], 1e-3), 3)})
+            print(rows[-1], flush=True)
+        ws.clear()  # free the copies before the next shape
+    extra = {"spin_us_asked": a.spin_us, "timing": "CUDA graph of one call per weight copy, median replay / calls",
+             "gemm": "runtime.model.layers.linear (cuBLAS)", "prefetch": "plugins/l2_prefetch (cp.async.bulk."
+             "prefetch.L2, 64 KB requests)"}
+    path = write_result("l2-prefetch", rows, extra, a.out)
+    print(f"wrote {path}")
+    print_table(rows, ["shape", "t", "roofline_us", "cold_us", "hot_us", "after_spin_us", "prefetched_us",
+                       "prefetch_cost_us", "spin_us"])
+
+
+if __name__ == "__main__":
+    main()
