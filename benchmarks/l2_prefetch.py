@@ -7,7 +7,9 @@ three ways, each as a CUDA graph of R calls, median replay / R:
   prefetched  each call preceded by prefetch_l2(its copy) and a spin of D µs on one thread (the stand-in for
               the kernels a prefetch would overlap); the GEMM's time is the graph's minus the same graph without
               the GEMMs
-and prefetch_l2's own cost on the stream (prefetch + spin minus spin alone).  Prints a table; writes
+and prefetch_l2's own cost on the stream (prefetch + spin minus spin alone).  The same with a 24 MB copy in
+place of the spin (other kernels streaming through L2 between prefetch and GEMM), with L2's normal and its
+evict-last policy for the prefetched lines.  Prints a table; writes
 OUT/l2-prefetch.json.
     python3 benchmarks/l2_prefetch.py --out DIR [--spin-us 10]
 """
@@ -23,12 +25,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import print_table, roofline_us, time_us, write_result  # noqa: E402
 
 # name -> (n, k, out dtype): one TP8 rank of K2.6 (benchmarks/results/dense_gemm.json had the same shapes)
+STREAM_MB = 24  # the streaming copy between prefetch and GEMM: ~ the MoE's touched experts at t = 1
 SHAPES = {"qkv_a": (2112, 7168, "bf16"), "q_b": (1536, 1536, "bf16"), "o_proj": (7168, 1024, "bf16"),
           "router_gate_up": (896, 7168, "fp32"), "shared_down": (7168, 256, "bf16")}
 
 
 def main() -> None:
     import torch
+    from cuda.bindings import driver as cu
 
     from plugins.l2_prefetch.launch import prefetch_l2, spin
     from runtime.model.layers import linear
@@ -42,6 +46,8 @@ def main() -> None:
     clock_hz = 1.98e9  # H200 boost clock: the spin's cycles per µs (the spin-alone row reports what it took)
     cycles = int(a.spin_us * clock_hz / 1e6)
     torch.manual_seed(0)
+    src = torch.empty(STREAM_MB << 20, dtype=torch.uint8, device=dev)
+    sink = torch.empty_like(src)
     rows = []
     for name, (n, k, out) in SHAPES.items():
         nbytes = n * k * 2
@@ -82,8 +88,37 @@ def main() -> None:
                 for _ in ws:
                     spin(cycles, dev)
 
+            # between the prefetch and the GEMM, other kernels stream STREAM_MB through L2 (as the MoE's experts
+            # do): do the prefetched lines survive, with L2's normal and its evict-last policy?
+            def pf_stream_gemm(evict_last=False):
+                for w in ws:
+                    prefetch_l2(w, evict_last=evict_last)
+                    sink.copy_(src)
+                    gemm(w)
+
+            def pf_stream(evict_last=False):
+                for w in ws:
+                    prefetch_l2(w, evict_last=evict_last)
+                    sink.copy_(src)
+
+            def stream_gemm():
+                for w in ws:
+                    sink.copy_(src)
+                    gemm(w)
+
+            def stream_only():
+                for _ in ws:
+                    sink.copy_(src)
+
+            def pf_last_stream_gemm():
+                pf_stream_gemm(True)
+
+            def pf_last_stream():
+                pf_stream(True)
+
             us = {f.__name__: time_us(f, graph=True) / copies
-                  for f in (cold, hot, pf_gemm, pf_only, spin_gemm, spin_only)}
+                  for f in (cold, hot, pf_gemm, pf_only, spin_gemm, spin_only, pf_stream_gemm, pf_stream,
+                            stream_gemm, stream_only, pf_last_stream_gemm, pf_last_stream)}
             roof = roofline_us(nbytes + t * k * 2 + t * n * (4 if out == "fp32" else 2))
             rows.append({"shape": name, "n": n, "k": k, "t": t, "bytes": nbytes, "roofline_us": round(roof, 2),
                          "cold_us": round(us["cold"], 2), "hot_us": round(us["hot"], 2),
@@ -91,9 +126,13 @@ def main() -> None:
                          "prefetched_us": round(us["pf_gemm"] - us["pf_only"], 2),
                          "prefetch_cost_us": round(us["pf_only"] - us["spin_only"], 2),
                          "spin_us": round(us["spin_only"], 2), "copies": copies,
+                         "after_stream_us": round(us["stream_gemm"] - us["stream_only"], 2),
+                         "prefetched_stream_us": round(us["pf_stream_gemm"] - us["pf_stream"], 2),
+                         "prefetched_last_stream_us": round(us["pf_last_stream_gemm"] - us["pf_last_stream"], 2),
                          "cold_fraction": round(roof / us["cold"], 3),
                          "prefetched_fraction": round(roof / max(us["pf_gemm"] - us["pf_only"], 1e-3), 3)})
             print(rows[-1], flush=True)
+            cu.cuCtxResetPersistingL2Cache()  # evict-last lines back to normal before the next measurement
         ws.clear()  # free the copies before the next shape
     extra = {"spin_us_asked": a.spin_us, "timing": "CUDA graph of one call per weight copy, median replay / calls",
              "gemm": "runtime.model.layers.linear (cuBLAS)", "prefetch": "plugins/l2_prefetch (cp.async.bulk."
@@ -101,7 +140,7 @@ def main() -> None:
     path = write_result("l2-prefetch", rows, extra, a.out)
     print(f"wrote {path}")
     print_table(rows, ["shape", "t", "roofline_us", "cold_us", "hot_us", "after_spin_us", "prefetched_us",
-                       "prefetch_cost_us", "spin_us"])
+                       "prefetch_cost_us", "after_stream_us", "prefetched_stream_us", "prefetched_last_stream_us"])
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The decode round's newer Triton kernels compile for sm_90 on this CPU machine (Triton's own ptxas), so a
 kernel that would not build fails here and not first on the GPU: the MLA absorption products, the rope tables,
 the round's emission, the older rope kernel that shares their rounding (_rotate), the MoE routing kernel with
-the shared expert's activation, the TP greedy token's two kernels, the drafter's attention, K/V store and block,
+the shared expert's activation (and with its L2 prefetch of the picked experts), the MoE combine (and with the
+shared expert's down projection), the TP greedy token's two kernels, the drafter's attention, K/V store and block,
 the residual norm, SiLU * up, the vocab-parallel embedding and one rank's first stage (the layer kernels with programmatic dependent
 launch, as sm_90 launches them), at the specialisations the runtime launches (bf16 K2.6 shapes at t = 1 .. 64,
 the fp32 tiny models).  Each gives an ELF cubin; the rope tables' kernels must not use the approximate cos / sin."""
@@ -35,7 +36,7 @@ def specialisations() -> list:
         _rope_cos_sin_kernel,
         _silu_mul_kernel,
     )
-    from plugins.moe_w4a16.expert_kernels import combine_kernel
+    from plugins.moe_w4a16.expert_kernels import combine_kernel, combine_shared_kernel
     from plugins.moe_w4a16.route_kernel import route_kernel
     from plugins.round_emit.kernel import _round_emit_kernel
     from plugins.tree_accept.vocab_argmax_kernel import vocab_argmax_local_kernel, vocab_argmax_pick_kernel
@@ -101,10 +102,18 @@ def specialisations() -> list:
     t = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "idx_ptr": "*i32", "w_ptr": "*fp32", "counts_ptr": "*i32",
          "active_ptr": "*i32", "lists_ptr": "*i32", "scaling": "fp32", "su_ptr": "*fp32", "h_ptr": "*bf16"}
     c = dict(K=8, N_GROUP=1, TOPK_GROUP=1, NORM=True, BT=1, BE=512, BKK=8, BG=2, SHARED=True, BS=256, IEEE_EXP=True,
-             PDL=True)
+             PREFETCH=False, NCH1=2, NCH2=2, PDL=True)
     out.append(kernel("route_shared_bf16", route_kernel, t, c, 1))
+    # ... and prefetching the picked experts' weights into L2 (v3 with KDTREE_MOE_PREFETCH, one token)
+    t = t | {"pf1_ptr": "*i32", "pf2_ptr": "*i32"}
+    out.append(kernel("route_prefetch_bf16", route_kernel, t, c | dict(PREFETCH=True, NCH1=32, NCH2=16), 1))
     t = {"out_ptr": "*fp32", "idx_ptr": "*i32", "y_ptr": "*bf16", "counts_ptr": "*i32"}
     out.append(kernel("moe_combine_bf16", combine_kernel, t, dict(K=8, BD=1024, BC=512, PDL=True), 4))
+    # ... with the shared expert's down projection (K2.6 TP8: i' 256; token tiles of 16 and 64)
+    t = t | {"h_ptr": "*bf16", "w_ptr": "*bf16"}
+    for bt in (16, 64):
+        c = dict(K=8, BT=bt, BD=64, BI=128, N_KI=2, BC=512, DOT_PREC="tf32", PDL=True)
+        out.append(kernel(f"moe_combine_shared_bf16_bt{bt}", combine_shared_kernel, t, c, 4))
     # the TP greedy token: each rank's (max, index) pairs, then the pick across ranks
     out.append(kernel("vocab_argmax_local", vocab_argmax_local_kernel, {"x_ptr": "*fp32", "pair_ptr": "*fp64"},
                       dict(BLOCK_V=4096, PDL=True), 8))
@@ -137,9 +146,11 @@ def test_round_kernels_compile_for_sm90(tmp_path):
                           text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     recs = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(recs) == 32
+    assert len(recs) == 35
     for r in recs:
         assert (tmp_path / r["cubin"]).read_bytes()[:4] == b"\x7fELF", r
+        if r["name"] == "route_prefetch_bf16":  # the hint survived compilation
+            assert "cp.async.bulk.prefetch.L2.global" in (tmp_path / r["ptx"]).read_text()
         if r["name"].startswith(("rope", "embed_norm_rope")):
             ptx = (tmp_path / r["ptx"]).read_text()
             assert "cos.approx" not in ptx and "sin.approx" not in ptx, r["name"]

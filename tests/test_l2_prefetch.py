@@ -43,6 +43,8 @@ def test_prefetch_changes_no_result():
         prefetch_l2(w)
         spin(1000, dev)
         assert torch.equal(x @ w.t(), want)
+        prefetch_l2(w, evict_last=True)
+        assert torch.equal(x @ w.t(), want)
         g = torch.cuda.CUDAGraph()
         out = torch.empty_like(want)
         s = torch.cuda.Stream()

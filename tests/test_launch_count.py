@@ -36,3 +36,8 @@ def test_the_tiny_rounds_read_nothing_back_and_the_ar_step_converts_nothing():
     assert "aten::_to_copy" not in ar and "aten::copy_" not in ar, ar
     # every layer's work is there: one attention (2 launches) per layer
     assert ar["kdtree::tree_verify_mla"] == 2 * res["layers"]
+    # the shared expert's down projection is the MoE op's (its combine kernel), not a GEMM of its own
+    assert "aten::addmm_" not in ar and "aten::addmm" not in ar, ar
+    # the drafter's block: embedding, first norm and its rope in one launch (the context's rope stays)
+    dd = res["rounds"]["ddtree-4"]["by_op"]
+    assert "aten::embedding" not in dd and dd["kdtree::rope_cos_sin"] == 1, dd

@@ -27,6 +27,7 @@ from plugins.common.activation import silu_mul_reference
 from plugins.moe_w4a16 import MoEWorkspace, experts_reference, moe_w4a16, route_reference
 from plugins.moe_w4a16.layout import dequantize_kernel_layout, pack_experts, padded_k, repack_int4, unrepack_int4
 from plugins.moe_w4a16.plan import KernelConfig
+from plugins.moe_w4a16.reference import shared_down_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -96,6 +97,30 @@ def test_cpu_op_is_the_reference(e_start, e_local, n_group):
         assert torch.equal(want, experts_reference(x, idx, tw, w13d, w2d))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_op_adds_the_shared_down_projection_as_the_gemm_did(dtype):
+    """shared_down: the op's output is the routed sum with the shared expert's down projection accumulated into it
+    exactly as the runtime's separate GEMM did (linear(h, down, c=y): addmm in place); bad shapes are named."""
+    t, e, d, i, k, i_s = 5, 8, 64, 32, 2, 24
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(t, d, generator=g).to(dtype)
+    both = torch.randn(t, e + 2 * i_s, generator=g)
+    logits, gate_up = both[:, :e], both[:, e:]
+    bias = torch.randn(e, generator=g) * 0.1
+    (w13, s13), (w2, s2) = _tiny_experts(e, d, i)
+    down = (torch.randn(d, i_s, generator=g) * 0.2).to(dtype)
+    args = (x, logits, None, bias, w13, s13, w2, s2, k, 1, 1, True, 2.0, 0, None, gate_up)
+    h1, h2 = torch.empty(t, i_s, dtype=dtype), torch.empty(t, i_s, dtype=dtype)
+    routed = moe_w4a16(*args, h1)
+    got = moe_w4a16(*args, h2, down)
+    assert torch.equal(h1, h2)
+    assert torch.equal(got, routed.clone().addmm_(h1, down.t()))
+    with pytest.raises(ValueError, match="shared_down must be contiguous"):
+        moe_w4a16(*args, h2, down[:, :-1])
+    with pytest.raises(ValueError, match="shared_down needs shared_gate_up and shared_h"):
+        moe_w4a16(*args[:-1], None, None, down)
+
+
 def test_experts_reference_ep_ranges_sum_to_the_whole():
     t, e, d, i, k = 5, 8, 64, 32, 2
     x = torch.randn(t, d, dtype=torch.float64)
@@ -141,15 +166,17 @@ INTERP_CASES = {
     "t10_expert_loop_int4_fp32": (10, 8, 64, 32, 2, 1, 1, 0, 8, True, torch.float32, None, EXPERT_LOOP),
 }
 WORKSPACE_CASES = ("t1_int4_bf16", "t4_dense_bf16")
+SHARED_DOWN_CASES = ("t1_int4_bf16", "t3_ep_int4_fp32", "t24_hot_loop_int4_fp32")  # token tiles of 16 and 32
 INTERP_PROCESSES = 2  # the cases split over this many interpreter processes (together ~35 s of CPU)
 SHARED_I = 5  # the shared expert's intermediate width in the interpreter cases
 
 
 def _interp_case(t, e, d, i, k, n_group, topk_group, e_start, e_local, int4, dtype, hot, cfg=None,
-                 workspace: bool = False) -> dict:
+                 workspace: bool = False, shared_down: bool = False) -> dict:
     """The Triton path under the interpreter vs the reference in fp64 on the same (dequantised) experts and
     routing; with workspace, also the path through a poisoned MoEWorkspace of a larger capacity, which must
-    equal the allocating path bit for bit."""
+    equal the allocating path bit for bit; with shared_down, also the call whose combine adds the shared
+    expert's down projection, against reference.shared_down_reference on the first call's output."""
     from plugins.layer_fusion.kernel import silu_mul_triton
     from plugins.moe_w4a16.launch import moe_w4a16_triton
     g = torch.Generator().manual_seed(0)
@@ -191,6 +218,13 @@ def _interp_case(t, e, d, i, k, n_group, topk_group, e_start, e_local, int4, dty
     want = silu_mul_reference(shared_gate_up, dtype).double()
     res["shared_equal_silu_mul"] = torch.equal(shared_h, alone)
     res["shared_rel"] = ((shared_h.double() - want).norm() / want.norm()).item()
+    if shared_down:
+        down = (torch.randn(d, SHARED_I, generator=g) * 0.3).to(dtype)  # [d, i']
+        h2 = torch.empty_like(shared_h)
+        y2 = moe_w4a16_triton(*args, config=cfg, shared_gate_up=shared_gate_up, shared_h=h2, shared_down=down)
+        want = shared_down_reference(y.clone(), shared_h, down).double()
+        res["shared_down_rel"] = ((y2.double() - want).norm() / want.norm()).item()
+        res["shared_down_moved"] = ((want - y.double()).norm() / want.norm()).item()  # the shared part is not ~0
     if workspace:
         ws = MoEWorkspace.allocate(t + 7, k, e_local, d, i, dtype, "cpu", cfg)
         ws.buffer.fill_(0xFF)  # NaN floats, -1 ints: whatever the kernels read before writing shows
@@ -202,7 +236,8 @@ def _interp_case(t, e, d, i, k, n_group, topk_group, e_start, e_local, int4, dty
 
 def interpreter_worker(names: list[str]) -> dict:
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    return {name: _interp_case(*INTERP_CASES[name], workspace=name in WORKSPACE_CASES) for name in names}
+    return {name: _interp_case(*INTERP_CASES[name], workspace=name in WORKSPACE_CASES,
+                               shared_down=name in SHARED_DOWN_CASES) for name in names}
 
 
 @pytest.fixture(scope="module")
@@ -232,6 +267,9 @@ def test_triton_interpreter_matches_reference(interp_results, case):
     assert r.get("counts_rezeroed", True), r  # the call left the routing counts zero for the next one
     assert r["shared_equal_silu_mul"], r  # the routing kernel's shared activation is silu_mul's, bit for bit
     assert r["shared_rel"] < (1e-6 if r["dtype"] == "torch.float32" else 2e-2), r  # bf16: truncated, see above
+    if case in SHARED_DOWN_CASES:  # the combine's shared down projection: the GEMM-with-beta-1 reference
+        assert r["shared_down_rel"] < (1e-6 if r["dtype"] == "torch.float32" else 2e-2), r
+        assert r["shared_down_moved"] > 1e-2, r
 
 
 # ---------------------------------------------------------------- GPU

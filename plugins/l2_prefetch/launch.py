@@ -41,8 +41,9 @@ def _launch(device: torch.device, name: str, grid: int, threads: int, args: tupl
             f"l2_prefetch: launch {name}")
 
 
-def prefetch_l2(w: torch.Tensor, chunk: int = CHUNK) -> None:
-    """Bulk-prefetch the storage of the contiguous CUDA tensor w into L2 (a hint; no result depends on it)."""
+def prefetch_l2(w: torch.Tensor, chunk: int = CHUNK, evict_last: bool = False) -> None:
+    """Bulk-prefetch the storage of the contiguous CUDA tensor w into L2 (a hint; no result depends on it);
+    evict_last: with L2's evict-last policy (kept over lines streamed in after them)."""
     if not w.is_cuda or not w.is_contiguous():
         raise ValueError(f"prefetch_l2: a contiguous CUDA tensor, got {w.device} contiguous={w.is_contiguous()}")
     nbytes = w.numel() * w.element_size()
@@ -52,8 +53,8 @@ def prefetch_l2(w: torch.Tensor, chunk: int = CHUNK) -> None:
         raise ValueError(f"prefetch_l2: bytes ({nbytes}), address and chunk ({chunk}) must be multiples of 16")
     requests = -(-nbytes // chunk)
     grid = min(-(-requests // THREADS), device_facts(w.device).sms)
-    _launch(w.device, "kdtree_l2_prefetch", grid, THREADS, (w.data_ptr(), nbytes, chunk),
-            (ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_uint))
+    _launch(w.device, "kdtree_l2_prefetch", grid, THREADS, (w.data_ptr(), nbytes, chunk, int(evict_last)),
+            (ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_uint, ctypes.c_int))
 
 
 def spin(cycles: int, device: torch.device) -> None:

@@ -21,7 +21,7 @@ from plugins.common.precision import acc, acc_dtype
 from plugins.moe_w4a16.fragment_layout import dequantize_fragments, from_fragments, to_fragments
 from plugins.moe_w4a16.layout import dequantize_kernel_layout, pack_experts
 from plugins.moe_w4a16.plan import launch_plan
-from plugins.moe_w4a16.reference import experts_reference, route_reference
+from plugins.moe_w4a16.reference import experts_reference, route_reference, shared_down_reference
 from plugins.moe_w4a16.workspace import MoEWorkspace
 
 __all__ = ["moe_w4a16", "moe_w4a16_op", "MoEWorkspace", "route_reference", "experts_reference", "dense_experts",
@@ -86,12 +86,13 @@ def moe_w4a16(x: torch.Tensor, logits: torch.Tensor | None, gate: torch.Tensor |
               w13: torch.Tensor, w13_scale: torch.Tensor | None, w2: torch.Tensor, w2_scale: torch.Tensor | None,
               top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool, scaling: float,
               e_start: int = 0, workspace: Optional[torch.Tensor] = None,
-              shared_gate_up: Optional[torch.Tensor] = None, shared_h: Optional[torch.Tensor] = None) -> torch.Tensor:
+              shared_gate_up: Optional[torch.Tensor] = None, shared_h: Optional[torch.Tensor] = None,
+              shared_down: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Routed experts of one MoE layer, x [t, d] -> y [t, d], through the registered op (see moe_w4a16_op);
     workspace: a MoEWorkspace's .buffer, or None."""
     # every argument passed explicitly: torch 2.11's mutation bookkeeping indexes the given args only
     return moe_w4a16_op(x, logits, gate, bias, w13, w13_scale, w2, w2_scale, top_k, n_group, topk_group,
-                        norm_topk_prob, scaling, e_start, workspace, shared_gate_up, shared_h)
+                        norm_topk_prob, scaling, e_start, workspace, shared_gate_up, shared_h, shared_down)
 
 
 @kdtree_op("moe_w4a16", mutates_args=("workspace", "shared_h"))
@@ -99,8 +100,8 @@ def moe_w4a16_op(x: torch.Tensor, logits: Optional[torch.Tensor], gate: Optional
                  w13: torch.Tensor, w13_scale: Optional[torch.Tensor], w2: torch.Tensor,
                  w2_scale: Optional[torch.Tensor], top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool,
                  scaling: float, e_start: int, workspace: Optional[torch.Tensor],
-                 shared_gate_up: Optional[torch.Tensor] = None, shared_h: Optional[torch.Tensor] = None
-                 ) -> torch.Tensor:
+                 shared_gate_up: Optional[torch.Tensor] = None, shared_h: Optional[torch.Tensor] = None,
+                 shared_down: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Routed experts of one MoE layer: x [t, d] -> y [t, d] (x's dtype), the shared expert excluded.
 
     logits [t, e] fp32 router logits, or None with gate [e, d] (logits = x @ gate^T in fp32);
@@ -116,8 +117,11 @@ def moe_w4a16_op(x: torch.Tensor, logits: Optional[torch.Tensor], gate: Optional
     shared_gate_up [t, 2i'] (the shared expert's gate | up columns, e.g. of the router's fp32 GEMM; unit stride
     along 2i') with shared_h [t, i'] (x's dtype, unit stride along i'): also writes shared_h = silu(gate) * up
     rounded as plugins/common/activation.py (on CUDA inside the routing kernel: no launch of its own).
+    shared_down [d, i'] (x's dtype, contiguous; with shared_h): y also gets the shared expert's output,
+    shared_h . shared_down^T accumulated into the routed sum as a GEMM with beta = 1
+    (reference.shared_down_reference; on CUDA inside the combine kernel: no GEMM launch of its own).
     """
-    _check_shared(x, shared_gate_up, shared_h)
+    _check_shared(x, shared_gate_up, shared_h, shared_down)
     if shared_h is not None:
         shared_h.copy_(silu_mul_reference(shared_gate_up, x.dtype))
     if workspace is not None:  # the kernel path's capacity check
@@ -128,21 +132,22 @@ def moe_w4a16_op(x: torch.Tensor, logits: Optional[torch.Tensor], gate: Optional
     topk_idx, topk_w = route_reference(_logits(x, logits, gate), bias, top_k, n_group, topk_group,
                                        norm_topk_prob, scaling)
     w13d, w2d = dense_experts(x, w13, w13_scale, w2, w2_scale)
-    return experts_reference(x, topk_idx, topk_w, w13d, w2d, e_start)
+    y = experts_reference(x, topk_idx, topk_w, w13d, w2d, e_start)
+    return y if shared_down is None else shared_down_reference(y, shared_h, shared_down)
 
 
 @moe_w4a16_op.register_fake
 def _(x, logits, gate, bias, w13, w13_scale, w2, w2_scale, top_k, n_group, topk_group, norm_topk_prob, scaling,
-      e_start, workspace, shared_gate_up=None, shared_h=None):
+      e_start, workspace, shared_gate_up=None, shared_h=None, shared_down=None):
     return torch.empty_like(x)
 
 
 @moe_w4a16_op.register_kernel("cuda")
 def _(x, logits, gate, bias, w13, w13_scale, w2, w2_scale, top_k, n_group, topk_group, norm_topk_prob, scaling,
-      e_start, workspace, shared_gate_up=None, shared_h=None):
-    _check_shared(x, shared_gate_up, shared_h)
+      e_start, workspace, shared_gate_up=None, shared_h=None, shared_down=None):
+    _check_shared(x, shared_gate_up, shared_h, shared_down)
     lg = _logits(x, logits, gate).float()
-    shared = (shared_gate_up, shared_h)
+    shared = (shared_gate_up, shared_h, shared_down)
     if w13.dim() == 5:
         if v3_multiplies(x.dtype, w13_scale.dtype):
             from plugins.moe_w4a16.launch_v3 import moe_w4a16_v3
@@ -152,12 +157,17 @@ def _(x, logits, gate, bias, w13, w13_scale, w2, w2_scale, top_k, n_group, topk_
     from plugins.moe_w4a16.launch import moe_w4a16_triton
     return moe_w4a16_triton(x, lg, bias, w13, w13_scale, w2, w2_scale, top_k, n_group, topk_group,
                             norm_topk_prob, scaling, e_start, workspace, shared_gate_up=shared_gate_up,
-                            shared_h=shared_h)
+                            shared_h=shared_h, shared_down=shared_down)
 
 
-def _check_shared(x: torch.Tensor, gate_up: Optional[torch.Tensor], h: Optional[torch.Tensor]) -> None:
-    """shared_gate_up [t, 2i'] and shared_h [t, i'] come together, on x's device, with unit stride along the row."""
+def _check_shared(x: torch.Tensor, gate_up: Optional[torch.Tensor], h: Optional[torch.Tensor],
+                  down: Optional[torch.Tensor] = None) -> None:
+    """shared_gate_up [t, 2i'] and shared_h [t, i'] come together, on x's device, with unit stride along the row;
+    shared_down [d, i'] (x's dtype, contiguous) only with them."""
     if gate_up is None and h is None:
+        if down is not None:
+            raise ValueError("moe_w4a16: shared_down needs shared_gate_up and shared_h (the shared expert's "
+                             "activation the routing kernel forms)")
         return
     t = x.shape[0]
     if gate_up is None or h is None:
@@ -171,3 +181,7 @@ def _check_shared(x: torch.Tensor, gate_up: Optional[torch.Tensor], h: Optional[
     if h.dim() != 2 or h.shape[0] != t or h.dtype != x.dtype or h.stride(1) != 1 or h.device != x.device:
         raise ValueError(f"moe_w4a16: shared_h must be {x.dtype} [{t}, i'] with unit stride along its row, on "
                          f"{x.device}, got {h.dtype} {tuple(h.shape)} {h.stride()} on {h.device}")
+    if down is not None and (tuple(down.shape) != (x.shape[1], i) or down.dtype != x.dtype
+                             or not down.is_contiguous() or down.device != x.device):
+        raise ValueError(f"moe_w4a16: shared_down must be contiguous {x.dtype} [{x.shape[1]}, {i}] on {x.device}, "
+                         f"got {down.dtype} {tuple(down.shape)} on {down.device}")

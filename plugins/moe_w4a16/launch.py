@@ -16,7 +16,13 @@ import os
 import torch
 
 from plugins.common.pdl import pdl_args, pdl_for
-from plugins.moe_w4a16.expert_kernels import combine_kernel, down_kernel, gate_up_kernel, silu_mul_kernel
+from plugins.moe_w4a16.expert_kernels import (
+    combine_kernel,
+    combine_shared_kernel,
+    down_kernel,
+    gate_up_kernel,
+    silu_mul_kernel,
+)
 from plugins.moe_w4a16.layout import BLOCK_K, GROUP
 from plugins.moe_w4a16.plan import KernelConfig, cdiv, expert_programs, launch_plan
 from plugins.moe_w4a16.route_kernel import launch_route, next_pow2
@@ -63,7 +69,7 @@ def moe_w4a16_triton(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
                      top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool, scaling: float,
                      e_start: int = 0, workspace: torch.Tensor | None = None,
                      config: KernelConfig | None = None, shared_gate_up: torch.Tensor | None = None,
-                     shared_h: torch.Tensor | None = None) -> torch.Tensor:
+                     shared_h: torch.Tensor | None = None, shared_down: torch.Tensor | None = None) -> torch.Tensor:
     """Routed experts of one MoE layer: x [t, d], logits [t, e] fp32 -> y [t, d] (x's dtype).
 
     INT4 experts in the kernel layout (plugins/moe_w4a16/layout.py): w13 int32 [e_local, 2i, kp_d/8],
@@ -72,7 +78,8 @@ def moe_w4a16_triton(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
     Only experts [e_start, e_start + e_local) are held; other slots add nothing.
     workspace: a MoEWorkspace's .buffer (uint8) for at least this call (allocated with the same config);
     None allocates the scratch here.  shared_gate_up [t, 2i'] / shared_h [t, i']: the routing kernel also
-    writes the shared expert's silu(gate) * up (route_kernel.launch_route).
+    writes the shared expert's silu(gate) * up (route_kernel.launch_route); with shared_down [d, i'] the combine
+    adds shared_h . shared_down^T to y (launch_combine).
     """
     x = x.contiguous()
     logits = logits if logits.dim() == 2 and logits.stride(1) == 1 else logits.contiguous()  # rows may be strided
@@ -119,10 +126,32 @@ def moe_w4a16_triton(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
         w2.stride(0), w2.stride(1), *_scale_strides(s2, int4),
         INT4=int4, N_KB=plan.n_kb2, BN=cfg.bn2, BM=cfg.bm, PACKED=paired, SCALE_TILE=cfg.scale_tile, DOT_PREC=prec,
         num_warps=cfg.warps2, num_stages=cfg.stages2)
-    bd = min(cfg.bd, next_pow2(d))
-    combine_kernel[(t, cdiv(d, bd))](ws.out, topk_idx, y, counts, d, e_start, e_local, K=top_k, BD=bd,
-                                     BC=next_pow2(e_local + 1), num_warps=4, **pdl_args(pdl_for(x)))
+    launch_combine(ws.out, topk_idx, y, counts, e_start, e_local, top_k, pdl_for(x), shared_h, shared_down,
+                   min(cfg.bd, next_pow2(d)))
     return y
+
+
+def launch_combine(out: torch.Tensor, topk_idx: torch.Tensor, y: torch.Tensor, counts: torch.Tensor, e_start: int,
+                   e_local: int, top_k: int, pdl: bool, shared_h: torch.Tensor | None = None,
+                   shared_down: torch.Tensor | None = None, bd: int = 1024) -> None:
+    """The op's last launch: y [t, d] = the sum of each token's local slots of out [t * top_k, d] (and, with
+    shared_down [d, i'], + shared_h [t, i'] . shared_down^T in the same kernel); re-zeroes counts for the next call.
+    bd: columns per program of the plain combine."""
+    t, d = y.shape
+    if shared_down is None:
+        bd = min(bd, next_pow2(d))
+        combine_kernel[(t, cdiv(d, bd))](out, topk_idx, y, counts, d, e_start, e_local, K=top_k, BD=bd,
+                                         BC=next_pow2(e_local + 1), num_warps=4, **pdl_args(pdl))
+        return
+    i = shared_down.shape[1]
+    bt = 16 if t <= 16 else 32 if t <= 32 else 64  # token rows per program (tl.dot's M >= 16)
+    bd, bi = 64, min(128, max(16, next_pow2(i)))  # 64 columns: d / 64 programs stream the [d, i'] weight once
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    prec = "interp" if interp else "ieee" if y.dtype == torch.float32 else "tf32"
+    combine_shared_kernel[(cdiv(t, bt), cdiv(d, bd))](
+        out, topk_idx, y, counts, shared_h, shared_down, t, d, i, shared_h.stride(0), e_start, e_local, K=top_k,
+        BT=bt, BD=bd, BI=bi, N_KI=cdiv(i, bi), BC=next_pow2(e_local + 1), DOT_PREC=prec, num_warps=4,
+        **pdl_args(pdl))
 
 
 def _scale_strides(s: torch.Tensor, int4: bool) -> tuple[int, int, int]:

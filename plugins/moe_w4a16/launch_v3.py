@@ -20,12 +20,12 @@ import torch
 from plugins.common.cubin import CubinUnavailable, load_module
 from plugins.common.device import device_facts
 from plugins.common.driver import checked
-from plugins.common.pdl import USE_PDL, pdl_args
-from plugins.moe_w4a16.expert_kernels import combine_kernel
+from plugins.common.pdl import USE_PDL
 from plugins.moe_w4a16.fragment_layout import ROWS
+from plugins.moe_w4a16.launch import launch_combine
 from plugins.moe_w4a16.layout import GROUP, padded_k
 from plugins.moe_w4a16.plan import cdiv, launch_plan
-from plugins.moe_w4a16.route_kernel import launch_route, next_pow2
+from plugins.moe_w4a16.route_kernel import launch_route
 from plugins.moe_w4a16.workspace import MoEWorkspace
 
 SOURCE = Path(__file__).with_name("moe_v3.cu")
@@ -33,13 +33,18 @@ SOURCE = Path(__file__).with_name("moe_v3.cu")
 # either way.  Off until measured on the GPU (benchmarks/moe_w4a16_v3.py times both); KDTREE_MOE_PREFETCH=1 turns
 # it on (read at each call, so a benchmark can time both in one process).
 PREFETCH_ENV = "KDTREE_MOE_PREFETCH"
+# ... and where a call has at most this many (token, expert) picks, the routing kernel prefetches the picked
+# experts' w13 and w2 as it picks them (t = 1 at top-8: 8 x 2.75 MB at K2.6 TP8, well inside the 50 MB L2)
+ROUTE_PREFETCH_SLOTS = 8
 WARPS = 8  # moe_v3.cu's WARPS: every k group count is a multiple (k padded to 256)
 MAX_TOKENS = 4096  # per launch: the entry list of 4096 tokens x top-8 fits in shared memory
 
 
 def token_tile(t: int) -> int:
-    """NT: n tiles of 8 token slots per gate_up tile, from t (tree routing sends most tokens to a few experts)."""
-    return 1 if t <= 8 else 2 if t <= 16 else 4
+    """NT: n tiles of 8 token slots per gate_up tile, from t (tree routing sends most tokens to a few experts).
+    A DDTree-16 round verifies t = 17 tokens, and most of its experts see a few of them: NT = 2 up to t = 32 (the
+    NT = 4 kernel holds 188 registers, one CTA per SM, and multiplies 32 token columns per weight tile)."""
+    return 1 if t <= 8 else 2 if t <= 32 else 4
 
 
 def down_tile(t: int) -> int:
@@ -203,13 +208,14 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
                  w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, top_k: int, n_group: int,
                  topk_group: int, norm_topk_prob: bool, scaling: float, e_start: int = 0,
                  workspace: torch.Tensor | None = None, shared_gate_up: torch.Tensor | None = None,
-                 shared_h: torch.Tensor | None = None) -> torch.Tensor:
+                 shared_h: torch.Tensor | None = None, shared_down: torch.Tensor | None = None) -> torch.Tensor:
     """Routed experts of one MoE layer: x [t, d] bf16, logits [t, e] fp32 -> y [t, d] bf16.
 
     Experts in fragment order: w13 int32 [e_l, 2i/32, kp_d/32, 32, 4], w13_scale bf16 [e_l, 2i/32, kp_d/32, 8, 4],
     w2 int32 [e_l, d/32, kp_i/32, 32, 4], w2_scale bf16 [e_l, d/32, kp_i/32, 8, 4].  workspace: as v2 (a
     MoEWorkspace's .buffer sized by launch_plan), or None to allocate the scratch per call.  shared_gate_up /
-    shared_h: as v2 (the routing kernel also writes the shared expert's silu(gate) * up).
+    shared_h / shared_down: as v2 (the routing kernel also writes the shared expert's silu(gate) * up, the
+    combine adds its down projection).
     """
     x = x.contiguous()
     logits = logits if logits.dim() == 2 and logits.stride(1) == 1 else logits.contiguous()  # rows may be strided
@@ -219,7 +225,7 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
         return torch.cat([moe_w4a16_v3(x[a:a + MAX_TOKENS], logits[a:a + MAX_TOKENS], bias, w13, w13_scale, w2,
                                        w2_scale, top_k, n_group, topk_group, norm_topk_prob, scaling, e_start,
                                        workspace, *(None if s is None else s[a:a + MAX_TOKENS]
-                                                    for s in (shared_gate_up, shared_h)))
+                                                    for s in (shared_gate_up, shared_h)), shared_down)
                           for a in range(0, t, MAX_TOKENS)])
     e_local, pairs13, c1 = w13.shape[:3]
     pairs2, c2 = w2.shape[1:3]
@@ -233,14 +239,17 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
     ws = MoEWorkspace.carve(workspace, t, top_k, e_local, d, i, x.dtype,
                             launch_plan(t, top_k, e_local, d, i, x.device).splits)
     mod = kernels(x.device)  # before the route kernel: a failure here leaves counts zero
-    # counts [e_local + 1] is zero here (MoEWorkspace.allocate zeroes it, every call's combine re-zeroes it)
+    prefetch = os.environ.get(PREFETCH_ENV, "0") == "1"
+    # counts [e_local + 1] is zero here (MoEWorkspace.allocate zeroes it, every call's combine re-zeroes it); with
+    # prefetch and one token's worth of picks, the routing kernel also puts the picked experts' weights in flight
     launch_route(logits, bias, ws.topk_idx, ws.topk_w, ws.counts, ws.active, ws.lists, e_start, e_local, scaling,
-                 top_k, n_group, topk_group, norm_topk_prob, shared_gate_up, shared_h)
+                 top_k, n_group, topk_group, norm_topk_prob, shared_gate_up, shared_h,
+                 (w13, w2) if prefetch and t * top_k <= ROUTE_PREFETCH_SLOTS else None)
 
     sms = device_facts(x.device).sms
     i32, ptr = ctypes.c_int, ctypes.c_void_p
     # the prefetch argument, where the cubin takes one
-    pf = ((int(os.environ.get(PREFETCH_ENV, "0") == "1"),), (i32,)) if mod.prefetch_arg else ((), ())
+    pf = ((int(prefetch),), (i32,)) if mod.prefetch_arg else ((), ())
     nt = token_tile(t)
     n_items = max_entries(t, top_k, e_local, nt) * pairs13
     smem = gate_up_smem(t, top_k, e_local, nt)
@@ -255,7 +264,5 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
             (w2.data_ptr(), w2_scale.data_ptr(), ws.h.data_ptr(), ws.topk_w.data_ptr(), ws.counts.data_ptr(),
              ws.lists.data_ptr(), ws.out.data_ptr(), t, e_local, i // GROUP, c2, pairs2, d, *pf[0]),
             (ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, *pf[1]))
-    combine_kernel[(t, cdiv(d, min(1024, next_pow2(d))))](ws.out, ws.topk_idx, y, ws.counts, d, e_start, e_local,
-                                                          K=top_k, BD=min(1024, next_pow2(d)),
-                                                          BC=next_pow2(e_local + 1), num_warps=4, **pdl_args(mod.pdl))
+    launch_combine(ws.out, ws.topk_idx, y, ws.counts, e_start, e_local, top_k, mod.pdl, shared_h, shared_down)
     return y

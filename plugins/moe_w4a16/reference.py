@@ -53,3 +53,12 @@ def experts_reference(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Ten
         h = F.linear(F.silu(gate) * up, w2[ex - e_start])  # [m, d]
         y.index_add_(0, tok, (h * topk_w[tok, slot, None]).to(y.dtype))
     return y
+
+
+def shared_down_reference(y: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """y [t, d] + h [t, i'] . w [d, i']^T: the shared expert's down projection accumulated into the routed output,
+    as a GEMM with beta = 1 does it (products summed in fp32, fp64 for fp64, y added, one rounding to y's dtype;
+    same dtypes: torch's addmm, in place on y, as the runtime's linear(h, w, c=y) did before the op took it in)."""
+    if y.dtype == h.dtype == w.dtype:
+        return y.addmm_(h, w.t())
+    return (F.linear(acc(h), acc(w)) + acc(y)).to(y.dtype)

@@ -107,12 +107,14 @@ class DFlashDrafter:
         # ctx_pos = lens + [0, a), blk_pos = start + [0, s) with start = lens + ctx_len, block = [bonus, mask x D],
         # visible = start + s (the cache rows the block attends: the context, then the block); lens += ctx_len
         drafter_block(cache.lens, ctx_len, bonus, self.mask_token_id, ctx_pos, blk_pos, block, visible)
-        x = self.target.embed(block)  # [b, s, H] (the target's embedding: vocab-parallel under TP)
-        cos_c, sin_c = self.rope.cos_sin(ctx_pos, x.dtype)  # [b, a, e/2]
-        cos_b, sin_b = self.rope.cos_sin(blk_pos, x.dtype)  # [b, s, e/2]
         layers = w.layers
+        if layers:  # the target's embedding (vocab-parallel under TP), the first norm and the block's rope
+            x, xn, cos_b, sin_b = self.target.embed_norm_rope(block, layers[0].attn_norm, c.rms_norm_eps, blk_pos,
+                                                              self.rope)  # [b, s, H] x2, [b, s, e/2] x2
+        else:
+            x = xn = self.target.embed(block)  # [b, s, H]
+        cos_c, sin_c = self.rope.cos_sin(ctx_pos, x.dtype)  # [b, a, e/2]
         hq = self.heads * c.head_dim  # the q rows of qkv
-        xn = rms_norm(x, layers[0].attn_norm, c.rms_norm_eps) if layers else x  # [b, s, H]
         if layers:  # every layer's context rows at [lens, lens + a): one GEMM, one kernel (the context is shared)
             # rows past ctx_len land at [start, ...), which each layer's block overwrites below
             kv = torch.matmul(ctx.reshape(b * a, -1), w.qkv[:, hq:].transpose(1, 2))  # [layers, b*a, 2*g_l*e]

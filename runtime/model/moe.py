@@ -5,8 +5,8 @@ The routed part is one op, `kdtree::moe_w4a16` (plugins/moe_w4a16): the torch re
 form the rank holds them (runtime/model/weights.Experts).  The shared expert is a plain MLP whose gate_up
 shares the router's GEMM when the loader stacked the two (MoEWeights.router_inputs): one fp32-output GEMM
 gives the router logits and the gate_up values, rounded to the model dtype before SiLU * up (what a separate
-model-dtype GEMM would have returned); the routed op forms that activation in its routing kernel (one launch
-fewer per layer) and the shared down projection accumulates into the routed output.
+model-dtype GEMM would have returned); the routed op forms that activation in its routing kernel and adds the
+shared down projection to the routed sum in its combine kernel (two launches fewer per layer).
 """
 
 from __future__ import annotations
@@ -47,13 +47,16 @@ def moe_forward(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor, e_start: int =
     else:
         logits = router_logits(xt, w.gate)  # [t, e] fp32 (fp64 in fp64 runs)
     ex = w.experts
-    # the shared expert's activation h [t, i'] from its gate_up columns, formed by the op's routing kernel
+    # the shared expert's activation h [t, i'] from its gate_up columns, formed by the op's routing kernel, and its
+    # down projection added to the routed sum by the op's combine kernel
     h = None if gate_up is None else xt.new_empty(xt.shape[0], gate_up.shape[1] // 2)
+    down = None if h is None else w.shared.down  # [d, i']
+    folded = down is not None and down.is_contiguous() and down.dtype == xt.dtype  # the op's combine adds it
     y = moe_w4a16(xt, logits, None, w.gate_bias, ex.w13, ex.w13_scale, ex.w2, ex.w2_scale, cfg.num_experts_per_tok,
                   cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor, e_start, workspace,
-                  gate_up, h)
-    if h is not None:  # y + shared(x), the down projection accumulating into y (one GEMM)
-        y = linear(h, w.shared.down, c=y)
-    elif w.shared is not None:
+                  gate_up, h, down if folded else None)
+    if h is not None and not folded:  # y + shared(x), the down projection accumulating into y (one GEMM)
+        y = linear(h, down, c=y)
+    elif h is None and w.shared is not None:
         y = swiglu_mlp(xt, w.shared.gate_up, w.shared.down, c=y)
     return y.view(shape)

@@ -94,13 +94,7 @@ class TargetModel:
         feats: dict[int, torch.Tensor] = {}
         layers, eps = self.w.layers, cfg.rms_norm_eps
         first_norm = layers[0].attn_norm if layers else self.w.norm
-        if self.comm is None or self.comm.world == 1:  # no all-reduce after the embedding: one launch for all four
-            x, hn, cos, sin = embed_norm_rope(tokens, self.w.embed, self.vocab_start, self.vocab_end - self.vocab_start,
-                                              first_norm, eps, positions, self.rope.inv_freq, self.rope.scale)
-        else:
-            x = self.embed(tokens)  # [b, n, d]
-            cos, sin = self.rope.cos_sin(positions, x.dtype)  # [b, n, r/2] each
-            hn = rms_norm(x, first_norm, eps)  # [b, n, d]
+        x, hn, cos, sin = self.embed_norm_rope(tokens, first_norm, eps, positions, self.rope)
         for li, lw in enumerate(layers):
             a = mla_forward(cfg, lw.attn, self.rope, hn, cos, sin, cache.kv[li], cache.lens, cache.scratch[li],
                             tree_mask, cache.work)  # [b, n, d] partial
@@ -117,6 +111,18 @@ class TargetModel:
         hidden = hn
         features = torch.cat([feats[i] for i in self.feature_layers], dim=-1) if feats else None
         return hidden, features
+
+    def embed_norm_rope(self, tokens: torch.Tensor, norm_weight: torch.Tensor, eps: float, positions: torch.Tensor,
+                        rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """tokens, positions [b, n] -> (x = embed(tokens), rms_norm(x) * norm_weight [b, n, d], and rope's cos, sin
+        [b, n, r/2] in x's dtype): a forward's first stage (the target's, the drafter's block).  With no all-reduce
+        after the embedding (no TP group, or a group of one) the four come from one launch."""
+        if self.comm is None or self.comm.world == 1:
+            return embed_norm_rope(tokens, self.w.embed, self.vocab_start, self.vocab_end - self.vocab_start,
+                                   norm_weight, eps, positions, rope.inv_freq, rope.scale)
+        x = self.embed(tokens)  # [b, n, d]
+        cos, sin = rope.cos_sin(positions, x.dtype)  # [b, n, r/2] each
+        return x, rms_norm(x, norm_weight, eps), cos, sin
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [b, n] int64 -> [b, n, d].  Vocab-parallel under TP: each rank looks up the ids in its
