@@ -2,7 +2,7 @@
 bf16 grouped GEMM on dequantised weights, side by side in one run, on the same experts and inputs.
 
 Shapes and routing as benchmarks/moe_w4a16.py: K2.6 TP8 rank (384 experts x 256, hidden 7168, top-8) at
-t in {1, 8, 16, 17, 32, 64, 256, 512}, EP8 rank (48 whole experts x 2048) at t in {1, 16, 64}; "tree" (neighbouring
+t in {1, 8, 16, 17, 33, 64, 256, 512}, EP8 rank (48 whole experts x 2048) at t in {1, 16, 64}; "tree" (neighbouring
 tokens share experts) and "uniform" routing.  Roofline bytes: the touched experts' packed weights + scales
 + x, y, logits (benchmarks/moe_w4a16.py's count; v3's layout holds the same bytes per expert).  Both kernel
 paths are timed as CUDA graph replays (scratch from a MoEWorkspace allocated once), the peer eagerly.
@@ -168,8 +168,8 @@ def main() -> None:
           f"v3 vs v2c {checked['v3_vs_v2c_rel']:.2e}")
     dense = None if args.quick else dense_operands(tp8)
     rows = []
-    # t = 17: a DDTree-16 round's verify (16 nodes + the root)
-    for t in ([1, 17, 64, 512] if args.quick else [1, 8, 16, 17, 32, 64, 256, 512]):
+    # t = 17 and 33: the verify of a 16- and a 32-node tree (nodes + the root)
+    for t in ([1, 17, 64, 512] if args.quick else [1, 8, 16, 17, 33, 64, 256, 512]):
         for routing in (("tree",) if args.quick else ("tree", "uniform")):
             rows.append(bench_shape(f"k26_tp8_t{t}", t, routing, tp8, 0, dev, dense))
             r = rows[-1]

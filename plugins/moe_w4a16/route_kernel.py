@@ -10,8 +10,9 @@ expert takes a place in that expert's fixed-capacity list by an atomic increment
 expert to the list of active experts.  The order inside a list is whatever the atomics give; the
 GEMMs compute each row independently, so the results do not depend on it.
 
-With SHARED the programs also form the shared expert's activation, silu(gate) * up of its token (the router's
-GEMM also computes the shared expert's gate_up: runtime/model/moe.py): one launch fewer per MoE layer.
+With SHARED the launch also forms the shared expert's activation, silu(gate) * up of each token (the router's
+GEMM also computes the shared expert's gate_up: runtime/model/moe.py), in programs of its own beside the routing
+ones (grid (t, 2)): one launch fewer per MoE layer, and nothing in front of the routing.
 With PREFETCH (v3 at a few tokens, KDTREE_MOE_PREFETCH=1) each program issues L2 bulk prefetches of its picked
 local experts' weights as soon as the picks are known, so the expert GEMMs that follow find them in L2.
 
@@ -60,79 +61,83 @@ def route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, counts_ptr, active_ptr, l
     NEG = float("-inf")
     pid = tl.program_id(0)
     rt = pid * BT + tl.arange(0, BT)  # [BT] tokens
-    if SHARED:  # the shared expert's h [t, I_SH] = silu(gate) * up of its gate_up row (another GEMM's columns)
-        rs = tl.arange(0, BS)
-        c0 = pid * 0  # a while loop (a runtime trip count) also runs in the interpreter
-        while c0 < I_SH:
-            cols = c0 + rs  # [BS]
-            m2 = (rt < T)[:, None] & (cols < I_SH)[None, :]  # [BT, BS]
-            g = tl.load(su_ptr + rt[:, None] * stride_su + cols[None, :], mask=m2, other=0.0)
-            u = tl.load(su_ptr + rt[:, None] * stride_su + I_SH + cols[None, :], mask=m2, other=0.0)
-            tl.store(h_ptr + rt[:, None] * stride_h + cols[None, :],
-                     silu_mul_rounded(g, u, h_ptr.dtype.element_ty, IEEE_EXP), mask=m2)
-            c0 += BS
-    re = tl.arange(0, BE)  # [BE] experts (padded to a power of two)
-    tmask = rt < T
-    emask = re < E
-    lg = tl.load(logits_ptr + rt[:, None] * stride_l + re[None, :], mask=tmask[:, None] & emask[None, :], other=0.0)
-    scores = tl.sigmoid(lg.to(tl.float32))  # [BT, BE]
-    bias = tl.load(bias_ptr + re, mask=emask, other=0.0).to(tl.float32)  # [BE]
-    choice = tl.where(emask[None, :], scores + bias[None, :], NEG)  # [BT, BE]
+    # program (p, 1): the shared expert's h [t, I_SH] = silu(gate) * up of its gate_up rows (another GEMM's
+    # columns), beside the routing programs (p, 0) instead of in front of them
+    if SHARED:
+        if tl.program_id(1) == 1:
+            rs = tl.arange(0, BS)
+            c0 = pid * 0  # a while loop (a runtime trip count) also runs in the interpreter
+            while c0 < I_SH:
+                cols = c0 + rs  # [BS]
+                m2 = (rt < T)[:, None] & (cols < I_SH)[None, :]  # [BT, BS]
+                g = tl.load(su_ptr + rt[:, None] * stride_su + cols[None, :], mask=m2, other=0.0)
+                u = tl.load(su_ptr + rt[:, None] * stride_su + I_SH + cols[None, :], mask=m2, other=0.0)
+                tl.store(h_ptr + rt[:, None] * stride_h + cols[None, :],
+                         silu_mul_rounded(g, u, h_ptr.dtype.element_ty, IEEE_EXP), mask=m2)
+                c0 += BS
+    if tl.program_id(1) == 0:  # the routing of token pid
+        re = tl.arange(0, BE)  # [BE] experts (padded to a power of two)
+        tmask = rt < T
+        emask = re < E
+        lg = tl.load(logits_ptr + rt[:, None] * stride_l + re[None, :], mask=tmask[:, None] & emask[None, :], other=0.0)
+        scores = tl.sigmoid(lg.to(tl.float32))  # [BT, BE]
+        bias = tl.load(bias_ptr + re, mask=emask, other=0.0).to(tl.float32)  # [BE]
+        choice = tl.where(emask[None, :], scores + bias[None, :], NEG)  # [BT, BE]
 
-    if N_GROUP > 1:
-        # group score = sum of the group's two best choices; keep the TOPK_GROUP best groups
-        gid = re // (E // N_GROUP)  # [BE]
-        rg = tl.arange(0, BG)
-        gscore = tl.full([BT, BG], NEG, tl.float32)
-        for g in tl.static_range(N_GROUP):
-            cg = tl.where((gid == g)[None, :], choice, NEG)
-            m1 = tl.max(cg, axis=1)
-            i1 = tl.min(tl.where(cg == m1[:, None], re[None, :], BE), axis=1)
-            m2 = tl.max(tl.where(re[None, :] == i1[:, None], NEG, cg), axis=1)
-            gscore = tl.where(rg[None, :] == g, (m1 + m2)[:, None], gscore)
-        keep = tl.zeros([BT, BE], tl.int32)
-        for r in tl.static_range(TOPK_GROUP):
-            mg = tl.max(gscore, axis=1)
-            ig = tl.min(tl.where(gscore == mg[:, None], rg[None, :], BG), axis=1)  # [BT]
-            keep = tl.where(gid[None, :] == ig[:, None], 1, keep)
-            gscore = tl.where(rg[None, :] == ig[:, None], NEG, gscore)
-        choice = tl.where(keep != 0, choice, NEG)
+        if N_GROUP > 1:
+            # group score = sum of the group's two best choices; keep the TOPK_GROUP best groups
+            gid = re // (E // N_GROUP)  # [BE]
+            rg = tl.arange(0, BG)
+            gscore = tl.full([BT, BG], NEG, tl.float32)
+            for g in tl.static_range(N_GROUP):
+                cg = tl.where((gid == g)[None, :], choice, NEG)
+                m1 = tl.max(cg, axis=1)
+                i1 = tl.min(tl.where(cg == m1[:, None], re[None, :], BE), axis=1)
+                m2 = tl.max(tl.where(re[None, :] == i1[:, None], NEG, cg), axis=1)
+                gscore = tl.where(rg[None, :] == g, (m1 + m2)[:, None], gscore)
+            keep = tl.zeros([BT, BE], tl.int32)
+            for r in tl.static_range(TOPK_GROUP):
+                mg = tl.max(gscore, axis=1)
+                ig = tl.min(tl.where(gscore == mg[:, None], rg[None, :], BG), axis=1)  # [BT]
+                keep = tl.where(gid[None, :] == ig[:, None], 1, keep)
+                gscore = tl.where(rg[None, :] == ig[:, None], NEG, gscore)
+            choice = tl.where(keep != 0, choice, NEG)
 
-    # one reduction per pick: the packed key (choice desc, expert id asc) of each lane, max over the row
-    key = tl.where(emask[None, :] & (choice > NEG), pack(choice, re[None, :]), KEY_NONE)  # [BT, BE] int64
-    rk = tl.arange(0, BKK)  # [BKK] slots (padded)
-    sel_i = tl.zeros([BT, BKK], tl.int32)
-    for j in tl.static_range(K):
-        m = tl.max(key, axis=1)  # [BT]
-        ij = unpack(m)[1]  # [BT] the pick (lowest id among equal choices)
-        key = tl.where(re[None, :] == ij[:, None], KEY_NONE, key)
-        sel_i = tl.where(rk[None, :] == j, ij[:, None], sel_i)
-    kmask = tmask[:, None] & (rk[None, :] < K)  # [BT, BKK]
-    if PREFETCH:  # the picked local experts' weights in flight now, while the routing finishes (an L2 hint)
-        lp = sel_i - e_start
-        here = kmask & (lp >= 0) & (lp < e_local)
-        lp = tl.where(here, lp, 0)
-        _prefetch_experts(pf1_ptr, lp, PF1_BYTES, here, NCH1)
-        _prefetch_experts(pf2_ptr, lp, PF2_BYTES, here, NCH2)
-    # the unbiased scores of the picks, re-read from the logits (same sigmoid as above, bit for bit)
-    sel_w = tl.sigmoid(tl.load(logits_ptr + rt[:, None] * stride_l + sel_i, mask=kmask, other=0.0).to(tl.float32))
-    sel_w = tl.where(kmask, sel_w, 0.0)
-    if NORM:
-        sel_w = sel_w / (tl.sum(sel_w, axis=1)[:, None] + 1e-20)
-    sel_w = sel_w * scaling
+        # one reduction per pick: the packed key (choice desc, expert id asc) of each lane, max over the row
+        key = tl.where(emask[None, :] & (choice > NEG), pack(choice, re[None, :]), KEY_NONE)  # [BT, BE] int64
+        rk = tl.arange(0, BKK)  # [BKK] slots (padded)
+        sel_i = tl.zeros([BT, BKK], tl.int32)
+        for j in tl.static_range(K):
+            m = tl.max(key, axis=1)  # [BT]
+            ij = unpack(m)[1]  # [BT] the pick (lowest id among equal choices)
+            key = tl.where(re[None, :] == ij[:, None], KEY_NONE, key)
+            sel_i = tl.where(rk[None, :] == j, ij[:, None], sel_i)
+        kmask = tmask[:, None] & (rk[None, :] < K)  # [BT, BKK]
+        if PREFETCH:  # the picked local experts' weights in flight now, while the routing finishes (an L2 hint)
+            lp = sel_i - e_start
+            here = kmask & (lp >= 0) & (lp < e_local)
+            lp = tl.where(here, lp, 0)
+            _prefetch_experts(pf1_ptr, lp, PF1_BYTES, here, NCH1)
+            _prefetch_experts(pf2_ptr, lp, PF2_BYTES, here, NCH2)
+        # the unbiased scores of the picks, re-read from the logits (same sigmoid as above, bit for bit)
+        sel_w = tl.sigmoid(tl.load(logits_ptr + rt[:, None] * stride_l + sel_i, mask=kmask, other=0.0).to(tl.float32))
+        sel_w = tl.where(kmask, sel_w, 0.0)
+        if NORM:
+            sel_w = sel_w / (tl.sum(sel_w, axis=1)[:, None] + 1e-20)
+        sel_w = sel_w * scaling
 
-    slot = rt[:, None] * K + rk[None, :]  # [BT, BKK]
-    tl.store(idx_ptr + slot, sel_i, mask=kmask)
-    tl.store(w_ptr + slot, sel_w, mask=kmask)
+        slot = rt[:, None] * K + rk[None, :]  # [BT, BKK]
+        tl.store(idx_ptr + slot, sel_i, mask=kmask)
+        tl.store(w_ptr + slot, sel_w, mask=kmask)
 
-    le = sel_i - e_start  # local expert index
-    local = kmask & (le >= 0) & (le < e_local)
-    le = tl.where(local, le, 0)
-    pos = tl.atomic_add(counts_ptr + le, 1, mask=local)  # [BT, BKK] place in the expert's list
-    first = local & (pos == 0)
-    a = tl.atomic_add(counts_ptr + e_local + le * 0, 1, mask=first)
-    tl.store(active_ptr + a, le, mask=first)
-    tl.store(lists_ptr + le * T + pos, slot, mask=local)
+        le = sel_i - e_start  # local expert index
+        local = kmask & (le >= 0) & (le < e_local)
+        le = tl.where(local, le, 0)
+        pos = tl.atomic_add(counts_ptr + le, 1, mask=local)  # [BT, BKK] place in the expert's list
+        first = local & (pos == 0)
+        a = tl.atomic_add(counts_ptr + e_local + le * 0, 1, mask=first)
+        tl.store(active_ptr + a, le, mask=first)
+        tl.store(lists_ptr + le * T + pos, slot, mask=local)
 
 
 def launch_route(logits: torch.Tensor, bias: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,
@@ -142,7 +147,7 @@ def launch_route(logits: torch.Tensor, bias: torch.Tensor, topk_idx: torch.Tenso
                  prefetch: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """route_kernel over logits [t, e] (rows may be strided): one token per one-warp program, each pick a
     warp-shuffle reduction.  With shared_gate_up [t, 2i] (unit stride along 2i) and shared_h [t, i] (x's
-    dtype), the same programs also write shared_h = silu(gate) * up (plugins/common/activation_kernel.py).
+    dtype), one more program per token writes shared_h = silu(gate) * up (plugins/common/activation_kernel.py).
     prefetch (w13, w2): contiguous expert weights [e_local, ...] whose picked experts the kernel puts in flight
     into L2 as soon as it has picked them (sm_90+ CUDA only; a hint, ignored elsewhere)."""
     t, e = logits.shape
@@ -151,7 +156,7 @@ def launch_route(logits: torch.Tensor, bias: torch.Tensor, topk_idx: torch.Tenso
     pf = prefetch is not None and logits.is_cuda and device_facts(logits.device).capability[0] >= 9
     w1, w2 = prefetch if pf else (logits, logits)
     b1, b2 = (w.numel() * w.element_size() // w.shape[0] for w in (w1, w2)) if pf else (0, 0)
-    route_kernel[(t,)](logits, bias, topk_idx, topk_w, counts, active, lists, t, e, logits.stride(0), e_start,
+    route_kernel[(t, 2 if shared else 1)](logits, bias, topk_idx, topk_w, counts, active, lists, t, e, logits.stride(0), e_start,
                        e_local, float(scaling), shared_gate_up if shared else logits,
                        shared_h if shared else logits, i_sh, shared_gate_up.stride(0) if shared else 0,
                        shared_h.stride(0) if shared else 0, w1, w2, b1, b2, K=top_k, N_GROUP=n_group,
