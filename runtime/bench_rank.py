@@ -91,6 +91,8 @@ def run_rank_bench(source: str = "kimi-k2.6", tp: int = 8, rank: int = 0, layers
             row = _measure(target, drafter, replicated, spec, ctx, iters, pool, prof)
             if prof:
                 profiles[row["mode"]] = row.pop("profile")
+                if "drafter_profile" in row:
+                    profiles["drafter"] = row.pop("drafter_profile")
             rows.append(row)
             torch.cuda.empty_cache()  # the session's caches are gone: give their memory back before the next
             if progress:
@@ -186,7 +188,12 @@ def _measure(target, drafter, replicated, spec: SpecConfig, ctx: int, iters: int
     row["cache_gb"] = _gb(s.cache.kv.numel() * s.cache.kv.element_size())
     row["session_gb"] = _gb(torch.cuda.memory_allocated() - base)  # caches, buffers, workspaces; graphs' pool apart
     if profile:
-        row["profile"] = _profile(step.launch, rewind, target, row)
+        row["profile"] = _profile(step.launch, rewind, target, _step_bytes_by_class(row), target.cfg.num_layers)
+        if spec.mode != "none":  # the (sharded) drafter alone: its share of the round, kernel by kernel
+            run = lambda: drafter.draft(s.dcache, buf.ctx_feats, buf.accept_len, buf.bonus, buf.ctx_tokens)
+            row["drafter_profile"] = _profile(CapturedStep(run, pool, name="drafter_profile").launch,
+                                              lambda: s.dcache.lens.fill_(ctx - 1), target,
+                                              {"gemm": row["drafter_bytes"]}, drafter.cfg.num_layers)
     return row
 
 
@@ -225,8 +232,18 @@ def _time(launch: Callable[[], None], iters: int, reset: Callable[[], None]) -> 
     return round(time_launches(launch, iters), 1)
 
 
-def _profile(launch: Callable[[], None], reset: Callable[[], None], target, row: dict) -> dict:
-    """Kernels of one replay of the captured step, by class: count, µs, and the roofline of its bytes."""
+def _step_bytes_by_class(row: dict) -> dict[str, int]:
+    """The roofline bytes of a whole step's kernel classes (target and drafter)."""
+    return {"moe_experts": row["roofline_bytes"]["experts"],
+            "gemm": sum(v for k, v in row["roofline_bytes"].items() if k in ("dense", "router", "lm_head"))
+            + row.get("drafter_bytes", 0),
+            "attention": row["roofline_bytes"]["cache"]}
+
+
+def _profile(launch: Callable[[], None], reset: Callable[[], None], target, bytes_by_class: dict[str, int],
+             layers: int) -> dict:
+    """Kernels of one replay of a captured graph, by class: count, µs, and the roofline of its bytes
+    (bytes_by_class); per layer over `layers`."""
     from torch.profiler import ProfilerActivity, profile
 
     reset()
@@ -251,16 +268,11 @@ def _profile(launch: Callable[[], None], reset: Callable[[], None], target, row:
         t[0] += 1
         t[1] += ev.device_time
     bw = _bandwidth(target.device)
-    bytes_by_class = {"moe_experts": row["roofline_bytes"]["experts"],
-                      "gemm": sum(v for k, v in row["roofline_bytes"].items() if k in ("dense", "router", "lm_head"))
-                      + row.get("drafter_bytes", 0),
-                      "attention": row["roofline_bytes"]["cache"]}
     for cls, c in classes.items():
         c["us"] = round(c["us"], 1)
         if cls in bytes_by_class:
             c["roofline_us"] = round(1e6 * bytes_by_class[cls] / bw, 1)
             c["roofline_frac"] = round(c["roofline_us"] / c["us"], 3) if c["us"] else None
-    layers = target.cfg.num_layers
     total = sum(c["kernels"] for c in classes.values())
     return {"classes": classes, "kernels": total, "kernels_per_layer": round(total / layers, 1),
             "gpu_us": round(sum(c["us"] for c in classes.values()), 1),

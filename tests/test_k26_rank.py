@@ -81,6 +81,7 @@ def test_bench_rank_only_on_artifact(k26_art):
             assert math.isfinite(r[k]) and r[k] > 0, (r["mode"], k)
         assert 1 <= r["experts_touched_per_layer"] <= 384
     assert res["profiles"]["ddtree-8"]["kernels"] > res["profiles"]["ar"]["kernels"] > 0
+    assert 0 < res["profiles"]["drafter"]["kernels"] < res["profiles"]["ddtree-8"]["kernels"]  # the drafter alone
     assert "ddtree-8" in format_rank_table(res)
 
 
