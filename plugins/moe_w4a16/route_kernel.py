@@ -156,14 +156,14 @@ def launch_route(logits: torch.Tensor, bias: torch.Tensor, topk_idx: torch.Tenso
     pf = prefetch is not None and logits.is_cuda and device_facts(logits.device).capability[0] >= 9
     w1, w2 = prefetch if pf else (logits, logits)
     b1, b2 = (w.numel() * w.element_size() // w.shape[0] for w in (w1, w2)) if pf else (0, 0)
-    route_kernel[(t, 2 if shared else 1)](logits, bias, topk_idx, topk_w, counts, active, lists, t, e, logits.stride(0), e_start,
-                       e_local, float(scaling), shared_gate_up if shared else logits,
-                       shared_h if shared else logits, i_sh, shared_gate_up.stride(0) if shared else 0,
-                       shared_h.stride(0) if shared else 0, w1, w2, b1, b2, K=top_k, N_GROUP=n_group,
-                       TOPK_GROUP=topk_group, NORM=bool(norm_topk_prob), BT=1, BE=next_pow2(e), BKK=next_pow2(top_k),
-                       BG=next_pow2(n_group), SHARED=shared, BS=min(1024, next_pow2(max(i_sh, 1))),
-                       IEEE_EXP=logits.is_cuda, PREFETCH=pf, NCH1=next_pow2(-(-b1 // PF_CHUNK_BYTES)),
-                       NCH2=next_pow2(-(-b2 // PF_CHUNK_BYTES)), num_warps=1, **pdl_args(pdl_for(logits)))
+    route_kernel[(t, 2 if shared else 1)](
+        logits, bias, topk_idx, topk_w, counts, active, lists, t, e, logits.stride(0), e_start, e_local,
+        float(scaling), shared_gate_up if shared else logits, shared_h if shared else logits, i_sh,
+        shared_gate_up.stride(0) if shared else 0, shared_h.stride(0) if shared else 0, w1, w2, b1, b2, K=top_k,
+        N_GROUP=n_group, TOPK_GROUP=topk_group, NORM=bool(norm_topk_prob), BT=1, BE=next_pow2(e),
+        BKK=next_pow2(top_k), BG=next_pow2(n_group), SHARED=shared, BS=min(1024, next_pow2(max(i_sh, 1))),
+        IEEE_EXP=logits.is_cuda, PREFETCH=pf, NCH1=next_pow2(-(-b1 // PF_CHUNK_BYTES)),
+        NCH2=next_pow2(-(-b2 // PF_CHUNK_BYTES)), num_warps=1, **pdl_args(pdl_for(logits)))
 
 
 def next_pow2(n: int) -> int:
