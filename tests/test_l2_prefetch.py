@@ -56,3 +56,39 @@ def test_prefetch_changes_no_result():
         assert torch.equal(out, want)
     with pytest.raises(ValueError, match="multiples of 16"):
         prefetch_l2(torch.zeros(3, device=dev, dtype=torch.bfloat16))
+
+
+def test_the_op_is_a_no_op_off_cuda_and_takes_at_most_four():
+    from plugins.l2_prefetch import l2_prefetch
+    w = torch.randn(8, 4)
+    l2_prefetch([w, w.t()])  # nothing happens on CPU, whatever the layout
+    assert str(torch.ops.kdtree.l2_prefetch.default._schema) == "kdtree::l2_prefetch(Tensor[] weights) -> ()"
+    with pytest.raises(ValueError, match="at most 4 tensors"):
+        l2_prefetch([w] * 5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_gemm_prefetch_changes_no_token(tiny, tmp_path, monkeypatch):
+    """KDTREE_GEMM_PREFETCH's L2 prefetch before each layer's attention (runtime/model/attention.py) adds a hint
+    kernel to the round and nothing else: the tiny INT4 model's tokens are the same bits, AR and DDTree, graphs on."""
+    import runtime.model.attention as attention
+    from build_pipeline.tiny_drafter import make_tiny_drafter
+    from plugins.l2_prefetch.launch import prefetch_regions_l2
+    from runtime.engine.engine import Engine
+
+    path, drafter = tiny.get("kimi", int4=True, kimi25=True), tmp_path / "drafter"
+    make_tiny_drafter(path, drafter)
+    prompt = list(range(3, 40, 3))
+    runs = {}
+    for on in (False, True):
+        monkeypatch.setattr(attention, "GEMM_PREFETCH", on)
+        for spec, budget in (("none", None), ("ddtree", 8)):
+            eng = Engine.load(path, device="cuda", drafter=drafter if budget else None, spec=spec, budget=budget)
+            runs[(on, spec)] = list(eng.generate_ids(prompt, 24))
+            assert eng.last_stats["graphs"]
+    assert runs[(True, "none")] == runs[(False, "none")]
+    assert runs[(True, "ddtree")] == runs[(False, "ddtree")]
+    w = torch.randn(96, 40, device="cuda").bfloat16()
+    with pytest.raises(ValueError, match="at most 4"):
+        prefetch_regions_l2([w] * 5)

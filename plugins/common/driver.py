@@ -13,3 +13,28 @@ def checked(cu, res, what: str, error: type[Exception] = RuntimeError):
     if err != cu.CUresult.CUDA_SUCCESS:
         raise error(f"{what} failed: {getattr(err, 'name', err)}")
     return rest[0] if len(rest) == 1 else tuple(rest) if rest else None
+
+
+def launch(cu, func, grid: int, threads: int, smem: int, stream, args: tuple, types: tuple, pdl: bool,
+           what: str) -> bool:
+    """One launch of the driver function `func` on `stream` (grid x 1 x 1 CTAs of `threads`); with pdl through
+    cuLaunchKernelEx with programmatic stream serialization (the kernel must wait for its predecessor grid before
+    reading anything: griddepcontrol.wait).  Returns whether it went with PDL: False when the driver or the
+    bindings refused the attribute (the caller should stop asking) and this launch went plain."""
+    if pdl:
+        config = cu.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = grid, 1, 1
+        config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
+        config.sharedMemBytes, config.hStream = smem, stream
+        attr = cu.CUlaunchAttribute()
+        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        config.attrs, config.numAttrs = [attr], 1
+        try:
+            err = cu.cuLaunchKernelEx(config, func, (args, types), 0)[0]
+        except (TypeError, ValueError, RuntimeError, AttributeError):  # bindings without the Ex launch's types
+            err = None
+        if err == cu.CUresult.CUDA_SUCCESS:
+            return True
+    checked(cu, cu.cuLaunchKernel(func, grid, 1, 1, threads, 1, 1, smem, stream, (args, types), 0), what)
+    return False

@@ -1,6 +1,7 @@
 """Launches of l2_prefetch.cu through the driver API on torch's current stream (capturable in a CUDA graph).
 
 prefetch_l2(w): bulk-prefetch the bytes of tensor w into L2 (returns at once; the lines arrive later).
+prefetch_regions_l2(ws): up to four tensors in one launch, a node of the decode round's PDL chain (the op).
 spin(cycles): one thread busy for `cycles` SM clocks (the benchmark's stand-in for other work).
 The cubin comes from the artifact, the kdtree cache or NVRTC/nvcc (plugins/common/cubin.py).
 """
@@ -14,13 +15,16 @@ import torch
 
 from plugins.common.cubin import load_module
 from plugins.common.device import device_facts
-from plugins.common.driver import checked
+from plugins.common.driver import checked, launch
+from plugins.common.pdl import USE_PDL
 
 SOURCE = Path(__file__).with_name("l2_prefetch.cu")
 CHUNK = 64 << 10  # bytes per bulk prefetch request
 THREADS = 128
 
 _FUNCS: dict[int, dict[str, object]] = {}
+_PDL: dict[int, bool] = {}  # device index -> launch the regions kernel with PDL (off once the driver refuses it)
+REGIONS = 4  # kdtree_l2_prefetch_regions' parameters
 
 
 def _func(device: torch.device, name: str):
@@ -30,15 +34,14 @@ def _func(device: torch.device, name: str):
     if funcs is None:
         module, _ = load_module(SOURCE, torch.device("cuda", index), "l2_prefetch")
         funcs = _FUNCS[index] = {n: checked(cu, cu.cuModuleGetFunction(module, n.encode()), f"l2_prefetch: {n}")
-                                 for n in ("kdtree_l2_prefetch", "kdtree_spin")}
+                                 for n in ("kdtree_l2_prefetch", "kdtree_l2_prefetch_regions", "kdtree_spin")}
     return cu, funcs[name]
 
 
 def _launch(device: torch.device, name: str, grid: int, threads: int, args: tuple, types: tuple) -> None:
     cu, func = _func(device, name)
     stream = cu.CUstream(torch.cuda.current_stream(device).cuda_stream)
-    checked(cu, cu.cuLaunchKernel(func, grid, 1, 1, threads, 1, 1, 0, stream, (args, types), 0),
-            f"l2_prefetch: launch {name}")
+    launch(cu, func, grid, threads, 0, stream, args, types, False, f"l2_prefetch: launch {name}")
 
 
 def prefetch_l2(w: torch.Tensor, chunk: int = CHUNK, evict_last: bool = False) -> None:
@@ -55,6 +58,34 @@ def prefetch_l2(w: torch.Tensor, chunk: int = CHUNK, evict_last: bool = False) -
     grid = min(-(-requests // THREADS), device_facts(w.device).sms)
     _launch(w.device, "kdtree_l2_prefetch", grid, THREADS, (w.data_ptr(), nbytes, chunk, int(evict_last)),
             (ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_uint, ctypes.c_int))
+
+
+def prefetch_regions_l2(ws: list[torch.Tensor], chunk: int = CHUNK) -> None:
+    """Bulk-prefetch up to four contiguous CUDA tensors of one device into L2 in one launch that, on sm_90+, goes
+    with programmatic dependent launch: the requests go out while the previous kernel still runs, and the launch
+    completes after it (a node of the decode round's PDL chain).  A hint: no result depends on it."""
+    if not ws:
+        return
+    if len(ws) > REGIONS:
+        raise ValueError(f"prefetch_regions_l2: at most {REGIONS} tensors per launch, got {len(ws)}")
+    dev = ws[0].device
+    for w in ws:
+        if not w.is_cuda or not w.is_contiguous() or w.device != dev:
+            raise ValueError(f"prefetch_regions_l2: contiguous CUDA tensors of one device, got {w.device} "
+                             f"contiguous={w.is_contiguous()}")
+        if w.data_ptr() % 16 or (w.numel() * w.element_size()) % 16:
+            raise ValueError("prefetch_regions_l2: addresses and sizes must be multiples of 16")
+    sizes = [w.numel() * w.element_size() for w in ws] + [0] * (REGIONS - len(ws))
+    ptrs = [w.data_ptr() for w in ws] + [ws[0].data_ptr()] * (REGIONS - len(ws))
+    requests = sum(-(-b // chunk) for b in sizes)
+    cu, func = _func(dev, "kdtree_l2_prefetch_regions")
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    pdl = _PDL.get(index, USE_PDL and device_facts(dev).capability[0] >= 9)
+    args = (*(v for pair in zip(ptrs, sizes) for v in pair), chunk)
+    types = (*(t for _ in range(REGIONS) for t in (ctypes.c_void_p, ctypes.c_ulonglong)), ctypes.c_uint)
+    stream = cu.CUstream(torch.cuda.current_stream(dev).cuda_stream)
+    _PDL[index] = launch(cu, func, max(1, -(-requests // THREADS)), THREADS, 0, stream, args, types, pdl,
+                         "l2_prefetch: launch kdtree_l2_prefetch_regions")
 
 
 def spin(cycles: int, device: torch.device) -> None:

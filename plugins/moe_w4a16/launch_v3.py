@@ -19,7 +19,7 @@ import torch
 
 from plugins.common.cubin import CubinUnavailable, load_module
 from plugins.common.device import device_facts
-from plugins.common.driver import checked
+from plugins.common.driver import checked, launch
 from plugins.common.pdl import USE_PDL
 from plugins.moe_w4a16.fragment_layout import ROWS
 from plugins.moe_w4a16.launch import launch_combine
@@ -148,27 +148,12 @@ def _func(mod: _Module, name: str, smem: int):
 
 def _launch(mod: _Module, name: str, grid: int, smem: int, args: tuple, types: tuple) -> None:
     """One launch on torch's current stream; with mod.pdl through cuLaunchKernelEx with programmatic stream
-    serialization (the kernels wait for their predecessor grid first: moe_v3.cu's pdl_prologue)."""
+    serialization (the kernels wait for their predecessor grid first: moe_v3.cu's pdl_prologue).  A refused
+    attribute turns PDL off for the module (plain launches from then on, this one included)."""
     cu = mod.cu
-    func = _func(mod, name, smem)
     stream = cu.CUstream(torch.cuda.current_stream().cuda_stream)
-    if mod.pdl:
-        config = cu.CUlaunchConfig()
-        config.gridDimX, config.gridDimY, config.gridDimZ = grid, 1, 1
-        config.blockDimX, config.blockDimY, config.blockDimZ = 32 * WARPS, 1, 1
-        config.sharedMemBytes, config.hStream = smem, stream
-        attr = cu.CUlaunchAttribute()
-        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        attr.value.programmaticStreamSerializationAllowed = 1
-        config.attrs, config.numAttrs = [attr], 1
-        try:
-            err = cu.cuLaunchKernelEx(config, func, (args, types), 0)[0]
-        except (TypeError, ValueError, RuntimeError, AttributeError):  # bindings without the Ex launch's types
-            err = None
-        if err == cu.CUresult.CUDA_SUCCESS:
-            return
-        mod.pdl = False  # refused (an old driver or bindings): plain launches from now on, this one included
-    _ok(cu, cu.cuLaunchKernel(func, grid, 1, 1, 32 * WARPS, 1, 1, smem, stream, (args, types), 0), f"launch {name}")
+    mod.pdl = launch(cu, _func(mod, name, smem), grid, 32 * WARPS, smem, stream, args, types, mod.pdl,
+                     f"moe_w4a16 v3: launch {name}")
 
 
 def check_fragments(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13: torch.Tensor,

@@ -15,9 +15,13 @@ the caller (runtime/model/target.py) all-reduces it.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
+
 import torch
 
 from core.config import ModelConfig
+from plugins.l2_prefetch import l2_prefetch
 from plugins.layer_fusion import mla_q_absorb, mla_rope_kv, mla_v_absorb
 from plugins.tree_verify_mla import tree_verify_mla
 from runtime.model.layers import linear
@@ -25,15 +29,22 @@ from runtime.model.rope import Rope
 from runtime.model.weights import AttentionWeights
 from runtime.model.workspace import ForwardWorkspace
 
+# KDTREE_GEMM_PREFETCH=1: the L2 prefetch of the layer's post-attention weights (off until measured on the GPU:
+# benchmarks/l2_prefetch.py, then the rank benchmark with and without it)
+GEMM_PREFETCH = os.environ.get("KDTREE_GEMM_PREFETCH", "0") == "1"
+
 
 def mla_forward(cfg: ModelConfig, w: AttentionWeights, rope: Rope, x: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, kv: torch.Tensor, lens: torch.Tensor, scratch: torch.Tensor,
-                tree_mask: torch.Tensor, ws: ForwardWorkspace) -> torch.Tensor:
+                tree_mask: torch.Tensor, ws: ForwardWorkspace, prefetch: Sequence[torch.Tensor] = ()
+                ) -> torch.Tensor:
     """x [b, n, d] -> [b, n, d] (under TP this rank's partial sum over its heads).  Writes the n
     tokens' latent rows into scratch[:, :n] ([b, n_max, c+r]).
 
     kv [b, l_max, c+r] is this layer's committed cache, lens [b] its lengths, tree_mask [b, n, w]
     which of the n tokens each token sees (itself and its ancestors); ws holds the attention's outputs.
+    With GEMM_PREFETCH on CUDA, o_proj's weights and up to three of `prefetch` (the caller's next GEMMs')
+    are put in flight into L2 before the attention, which leaves HBM mostly idle.
     """
     b, n, _ = x.shape
     t = b * n
@@ -55,6 +66,8 @@ def mla_forward(cfg: ModelConfig, w: AttentionWeights, rope: Rope, x: torch.Tens
     q = linear(q_n if q_n is not None else xt, w.q_b).view(t, h, p + r)  # [t, h, p+r]
     q_full = mla_q_absorb(q, w.w_uk, cos_t, sin_t, rope.interleave).view(b, n, h, c + r)  # [q_nope . W_UK | rope]
 
+    if GEMM_PREFETCH and x.is_cuda:  # a hint (plugins/l2_prefetch): the weights of the GEMMs after the attention
+        l2_prefetch([t for t in (w.o, *prefetch) if t is not None and t.is_contiguous()][:4])
     o_lat, lse = ws.attention(b, n, h, c)  # [b, n, h, c], [b, n, h]
     tree_verify_mla(q_full, kv, lens, tree_kv, tree_mask, cfg.softmax_scale, o_lat, lse)
     o = mla_v_absorb(o_lat.view(t, h, c), w.w_uv)  # [t, h, u] = o_lat . W_UV^T per head: o_proj's input rows

@@ -97,7 +97,7 @@ class TargetModel:
         x, hn, cos, sin = self.embed_norm_rope(tokens, first_norm, eps, positions, self.rope)
         for li, lw in enumerate(layers):
             a = mla_forward(cfg, lw.attn, self.rope, hn, cos, sin, cache.kv[li], cache.lens, cache.scratch[li],
-                            tree_mask, cache.work)  # [b, n, d] partial
+                            tree_mask, cache.work, self._next_gemms(lw))  # [b, n, d] partial
             x, hn = add_rms_norm(x, self._reduce(a), lw.mlp_norm, eps)  # residual, then the MLP's norm
             if isinstance(lw.mlp, MoEWeights):
                 m = moe_forward(cfg, lw.mlp, hn, self.experts[0], cache.work.moe)  # ep: experts from experts[0]
@@ -111,6 +111,15 @@ class TargetModel:
         hidden = hn
         features = torch.cat([feats[i] for i in self.feature_layers], dim=-1) if feats else None
         return hidden, features
+
+    @staticmethod
+    def _next_gemms(lw) -> tuple[torch.Tensor | None, ...]:
+        """The weights of a layer's GEMMs after its attention's o_proj: the router (with the shared expert's gate_up
+        when stacked) and the shared expert's down, or the dense MLP's (what mla_forward may prefetch)."""
+        if isinstance(lw.mlp, MoEWeights):
+            joint = lw.mlp.router_inputs()
+            return (joint if joint is not None else lw.mlp.gate, lw.mlp.shared.down if lw.mlp.shared else None)
+        return (lw.mlp.gate_up, lw.mlp.down)
 
     def embed_norm_rope(self, tokens: torch.Tensor, norm_weight: torch.Tensor, eps: float, positions: torch.Tensor,
                         rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
