@@ -141,3 +141,27 @@ def test_zero_new_tokens_reports_the_prompt(tiny):
     eng = Engine.load(tiny.get("kimi"))
     assert list(eng.generate_ids([5, 6, 7], 0)) == [] and eng.last_stats["prompt_tokens"] == 3
 
+
+
+def test_env_switches_take_0_or_1_and_name_the_variable(monkeypatch):
+    """KDTREE_PDL, KDTREE_FUSION, KDTREE_MOE_PREFETCH, KDTREE_GEMM_PREFETCH: unset -> default, "0" / "1", and
+    anything else is one error naming the variable (`kdtree run`: one line, exit 1), not a switch left as it was."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from core.env_flags import env_flag
+    monkeypatch.delenv("KDTREE_X", raising=False)
+    assert env_flag("KDTREE_X", True) and not env_flag("KDTREE_X", False)
+    for value, want in (("0", False), ("1", True), ("", True)):
+        monkeypatch.setenv("KDTREE_X", value)
+        assert env_flag("KDTREE_X", True) is want
+    monkeypatch.setenv("KDTREE_X", "off")
+    with pytest.raises(ValueError, match="KDTREE_X must be 0 or 1, got 'off'"):
+        env_flag("KDTREE_X", True)
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("KDTREE_FUSION")}
+    proc = subprocess.run([sys.executable, "-m", "runtime.cli", "run", "/nonexistent", "--prompt-ids", "1"],
+                          env=env | {"KDTREE_FUSION": "true", "PYTHONPATH": str(root)}, cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and proc.stderr == "error: KDTREE_FUSION must be 0 or 1, got 'true'\n", proc.stderr

@@ -18,16 +18,15 @@ KDTREE_PDL=0 (read at import) launches every kernel without it: the peer the ben
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from core.env_flags import env_flag
 from plugins.common.device import device_facts
 
-USE_PDL = os.environ.get("KDTREE_PDL", "1") != "0"
+USE_PDL = env_flag("KDTREE_PDL", True)
 
 
 def pdl_for(t: torch.Tensor) -> bool:

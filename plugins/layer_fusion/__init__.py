@@ -9,10 +9,9 @@ Letters: t tokens, d hidden, h heads, p qk_nope dims, r rope dims, c latent, i M
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from core.env_flags import env_flag
 from plugins.common.op import kdtree_op
 from plugins.common.precision import KERNEL_DTYPES
 from plugins.layer_fusion.reference import (
@@ -35,7 +34,7 @@ __all__ = ["rms_norm", "add_rms_norm", "rope_cos_sin", "mla_q_absorb", "mla_v_ab
 
 # KDTREE_FUSION=0 (read once, at import): the references on CUDA too, i.e. the unfused torch ops, the peer
 # benchmarks/layer_fusion.py measures in the same run
-FUSION = os.environ.get("KDTREE_FUSION", "1") != "0"
+FUSION = env_flag("KDTREE_FUSION", True)
 
 
 def _fused(x: torch.Tensor, *others: torch.Tensor | None) -> bool:

@@ -11,12 +11,12 @@ stream).  The cubin comes from the artifact, the kdtree cache or NVRTC/nvcc
 from __future__ import annotations
 
 import ctypes
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from core.env_flags import env_flag
 from plugins.common.cubin import CubinUnavailable, load_module
 from plugins.common.device import device_facts
 from plugins.common.driver import checked, launch
@@ -225,7 +225,7 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
     ws = MoEWorkspace.carve(workspace, t, top_k, e_local, d, i, x.dtype,
                             launch_plan(t, top_k, e_local, d, i, x.device).splits)
     mod = kernels(x.device)  # before the route kernel: a failure here leaves counts zero
-    prefetch = os.environ.get(PREFETCH_ENV, "0") == "1"
+    prefetch = env_flag(PREFETCH_ENV, False)
     # counts [e_local + 1] is zero here (MoEWorkspace.allocate zeroes it, every call's combine re-zeroes it); with
     # prefetch and one token's worth of picks, the routing kernel also puts the picked experts' weights in flight
     launch_route(logits, bias, ws.topk_idx, ws.topk_w, ws.counts, ws.active, ws.lists, e_start, e_local, scaling,

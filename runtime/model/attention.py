@@ -15,12 +15,12 @@ the caller (runtime/model/target.py) all-reduces it.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
 
 from core.config import ModelConfig
+from core.env_flags import env_flag
 from plugins.l2_prefetch import l2_prefetch
 from plugins.layer_fusion import mla_q_absorb, mla_rope_kv, mla_v_absorb
 from plugins.tree_verify_mla import tree_verify_mla
@@ -31,7 +31,7 @@ from runtime.model.workspace import ForwardWorkspace
 
 # KDTREE_GEMM_PREFETCH=1: the L2 prefetch of the layer's post-attention weights (off until measured on the GPU:
 # benchmarks/l2_prefetch.py, then the rank benchmark with and without it)
-GEMM_PREFETCH = os.environ.get("KDTREE_GEMM_PREFETCH", "0") == "1"
+GEMM_PREFETCH = env_flag("KDTREE_GEMM_PREFETCH", False)
 
 
 def mla_forward(cfg: ModelConfig, w: AttentionWeights, rope: Rope, x: torch.Tensor, cos: torch.Tensor,
