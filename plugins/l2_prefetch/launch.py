@@ -44,16 +44,26 @@ def _launch(device: torch.device, name: str, grid: int, threads: int, args: tupl
     launch(cu, func, grid, threads, 0, stream, args, types, False, f"l2_prefetch: launch {name}")
 
 
+def _nbytes(w: torch.Tensor, what: str, device: torch.device | None = None) -> int:
+    """The bytes of w, a contiguous CUDA tensor (on `device` when given) whose address and size are multiples of 16
+    (the bulk prefetch's alignment); ValueError naming `what` otherwise."""
+    if not w.is_cuda or not w.is_contiguous() or (device is not None and w.device != device):
+        raise ValueError(f"{what}: a contiguous CUDA tensor{f' on {device}' if device else ''}, got {w.device} "
+                         f"contiguous={w.is_contiguous()}")
+    nbytes = w.numel() * w.element_size()
+    if nbytes % 16 or w.data_ptr() % 16:
+        raise ValueError(f"{what}: addresses and sizes must be multiples of 16, got {nbytes} bytes")
+    return nbytes
+
+
 def prefetch_l2(w: torch.Tensor, chunk: int = CHUNK, evict_last: bool = False) -> None:
     """Bulk-prefetch the storage of the contiguous CUDA tensor w into L2 (a hint; no result depends on it);
     evict_last: with L2's evict-last policy (kept over lines streamed in after them)."""
-    if not w.is_cuda or not w.is_contiguous():
-        raise ValueError(f"prefetch_l2: a contiguous CUDA tensor, got {w.device} contiguous={w.is_contiguous()}")
-    nbytes = w.numel() * w.element_size()
+    nbytes = _nbytes(w, "prefetch_l2")
+    if chunk % 16:
+        raise ValueError(f"prefetch_l2: chunk ({chunk}) must be a multiple of 16")
     if nbytes == 0:
         return
-    if nbytes % 16 or w.data_ptr() % 16 or chunk % 16:
-        raise ValueError(f"prefetch_l2: bytes ({nbytes}), address and chunk ({chunk}) must be multiples of 16")
     requests = -(-nbytes // chunk)
     grid = min(-(-requests // THREADS), device_facts(w.device).sms)
     _launch(w.device, "kdtree_l2_prefetch", grid, THREADS, (w.data_ptr(), nbytes, chunk, int(evict_last)),
@@ -69,13 +79,7 @@ def prefetch_regions_l2(ws: list[torch.Tensor], chunk: int = CHUNK) -> None:
     if len(ws) > REGIONS:
         raise ValueError(f"prefetch_regions_l2: at most {REGIONS} tensors per launch, got {len(ws)}")
     dev = ws[0].device
-    for w in ws:
-        if not w.is_cuda or not w.is_contiguous() or w.device != dev:
-            raise ValueError(f"prefetch_regions_l2: contiguous CUDA tensors of one device, got {w.device} "
-                             f"contiguous={w.is_contiguous()}")
-        if w.data_ptr() % 16 or (w.numel() * w.element_size()) % 16:
-            raise ValueError("prefetch_regions_l2: addresses and sizes must be multiples of 16")
-    sizes = [w.numel() * w.element_size() for w in ws] + [0] * (REGIONS - len(ws))
+    sizes = [_nbytes(w, "prefetch_regions_l2", dev) for w in ws] + [0] * (REGIONS - len(ws))
     ptrs = [w.data_ptr() for w in ws] + [ws[0].data_ptr()] * (REGIONS - len(ws))
     requests = sum(-(-b // chunk) for b in sizes)
     cu, func = _func(dev, "kdtree_l2_prefetch_regions")

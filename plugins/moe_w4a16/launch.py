@@ -126,8 +126,7 @@ def moe_w4a16_triton(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
         w2.stride(0), w2.stride(1), *_scale_strides(s2, int4),
         INT4=int4, N_KB=plan.n_kb2, BN=cfg.bn2, BM=cfg.bm, PACKED=paired, SCALE_TILE=cfg.scale_tile, DOT_PREC=prec,
         num_warps=cfg.warps2, num_stages=cfg.stages2)
-    launch_combine(ws.out, topk_idx, y, counts, e_start, e_local, top_k, pdl_for(x), shared_h, shared_down,
-                   min(cfg.bd, next_pow2(d)))
+    launch_combine(ws.out, topk_idx, y, counts, e_start, e_local, top_k, pdl_for(x), shared_h, shared_down, cfg.bd)
     return y
 
 
