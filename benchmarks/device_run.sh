@@ -31,7 +31,7 @@ if [[ $what == tests || $what == all ]]; then
 fi
 if [[ $what == bench || $what == all ]]; then
   # an entry is NAME or NAME:ARG,ARG (e.g. tree_verify_mla:--no-sweep); QUICK=1 adds --quick to plain names
-  for entry in ${BENCH:-tree_verify_mla tree_build tree_accept kv_commit moe_w4a16 allreduce}; do
+  for entry in ${BENCH:-tree_verify_mla tree_build tree_accept kv_commit moe_w4a16 skinny_gemm allreduce}; do
     b=${entry%%:*}; args=""; [[ $entry == *:* ]] && args=${entry#*:} && args=${args//,/ }
     [[ -z $args && -n ${QUICK:-} ]] && args="--quick"
     [[ -f benchmarks/$b.py ]] || continue

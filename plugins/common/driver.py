@@ -15,15 +15,16 @@ def checked(cu, res, what: str, error: type[Exception] = RuntimeError):
     return rest[0] if len(rest) == 1 else tuple(rest) if rest else None
 
 
-def launch(cu, func, grid: int, threads: int, smem: int, stream, args: tuple, types: tuple, pdl: bool,
-           what: str) -> bool:
-    """One launch of the driver function `func` on `stream` (grid x 1 x 1 CTAs of `threads`); with pdl through
-    cuLaunchKernelEx with programmatic stream serialization (the kernel must wait for its predecessor grid before
-    reading anything: griddepcontrol.wait).  Returns whether it went with PDL: False when the driver or the
+def launch(cu, func, grid: int | tuple[int, int], threads: int, smem: int, stream, args: tuple, types: tuple,
+           pdl: bool, what: str) -> bool:
+    """One launch of the driver function `func` on `stream` (grid x 1 x 1, or gx x gy x 1, CTAs of `threads`); with
+    pdl through cuLaunchKernelEx with programmatic stream serialization (the kernel must wait for its predecessor
+    grid before reading anything: griddepcontrol.wait).  Returns whether it went with PDL: False when the driver or the
     bindings refused the attribute (the caller should stop asking) and this launch went plain."""
+    gx, gy = grid if isinstance(grid, tuple) else (grid, 1)
     if pdl:
         config = cu.CUlaunchConfig()
-        config.gridDimX, config.gridDimY, config.gridDimZ = grid, 1, 1
+        config.gridDimX, config.gridDimY, config.gridDimZ = gx, gy, 1
         config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
         config.sharedMemBytes, config.hStream = smem, stream
         attr = cu.CUlaunchAttribute()
@@ -36,5 +37,5 @@ def launch(cu, func, grid: int, threads: int, smem: int, stream, args: tuple, ty
             err = None
         if err == cu.CUresult.CUDA_SUCCESS:
             return True
-    checked(cu, cu.cuLaunchKernel(func, grid, 1, 1, threads, 1, 1, smem, stream, (args, types), 0), what)
+    checked(cu, cu.cuLaunchKernel(func, gx, gy, 1, threads, 1, 1, smem, stream, (args, types), 0), what)
     return False

@@ -1,0 +1,213 @@
+// skinny_gemm: y[t, n] = x[t, k] . w[n, k]^T (+ c[t, n]) for a few tokens (t <= 32), bf16 inputs, fp32
+// accumulation, rounded once to bf16 or written as fp32: the decode round's dense GEMMs, which read each weight
+// once and are bound by the bytes of the weights (K2.6 TP8, per layer: qkv_a 30 MB, o_proj 15 MB, router + shared
+// gate_up 13 MB, q_b 4.7 MB; cuBLAS reads them at 17-55 % of HBM's rate, benchmarks/results/dense_gemm.json).
+//
+// Work.  A row group is 16 consecutive weight rows (contiguous bytes of w).  CTA (g, s) takes row group g and the
+// s-th of KS equal ranges of k's 32-column blocks; its W warps split that range (warp i takes blocks i, i + W,
+// ...).  Per block a lane loads 16 bytes of two rows (g, g + 8 of the group) and 16 bytes of each of its token
+// columns straight from global memory into registers, U blocks ahead of the math, and multiplies them on
+// mma.sync m16n8k16: the weights are A (16 rows), the tokens B (8 per tile, TT tiles).  Inside a block the k
+// order is permuted the same way for A and B (a lane's 8 contiguous columns feed its fragment registers of two k
+// steps), which leaves every dot product unchanged.  The CTA's warps are then summed through shared memory in
+// warp order; with KS > 1 each CTA stores that partial tile, and the last CTA of the group to finish (a ticket
+// counter) sums the KS partials in split order and writes y.  So the sum order of an output element depends on
+// (n, k, W, KS) only (launch.py picks W and KS from n and k): a token's result does not depend on t or on the
+// other tokens, and an AR step and a tree round compute the same bits for the same row.
+//
+// PDL (sm_90+; launched with programmatic stream serialization): the weights never change during a round, so
+// their L2 prefetch (pf = 1) goes out before the wait for the predecessor grid; x, c, y and the workspace are
+// touched only after it.
+//
+// No headers: NVRTC compiles this file as it stands (bf16 through PTX on raw 32-bit registers).
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned long long u64;  // no <cstddef>: NVRTC compiles this with no headers
+
+__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+
+#define PF_CHUNK 16384u
+
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {  // weights: read once, no L1 allocation
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ uint4 ld_tokens(const uint4* p) {  // token rows: every CTA reads them
+    uint4 r;
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ float ld_partial(const float* p) {  // another CTA's partial: from L2, never L1
+    float r;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ void l2_prefetch(const void* p, u32 bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+__device__ __forceinline__ u16 to_bf16(float f) {
+    u16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+}
+
+__device__ __forceinline__ float from_bf16(u16 v) { return __uint_as_float(((u32)v) << 16); }
+
+// Output element e of a CTA's tile (token tok = e / 16, row = e % 16: 16 threads write 16 consecutive rows of one
+// token) -> its place in the fragment tiles [TT][4][32]: C register i of lane (g, q) is row g + 8 (i / 2), token
+// column 2 q + i % 2 of tile tok / 8.
+__device__ __forceinline__ int frag_index(int tok, int row) {
+    const int col = tok & 7;
+    const int i = (row >= 8 ? 2 : 0) + (col & 1);
+    const int lane = ((row & 7) << 2) | (col >> 1);
+    return ((tok >> 3) * 4 + i) * 32 + lane;
+}
+
+template <int TT, int U, bool OUT_F32, bool ADD_C>
+__device__ __forceinline__ void skinny(const u16* __restrict__ x, const u16* __restrict__ w, void* __restrict__ y,
+                                       const u16* __restrict__ c, float* __restrict__ parts, int* __restrict__ tickets,
+                                       int t, int n, int k, int ldx, int ldy, int ldc, int ks, int pf) {
+    extern __shared__ float red[];  // [W warps][TT][4][32] accumulators in fragment order, then the ticket
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int g = lane >> 2, q = lane & 3;
+    const int r0 = blockIdx.x * 16, rows = imin(16, n - r0);
+    const int nkb = k >> 5;  // 32-column blocks of k
+    const int per = (nkb + ks - 1) / ks;
+    const int kb_lo = imin(nkb, (int)blockIdx.y * per), kb_hi = imin(nkb, kb_lo + per);  // may be empty
+
+    if (pf) {  // this CTA's weights into L2 at once (rows r0.. of its k range), before the wait: they never change
+        const char* base = reinterpret_cast<const char*>(w + (u64)r0 * k + (u64)kb_lo * 32);
+        const u32 span = (u32)(kb_hi - kb_lo) * 64u;  // bytes of one row's range
+        for (u32 i = threadIdx.x; i < (u32)rows * ((span + PF_CHUNK - 1) / PF_CHUNK); i += blockDim.x) {
+            const u32 row = i % rows, off = (i / rows) * PF_CHUNK;
+            if (off < span)
+                l2_prefetch(base + (u64)row * k * 2 + off, span - off < PF_CHUNK ? span - off : PF_CHUNK);
+        }
+    }
+    pdl_wait();
+
+    // rows past n (the last group) read row n - 1 and are never stored; token columns past t read token 0 and are
+    // never stored (an mma column depends on its own B column only)
+    const uint4* wa = reinterpret_cast<const uint4*>(w + (u64)imin(r0 + g, n - 1) * k) + q;
+    const uint4* wb = reinterpret_cast<const uint4*>(w + (u64)imin(r0 + g + 8, n - 1) * k) + q;
+    const uint4* xr[TT];
+#pragma unroll
+    for (int j = 0; j < TT; ++j) {
+        const int tok = j * 8 + g;
+        xr[j] = reinterpret_cast<const uint4*>(x + (u64)(tok < t ? tok : 0) * ldx) + q;
+    }
+    float acc[TT][4];
+#pragma unroll
+    for (int j = 0; j < TT; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[j][i] = 0.f;
+
+    for (int kb0 = kb_lo + warp; kb0 < kb_hi; kb0 += U * warps) {
+        uint4 a[U], b[U], xv[U][TT];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {  // all loads of U blocks first (warp-uniform condition), then the math
+            const int kb = kb0 + u * warps;
+            if (kb < kb_hi) {
+                a[u] = ld_stream(wa + kb * 4);
+                b[u] = ld_stream(wb + kb * 4);
+#pragma unroll
+                for (int j = 0; j < TT; ++j) xv[u][j] = ld_tokens(xr[j] + kb * 4);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (kb0 + u * warps < kb_hi) {
+#pragma unroll
+                for (int s = 0; s < 2; ++s) {  // k step s: columns 4s..4s+3 of each lane's 8
+                    const u32 a0 = word(a[u], 2 * s), a1 = word(b[u], 2 * s);
+                    const u32 a2 = word(a[u], 2 * s + 1), a3 = word(b[u], 2 * s + 1);
+#pragma unroll
+                    for (int j = 0; j < TT; ++j)
+                        mma_bf16(acc[j], a0, a1, a2, a3, word(xv[u][j], 2 * s), word(xv[u][j], 2 * s + 1));
+                }
+            }
+        }
+    }
+
+#pragma unroll
+    for (int j = 0; j < TT; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) red[((warp * TT + j) * 4 + i) * 32 + lane] = acc[j][i];
+    __syncthreads();
+    const int tile = TT * 128;
+    if (ks > 1) {  // store this split's tile, then the group's last CTA sums the splits in order
+        float* mine = parts + ((u64)blockIdx.x * ks + blockIdx.y) * tile;
+        for (int e = threadIdx.x; e < tile; e += blockDim.x) {
+            float s = 0.f;
+            for (int v = 0; v < warps; ++v) s += red[v * tile + e];
+            mine[e] = s;
+        }
+        __threadfence();
+        __syncthreads();
+        int* last = reinterpret_cast<int*>(red + warps * tile);
+        if (threadIdx.x == 0) {
+            const int ticket = atomicAdd(tickets + blockIdx.x, 1);
+            *last = ticket == ks - 1;
+            if (ticket == ks - 1) tickets[blockIdx.x] = 0;  // ready for the next call (same stream, after this grid)
+        }
+        __syncthreads();
+        if (!*last) return;
+        __threadfence();
+    }
+    for (int e = threadIdx.x; e < tile; e += blockDim.x) {
+        const int tok = e >> 4, row = e & 15;
+        if (tok >= t || row >= rows) continue;
+        const int f = frag_index(tok, row);
+        float s = 0.f;
+        if (ks > 1) {
+            const float* group = parts + (u64)blockIdx.x * ks * tile + f;
+            for (int v = 0; v < ks; ++v) s += ld_partial(group + (u64)v * tile);
+        } else {
+            for (int v = 0; v < warps; ++v) s += red[v * tile + f];
+        }
+        const u64 col = (u64)r0 + row;
+        if (ADD_C) s += from_bf16(c[(u64)tok * ldc + col]);
+        if (OUT_F32)
+            reinterpret_cast<float*>(y)[(u64)tok * ldy + col] = s;
+        else
+            reinterpret_cast<u16*>(y)[(u64)tok * ldy + col] = to_bf16(s);
+    }
+}
+
+// Variants (launch.py picks): TT token tiles of 8 (t <= 8, 16, 32), U blocks in flight per warp (1 KB each), bf16
+// or fp32 out, with or without c (bf16 out only).  Up to 512 threads (W = 16 warps) per CTA: <= 128 registers.
+#define SKINNY(TT, U, NAME, OUT_F32, ADD_C)                                                                        \
+    extern "C" __global__ void __launch_bounds__(512) kdtree_skinny_gemm_t##TT##_u##U##_##NAME(                    \
+        const u16* x, const u16* w, void* y, const u16* c, float* parts, int* tickets, int t, int n, int k,          \
+        int ldx, int ldy, int ldc, int ks, int pf) {                                                               \
+        skinny<TT, U, OUT_F32, ADD_C>(x, w, y, c, parts, tickets, t, n, k, ldx, ldy, ldc, ks, pf);                  \
+    }
+
+#define OUTS(TT, U) SKINNY(TT, U, bf16, false, false) SKINNY(TT, U, bf16_c, false, true) SKINNY(TT, U, f32, true, false)
+OUTS(1, 4) OUTS(1, 8) OUTS(2, 4) OUTS(4, 2)
