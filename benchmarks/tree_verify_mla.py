@@ -38,7 +38,7 @@ from plugins.tree_verify_mla.reference import tree_verify_mla_reference  # noqa:
 
 D_QK, D_V, D_NOPE, D_ROPE = 576, 512, 128, 64  # latent row; per-head decompressed dims for the SDPA peer
 SHAPES = [  # (b, h, N, L)
-    (1, 8, 1, 4096), (1, 8, 17, 4096),  # the K2.6 rank's 4K AR step and DDTree-16 round (k26-rank.json)
+    (1, 8, 1, 4096), (1, 8, 17, 4096), (1, 8, 9, 4096),  # the K2.6 rank's 4K AR step, DDTree-16 and -8 rounds
     (1, 8, 1, 32768), (1, 8, 2, 32768), (1, 8, 4, 32768), (1, 8, 8, 32768),
     (1, 8, 1, 131072), (1, 8, 2, 131072), (1, 8, 4, 131072), (1, 8, 8, 131072),
     (1, 8, 64, 32768), (1, 64, 64, 32768), (1, 16, 256, 32768), (1, 128, 8, 32768), (8, 8, 8, 32768),
@@ -61,8 +61,13 @@ SWEEP = {
     (1, 8, 1, 4096): [(X2, None, True), (X2, 64, True), (X2, 65, True), (X2, 96, True),
                       (Config(16, 16, 4, 3, ctas_per_sm=2), 257, True), (Config(16, 64, 4, 2), 65, True),
                       (X2, None, False), (X2, 32, True), (KM16, None, True)],
-    (1, 8, 17, 4096): [(DV2_32, None, True), (DV2_32, 13, True), (DV2_32, 33, True), (DV2_32, 44, True),
+    # N = 17 (m = 136): the dv2 table choice pads to 3 x 64 rows (192) and is latency-bound per tile (~2 us a 32-key
+    # tile, 6 tiles a split); predicted (2026-12-05, before running): keys_m 32-row blocks (5 m-blocks, 64-key
+    # tiles, ~2.5 tiles a split) ~8 us, 16-row x2 blocks (9 m-blocks, ~29 splits) ~11 us, against 18.1 us
+    (1, 8, 17, 4096): [(DV2_32, None, True), (KM32, None, True), (X2, None, True), (KM16, None, True),
+                       (DV2_32, 13, True), (DV2_32, 33, True), (DV2_32, 44, True),
                        (DV2_32, 65, True), (DV2_32, None, False), (DV2_32, 8, True)],
+    (1, 8, 9, 4096): [(DV2_32, None, True), (KM32, None, True), (X2, None, True), (KM16, None, True)],  # budget 8
     (1, 8, 1, 32768): [(X2, None, True), (KM16, None, True), (X2, None, False), (Config(16, 32, 4, 4), None, True),
                        (Config(16, 64, 4, 3), None, True), (Config(16, 32, 4, 2, ctas_per_sm=3), None, True),
                        (Config(16, 64, 4, 2, ctas_per_sm=2), None, True), (X2, 132, True), (KM16, 264, True)],
