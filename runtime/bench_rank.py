@@ -78,7 +78,7 @@ def run_rank_bench(source: str = "kimi-k2.6", tp: int = 8, rank: int = 0, layers
     dev = torch.device("cuda")
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    target, drafter, replicated, preset = _load(source, tp, rank, layers, seed, dev, progress)
+    target, drafter, replicated, preset = load_rank_models(source, tp, rank, layers, seed, dev, progress)
     torch.cuda.synchronize()
     load_s = time.perf_counter() - t0
     mem = {"weights_target_gb": _gb(_target_bytes(target)), "weights_drafter_sharded_gb": _gb(_drafter_bytes(drafter)),
@@ -88,7 +88,7 @@ def run_rank_bench(source: str = "kimi-k2.6", tp: int = 8, rank: int = 0, layers
     for ctx in contexts:
         for spec in [SpecConfig("none", 1)] + [SpecConfig("ddtree", b) for b in budgets]:
             prof = ctx == contexts[0] and (spec.mode == "none" or spec.budget == profile_budget)
-            row = _measure(target, drafter, replicated, spec, ctx, iters, pool, prof)
+            row = measure_mode(target, drafter, replicated, spec, ctx, iters, pool, prof)
             if prof:
                 profiles[row["mode"]] = row.pop("profile")
                 if "drafter_profile" in row:
@@ -112,7 +112,8 @@ def run_rank_bench(source: str = "kimi-k2.6", tp: int = 8, rank: int = 0, layers
     }
 
 
-def _load(source: str, tp: int, rank: int, layers: int | None, seed: int, dev: torch.device, progress: bool):
+def load_rank_models(source: str, tp: int, rank: int, layers: int | None, seed: int, dev: torch.device,
+                     progress: bool):
     """(target, sharded drafter, replicated drafter, preset) of rank `rank`, under SoloRankComm."""
     if is_artifact(source):
         manifest = read_manifest(source)
@@ -138,8 +139,8 @@ def _load(source: str, tp: int, rank: int, layers: int | None, seed: int, dev: t
     return target, drafter, draw_drafter(preset, target, seed, shard=False), preset
 
 
-def _measure(target, drafter, replicated, spec: SpecConfig, ctx: int, iters: int, pool: GraphPool,
-             profile: bool) -> dict:
+def measure_mode(target, drafter, replicated, spec: SpecConfig, ctx: int, iters: int, pool: GraphPool,
+                 profile: bool) -> dict:
     """One (cache length, mode) row: the whole step, and each piece, each in its own graph."""
     base = torch.cuda.memory_allocated()
     s = DecodeSession(target, drafter, spec, 1, ctx + 64 * 8 * 4, pool)

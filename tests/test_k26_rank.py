@@ -85,6 +85,26 @@ def test_bench_rank_only_on_artifact(k26_art):
     assert "ddtree-8" in format_rank_table(res)
 
 
+def test_switches_ab_on_artifact(k26_art, tmp_path, monkeypatch):
+    """benchmarks/k26_switches.py loads the rank once and times each switch setting (every switch on in the second),
+    leaving the switches off after."""
+    import json
+    import sys
+
+    import benchmarks.k26_switches as ks
+    from runtime.model import layers
+
+    monkeypatch.setattr(sys, "argv", ["k26_switches", "--source", str(k26_art), "--settings",
+                                      "base,skinny+moe_pf+gemm_pf", "--context", "256", "--budget", "8",
+                                      "--iters", "2", "--out", str(tmp_path)])
+    ks.main()
+    rows = json.loads((tmp_path / "k26-switches.json").read_text())["rows"]
+    assert [r["setting"] for r in rows] == ["base", "skinny+moe_pf+gemm_pf"]
+    for r in rows:
+        assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("ar_step_us", "ddtree8_step_us", "drafter_us"))
+    assert not layers.SKINNY_GEMM
+
+
 def test_router_bf16_gate_matches_fp64():
     """The bf16 K2.6 rank routes with the gate as stored (bf16) and an fp32 result (router_logits):
     the same logits as the products summed in fp64, to fp32 rounding, and the same top-8 experts."""

@@ -200,3 +200,4 @@ def test_engine_with_the_switch_is_lossless(tiny, tmp_path, monkeypatch):
         assert eng.last_stats["graphs"]
     assert calls, "no GEMM of the tiny model went through skinny_gemm"
     assert runs["ddtree"] == runs["none"]
+

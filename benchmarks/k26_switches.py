@@ -1,0 +1,112 @@
+"""A/B of the runtime's performance switches on one K2.6 TP8 rank, loaded once (the load is most of a rank
+benchmark's time): for each setting the AR step and a DDTree round at one cache length and budget, each captured
+afresh after the switches are set (runtime/bench_rank.measure_mode, no profile).
+
+Switches (each off unless named in a setting; "base" names none):
+  skinny    KDTREE_SKINNY_GEMM: the few-token GEMMs on plugins/skinny_gemm (runtime.model.layers.SKINNY_GEMM)
+  moe_pf    KDTREE_MOE_PREFETCH: the MoE's L2 prefetch of its experts (read by launch_v3 at each call)
+  gemm_pf   KDTREE_GEMM_PREFETCH: each layer's post-attention weights into L2 before its attention
+
+    python3 benchmarks/k26_switches.py --out DIR [--settings base,skinny,moe_pf,gemm_pf,skinny+moe_pf]
+        [--context 4096] [--budget 16] [--iters 10] [--layers N]
+Writes OUT/k26-switches.json; prints a table with each setting's change against the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import print_table, write_result  # noqa: E402
+
+
+def _set_skinny(on: bool) -> None:
+    from runtime.model import layers
+    layers.SKINNY_GEMM = on
+
+
+def _set_moe_pf(on: bool) -> None:
+    os.environ["KDTREE_MOE_PREFETCH"] = "1" if on else "0"
+
+
+def _set_gemm_pf(on: bool) -> None:
+    from runtime.model import attention, target
+    attention.GEMM_PREFETCH = target.GEMM_PREFETCH = on
+
+
+SWITCHES = {"skinny": _set_skinny, "moe_pf": _set_moe_pf, "gemm_pf": _set_gemm_pf}  # see the module doc
+
+
+def parse_settings(text: str) -> list[tuple[str, frozenset[str]]]:
+    """"base,skinny+moe_pf" -> [("base", {}), ("skinny+moe_pf", {"skinny", "moe_pf"})]; an unknown switch is a
+    ValueError naming it and the known ones."""
+    out = []
+    for name in text.split(","):
+        parts = frozenset() if name == "base" else frozenset(name.split("+"))
+        unknown = sorted(parts - set(SWITCHES))
+        if unknown or not name:
+            raise ValueError(f"--settings: unknown switch {unknown or [name]} (known: base, {', '.join(SWITCHES)})")
+        out.append((name, parts))
+    return out
+
+
+def apply(on: frozenset[str]) -> None:
+    for name, set_switch in SWITCHES.items():
+        set_switch(name in on)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--source", default="kimi-k2.6")
+    ap.add_argument("--settings", default="base,skinny,moe_pf,gemm_pf,skinny+moe_pf")
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--budget", type=int, default=16)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--layers", type=int, default=None)
+    a = ap.parse_args()
+    settings = parse_settings(a.settings)
+
+    import torch
+
+    from runtime.bench_rank import load_rank_models, measure_mode
+    from runtime.decode.graphs import GraphPool
+    from runtime.decode.params import SpecConfig
+
+    dev = torch.device("cuda")
+    target, drafter, replicated, _ = load_rank_models(a.source, 8, 0, a.layers, 0, dev, True)
+    pool = GraphPool(dev)
+    rows = []
+    for name, on in settings:
+        apply(on)
+        row = {"setting": name}
+        for spec in (SpecConfig("none", 1), SpecConfig("ddtree", a.budget)):
+            r = measure_mode(target, drafter, replicated, spec, a.context, a.iters, pool, False)
+            key = "ar" if spec.mode == "none" else f"ddtree{a.budget}"
+            row[f"{key}_step_us"], row[f"{key}_verify_us"] = r["step_us"], r["verify_us"]
+            if "drafter_us" in r:
+                row["drafter_us"] = r["drafter_us"]
+            torch.cuda.empty_cache()
+        rows.append(row)
+        print(row, flush=True)
+    apply(frozenset())
+    base = rows[0]
+    for row in rows:
+        for key in [k for k in row if k.endswith("_us")]:
+            row[f"{key[:-3]}_vs_{base['setting']}"] = round(row[key] / base[key], 3)
+    extra = {"source": a.source, "layers": target.cfg.num_layers, "context": a.context, "budget": a.budget,
+             "iters": a.iters, "switches": __doc__.split("Switches")[1].split("\n\n")[0].strip(),
+             "timing": "runtime/bench_rank.measure_mode: CUDA graphs, each setting captured afresh"}
+    path = write_result("k26-switches", rows, extra, a.out)
+    print(f"wrote {path}")
+    cols = ["setting", "ar_step_us", f"ddtree{a.budget}_step_us", "ar_verify_us", f"ddtree{a.budget}_verify_us",
+            "drafter_us", f"ar_step_vs_{base['setting']}", f"ddtree{a.budget}_step_vs_{base['setting']}"]
+    print_table(rows, cols)
+
+
+if __name__ == "__main__":
+    main()
