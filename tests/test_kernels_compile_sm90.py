@@ -9,6 +9,7 @@ the fp32 tiny models).  Each gives an ELF cubin; the rope tables' kernels must n
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import os
@@ -134,6 +135,11 @@ def specialisations() -> list:
                                                                PDL=True), 8))
     out.append(kernel("gather", _gather_kernel, t, dict(CH=4096, C_PAD=64, HIST_BINS=HIST_BINS, PDL=True), 8))
     out.append(kernel("sort_rows", _sort_rows_kernel, t, dict(K_PAD=16, PDL=True), 4))
+    from plugins.tree_verify_mla.aot import _split_kernel  # with the cache prefetch before its wait
+    from plugins.tree_verify_mla.launcher import CONFIGS_16BIT
+    split = _split_kernel(CONFIGS_16BIT[2][1], False)
+    out.append(dataclasses.replace(split, name="tree_verify_split_prefetch_bf16",
+                                   constexprs={**split.constexprs, "PREFETCH": True}))
     return out
 
 
@@ -146,11 +152,14 @@ def test_round_kernels_compile_for_sm90(tmp_path):
                           text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     recs = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(recs) == 35
+    assert len(recs) == 36
     for r in recs:
         assert (tmp_path / r["cubin"]).read_bytes()[:4] == b"\x7fELF", r
         if r["name"] == "route_prefetch_bf16":  # the hint survived compilation
             assert "cp.async.bulk.prefetch.L2.global" in (tmp_path / r["ptx"]).read_text()
+        if r["name"] == "tree_verify_split_prefetch_bf16":  # the hint, and before the PDL wait
+            ptx = (tmp_path / r["ptx"]).read_text()
+            assert -1 < ptx.find("cp.async.bulk.prefetch.L2.global") < ptx.find("griddepcontrol.wait"), r["name"]
         if r["name"].startswith(("rope", "embed_norm_rope")):
             ptx = (tmp_path / r["ptx"]).read_text()
             assert "cos.approx" not in ptx and "sin.approx" not in ptx, r["name"]

@@ -334,5 +334,36 @@ def test_gpu_cuda_graph_capture_replays_new_inputs(b, n, h, l_max):
     assert e["all_written"] and e["out_rel"] <= TOL[torch.bfloat16][0] and e["lse_max_abs"] <= TOL[torch.bfloat16][1], e
 
 
+@pytest.mark.gpu
+def test_gpu_cache_prefetch_changes_no_bit(monkeypatch):
+    """KDTREE_ATTN_PREFETCH (launcher.CACHE_PREFETCH): the split programs' L2 prefetch of their first cache tiles,
+    issued before the PDL wait, is a hint: the same bits at 4K / 32K, the h = 8 table configs, eager and in a graph
+    behind a kernel that runs while the prefetch is in flight."""
+    import plugins.tree_verify_mla  # noqa: F401
+    from plugins.tree_verify_mla import launcher
+    gen = torch.Generator().manual_seed(11)
+    for b, n, h, l_max, lens in ((1, 1, 8, 4096, [4096]), (1, 17, 8, 4096, [4000]), (1, 4, 8, 32768, [30000]),
+                                 (2, 9, 8, 5000, [4999, 17])):
+        x = make_inputs(b, n, h, l_max, lens, 512, 64, torch.bfloat16, gen, device="cuda")
+        outs = []
+        for on in (False, True):
+            monkeypatch.setattr(launcher, "CACHE_PREFETCH", on)
+            out = torch.empty(b, n, h, 512, dtype=torch.bfloat16, device="cuda")
+            lse = torch.empty(b, n, h, device="cuda")
+            args = (x["q"], x["cache"], x["cache_lens"], x["tree_kv"], x["tree_mask"], x["scale"], out, lse, None)
+            torch.ops.kdtree.tree_verify_mla(*args)
+            eager = out.clone()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                x["q"].mul_(1.0)  # a predecessor kernel in the stream
+                torch.ops.kdtree.tree_verify_mla(*args)
+            out.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, eager), (b, n, l_max, on)
+            outs.append(eager)
+        assert torch.equal(outs[0], outs[1]), (b, n, l_max)
+
+
 if __name__ == "__main__" and sys.argv[1:] == ["--cpu-worker"]:
     _cpu_worker()

@@ -30,7 +30,7 @@ def _split_kernel(cfg, direct: bool) -> TritonKernel:
              "out_ptr": "*bf16", "lse_ptr": "*fp32", "opart_ptr": "*fp32", "lpart_ptr": "*fp32"}
     sig = {**types, **{k: "i32" for k in _SPLIT_INTS}, "scale2": "fp32"}
     consts = {"D_V": D_V, "D_R": D_R, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "DV_SPLIT": cfg.dv_split,
-              "KEYS_M": cfg.keys_m, "DIRECT": direct, "IEEE": False, "PDL": True}
+              "KEYS_M": cfg.keys_m, "DIRECT": direct, "IEEE": False, "PDL": True, "PREFETCH": False}
     sig.update({k: "constexpr" for k in consts})
     names = list(sig)
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in (*_SPLIT_PTRS, *_ALIGNED)}

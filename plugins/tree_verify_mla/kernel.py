@@ -19,6 +19,9 @@ d_v / 2 output columns: it computes the full scores (q_own k_own^T + q_other k_o
 and the value product on its half only, so its accumulator is [BLOCK_M, d_v / 2] (one warpgroup of
 wgmma holds 64 x 256 fp32) at the price of computing the scores twice (1.53x the flops).
 
+PREFETCH (constexpr, sm_90): before its PDL wait a program puts the first committed cache tiles of its range in
+flight into L2, so their HBM latency overlaps the predecessor kernel instead of following it.
+
 With one split the program writes out/lse directly; otherwise a partial (o normalised, lse base 2)
 per split that the combine kernel merges by weight 2^(lse_s - max).  A split with no visible key
 writes only lse = -inf; the combine never reads its o.  PDL (constexpr, GPU only): programmatic
@@ -33,6 +36,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 LOG2E = 1.4426950408889634  # the launcher folds it into the scale
+PF_CHUNK = tl.constexpr(65536)  # bytes per L2 bulk prefetch request (PREFETCH)
+PF_TILES = tl.constexpr(2)  # cache tiles a program prefetches: its pipeline's ramp, not its whole range (L2 holds
+# every program's first two tiles at once: 264 programs x 2 x 36 KB = 19 MB at 32K)
 
 
 @triton.jit
@@ -84,6 +90,31 @@ def _attend_tile_keys_m(acc_t, m_i, l_i, q_own, q_oth, q_r, k_own, k_oth, k_r, v
     return acc_t, m_new, l_i
 
 
+@triton.jit
+def _prefetch_cache_head(cache_ptr, lens_ptr, stride_cb, stride_cl, n, l_max, num_splits,
+                         BLOCK_N: tl.constexpr):
+    """An L2 hint (sm_90's bulk prefetch, not waited for) of the first PF_TILES committed cache tiles of this
+    program's key range, issued before the PDL wait: the cache and its lengths are written only by kv_commit at the
+    end of a round, never by the kernels the wait is for.  The launcher asks for it only where the cache rows and
+    their base are 16-byte aligned; the rows' span is then a multiple of 16 bytes."""
+    s = tl.program_id(1)
+    r = tl.program_id(2).to(tl.int64)
+    length = tl.minimum(tl.maximum(tl.load(lens_ptr + r), 0), l_max)
+    t_cache = tl.cdiv(length, BLOCK_N)
+    per_split = tl.cdiv(t_cache + tl.cdiv(n, BLOCK_N), num_splits)
+    row_lo = s * per_split * BLOCK_N
+    row_hi = tl.minimum(tl.minimum(row_lo + PF_TILES * BLOCK_N, (s + 1) * per_split * BLOCK_N), length)
+    row_bytes = stride_cl * (cache_ptr.dtype.element_ty.primitive_bitwidth // 8)
+    nbytes = tl.maximum(row_hi - row_lo, 0).to(tl.int64) * row_bytes
+    base = cache_ptr.to(tl.pointer_type(tl.int8)) + r * stride_cb * (cache_ptr.dtype.element_ty.primitive_bitwidth
+                                                                       // 8) + row_lo.to(tl.int64) * row_bytes
+    off = tl.arange(0, 4).to(tl.int64) * PF_CHUNK  # [4] requests: PF_TILES x 64 rows x 1152 B fits 3
+    size = tl.minimum(nbytes - off, PF_CHUNK).to(tl.int32)
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
+        "=r,l,r", [base + off, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
 @triton.jit(do_not_specialize=["stride_lb", "stride_ln", "n", "h", "l_max", "num_splits"])  # one binary per config
 def tree_verify_mla_split_kernel(
         q_ptr, cache_ptr, lens_ptr, tree_ptr, mask_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr,
@@ -96,9 +127,11 @@ def tree_verify_mla_split_kernel(
         n, h, l_max, num_splits, scale2,
         D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         DV_SPLIT: tl.constexpr, KEYS_M: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
-        PDL: tl.constexpr):
+        PDL: tl.constexpr, PREFETCH: tl.constexpr = False):
     BLOCK_DV: tl.constexpr = D_V // DV_SPLIT
     TWO: tl.constexpr = DV_SPLIT == 2
+    if PREFETCH:  # before the wait: the committed cache does not depend on the predecessor grid
+        _prefetch_cache_head(cache_ptr, lens_ptr, stride_cb, stride_cl, n, l_max, num_splits, BLOCK_N)
     if PDL:
         gdc_wait()  # the previous kernel (q, cache, workspace readers) has finished
         gdc_launch_dependents()  # the combine may become resident now; it waits for our completion

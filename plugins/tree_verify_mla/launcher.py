@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from core.env_flags import env_flag
 from plugins.common.device import device_facts
 from plugins.common.pdl import USE_PDL, pdl_args  # PDL on sm_90+ (the combine launches while the split kernel runs)
 from plugins.tree_verify_mla.kernel import (
@@ -21,6 +22,9 @@ from plugins.tree_verify_mla.kernel import (
 )
 
 MAX_SPLITS = 512
+# KDTREE_ATTN_PREFETCH=1: each split program L2-prefetches its first cache tiles before its PDL wait (kernel.py's
+# PREFETCH; sm_90, PDL launches only).  Off until the rank benchmark measures it (benchmarks/k26_switches.py).
+CACHE_PREFETCH = env_flag("KDTREE_ATTN_PREFETCH", False)
 # a split is at least this many key tiles: 1, because a program takes ~1.9 us per tile in series (H200, h 8, N 1,
 # L 4K: 16 / 32 / 64 splits 24.7 / 17.3 / 13.3 us) and 129 one-tile splits ran in 9.85 us (PARTIAL_SHARE still caps
 # the partials; the 32K and longer plans are not bound by this)
@@ -137,6 +141,12 @@ def kernel_supports(dtype: torch.dtype, d_qk: int, d_v: int) -> bool:
         d >= 16 and not d & (d - 1) for d in (d_v, d_r))
 
 
+def _prefetchable(cache: torch.Tensor) -> bool:
+    """The cache rows' bulk L2 prefetch needs 16-byte aligned addresses and sizes."""
+    size = cache.element_size()
+    return cache.data_ptr() % 16 == 0 and (cache.stride(0) * size) % 16 == 0 and (cache.stride(1) * size) % 16 == 0
+
+
 def _check_layout(q, cache, tree_kv, tree_mask, out, lse, d_v: int, d_r: int) -> None:
     for name, t in (("q", q), ("cache", cache), ("tree_kv", tree_kv), ("tree_mask", tree_mask), ("out", out),
                     ("lse", lse)):
@@ -179,6 +189,8 @@ def tree_verify_mla_triton(q: torch.Tensor, cache: torch.Tensor, cache_lens: tor
                          f"and d_v / dv_split >= 16, got {cfg} for d_v {d_v}")
     pdl = (USE_PDL if pdl is None else pdl) and q.is_cuda and device_facts(q.device).capability[0] >= 9
     launch = pdl_args(pdl)  # the PDL constexpr, and the launch attribute with it (the interpreter takes none)
+    if pdl and CACHE_PREFETCH and _prefetchable(cache):
+        launch["PREFETCH"] = True
     s = p.num_splits
     m_rows = n * h
     need = 0 if s == 1 else b * s * m_rows * (d_v + 1)
