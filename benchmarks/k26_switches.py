@@ -7,6 +7,7 @@ Switches (each off unless named in a setting; "base" names none):
   moe_pf    KDTREE_MOE_PREFETCH: the MoE's L2 prefetch of its experts (read by launch_v3 at each call)
   gemm_pf   KDTREE_GEMM_PREFETCH: each layer's post-attention weights into L2 before its attention
   attn_pf   KDTREE_ATTN_PREFETCH: the attention's first cache tiles into L2 before its PDL wait
+  skinny_pf with skinny: each GEMM CTA's weights into L2 before its PDL wait (plugins/skinny_gemm/launch.PREFETCH)
 
     python3 benchmarks/k26_switches.py --out DIR [--settings base,skinny,moe_pf,gemm_pf,attn_pf,...]
         [--context 4096] [--budget 16] [--iters 10] [--layers N]
@@ -39,13 +40,18 @@ def _set_gemm_pf(on: bool) -> None:
     attention.GEMM_PREFETCH = target.GEMM_PREFETCH = on
 
 
+def _set_skinny_pf(on: bool) -> None:
+    from plugins.skinny_gemm import launch
+    launch.PREFETCH = on
+
+
 def _set_attn_pf(on: bool) -> None:
     from plugins.tree_verify_mla import launcher
     launcher.CACHE_PREFETCH = on
 
 
 SWITCHES = {"skinny": _set_skinny, "moe_pf": _set_moe_pf, "gemm_pf": _set_gemm_pf,  # see the module doc
-            "attn_pf": _set_attn_pf}
+            "attn_pf": _set_attn_pf, "skinny_pf": _set_skinny_pf}
 
 
 def parse_settings(text: str) -> list[tuple[str, frozenset[str]]]:
@@ -70,7 +76,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--source", default="kimi-k2.6")
-    ap.add_argument("--settings", default="base,skinny,moe_pf,gemm_pf,attn_pf,skinny+moe_pf+attn_pf")
+    ap.add_argument("--settings", default="base,skinny,skinny+skinny_pf,moe_pf,gemm_pf,attn_pf,"
+                                          "skinny+skinny_pf+moe_pf+attn_pf")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--budget", type=int, default=16)
     ap.add_argument("--iters", type=int, default=10)

@@ -28,6 +28,9 @@ WARPS_PER_SM = 16  # the plan's target of resident warps per SM (<= 128 register
 U_OF_TT = {1: 4, 2: 4, 4: 2}  # blocks in flight per warp, per token tile count (compiled variants)
 PARTS_FLOATS = 1 << 20  # the per-device split-k workspace: partial tiles (4 MB) ...
 TICKETS = 4096  # ... and one ticket counter per row group (a plan with KS > 1 has fewer groups than SMs)
+# pf's default: each CTA L2-prefetches its weights before its PDL wait (benchmarks/skinny_gemm.py times both ways,
+# benchmarks/k26_switches.py's skinny_pf sets this in a round; off until they measure it)
+PREFETCH = False
 # weights larger than this stay cuBLAS's: the lm_head slice (294 MB at K2.6 TP8) already runs at 93 % of HBM there
 MAX_WEIGHT_BYTES = 128 << 20
 
@@ -120,10 +123,10 @@ def _module(device: torch.device) -> _Module:
     return mod
 
 
-def skinny_gemm_cuda(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, out_f32: bool, pf: bool = False,
+def skinny_gemm_cuda(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, out_f32: bool, pf: bool | None = None,
                      u: int | None = None, warps: int | None = None, splits: int | None = None) -> torch.Tensor:
     """y [t, n] = x [t, k] . w [n, k]^T (+ c), fp32 accumulation, bf16 (or fp32 with out_f32) out; the inputs as
-    supports() takes them.  pf: L2-prefetch each CTA's weights first (before the PDL wait)."""
+    supports() takes them.  pf: L2-prefetch each CTA's weights first (before the PDL wait); None: PREFETCH."""
     t, k = x.shape
     n = w.shape[0]
     y = torch.empty(t, n, dtype=torch.float32 if out_f32 else torch.bfloat16, device=x.device)
@@ -137,7 +140,7 @@ def skinny_gemm_cuda(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, o
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     args = (x.data_ptr(), w.data_ptr(), y.data_ptr(), c.data_ptr() if c is not None else 0, mod.parts.data_ptr(),
             mod.tickets.data_ptr(), t, n, k, x.stride(0), y.stride(0), c.stride(0) if c is not None else 0, p.splits,
-            int(pf))
+            int(PREFETCH if pf is None else pf))
     types = (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32, i32)
     stream = cu.CUstream(torch.cuda.current_stream(x.device).cuda_stream)
     mod.pdl = launch(cu, func, p.grid, 32 * p.warps, p.smem, stream, args, types, mod.pdl,
