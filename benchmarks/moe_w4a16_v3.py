@@ -6,8 +6,8 @@ t in {1, 8, 16, 17, 33, 64, 256, 512}, EP8 rank (48 whole experts x 2048) at t i
 tokens share experts) and "uniform" routing.  Roofline bytes: the touched experts' packed weights + scales
 + x, y, logits (benchmarks/moe_w4a16.py's count; v3's layout holds the same bytes per expert).  Both kernel
 paths are timed as CUDA graph replays (scratch from a MoEWorkspace allocated once), the peer eagerly.
-v3 is timed twice: as it runs by default and with its L2 prefetch of the expert weights (v3_pf,
-KDTREE_MOE_PREFETCH=1).  Before timing: v3 against the fp32 reference on the dequantised experts and against
+v3 is timed three times: as it runs by default, with its L2 prefetch of the expert weights (v3_pf,
+KDTREE_MOE_PREFETCH=1), and with the 8-warp gate_up where the default takes the 16-warp one (v3_w8: t = 1).  Before timing: v3 against the fp32 reference on the dequantised experts and against
 v2c at t = 16.
 Writes benchmarks/results/moe_w4a16_v3.json and moe_w4a16_v3.png (fraction of roofline against t).
 
@@ -35,6 +35,7 @@ from plugins.moe_w4a16 import (  # noqa: E402
     route_reference,
 )
 from plugins.moe_w4a16.fragment_layout import dequantize_fragments  # noqa: E402
+from plugins.moe_w4a16 import launch_v3  # noqa: E402
 from plugins.moe_w4a16.launch_v3 import PREFETCH_ENV, kernels  # noqa: E402
 
 
@@ -89,13 +90,17 @@ def bench_shape(name: str, t: int, routing: str, ex: dict, e_start: int, dev, de
     ws = MoEWorkspace.allocate(t, K, e_local, D, i, x.dtype, dev)
     row = {"shape": name, "t": t, "routing": routing, "experts_touched": n_touch, "bytes": nbytes,
            "roofline_us": roof}
-    # v3_pf: v3 with its L2 prefetch of the expert weights (KDTREE_MOE_PREFETCH, read when the graph is captured)
-    for label, experts, pf in (("v3", ex["frag"], "0"), ("v3_pf", ex["frag"], "1"), ("v2c", ex["planar"], "0")):
+    # v3_pf: v3 with its L2 prefetch of the expert weights (KDTREE_MOE_PREFETCH, read when the graph is captured);
+    # v3_w8: v3 with the 8-warp gate_up where the default takes the 16-warp one (launch_v3.gate_up_w16: t = 1)
+    for label, experts, pf, w16 in (("v3", ex["frag"], "0", True), ("v3_pf", ex["frag"], "1", True),
+                                    ("v3_w8", ex["frag"], "0", False), ("v2c", ex["planar"], "0", True)):
         os.environ[PREFETCH_ENV] = pf
+        launch_v3.USE_W16 = w16
         us = time_us(lambda: moe_w4a16(x, logits, None, bias, *experts, K, 1, 1, True, SCALING, e_start,  # noqa: B023
                                        ws.buffer), graph=True)
         row[f"{label}_us"], row[f"{label}_fraction"] = us, roof / us
     os.environ.pop(PREFETCH_ENV)
+    launch_v3.USE_W16 = True
     if dense is not None:
         try:
             row["bf16_grouped_mm_us"] = time_us(lambda: grouped_mm_peer(x, logits, bias, *dense, e_start, e_local))
@@ -174,7 +179,8 @@ def main() -> None:
             rows.append(bench_shape(f"k26_tp8_t{t}", t, routing, tp8, 0, dev, dense))
             r = rows[-1]
             print(f"{r['shape']} {routing}: v3 {r['v3_us']:.1f} us ({r['v3_fraction']:.2f}), with L2 prefetch "
-                  f"{r['v3_pf_us']:.1f} us ({r['v3_pf_fraction']:.2f}), v2c {r['v2c_us']:.1f} us "
+                  f"{r['v3_pf_us']:.1f} us ({r['v3_pf_fraction']:.2f}), 8-warp gate_up {r['v3_w8_us']:.1f} us, "
+                  f"v2c {r['v2c_us']:.1f} us "
                   f"({r['v2c_fraction']:.2f})", flush=True)
     del tp8, dense
     torch.cuda.empty_cache()
@@ -188,7 +194,7 @@ def main() -> None:
     plot(rows, Path(path).with_suffix(".png"))
     print(f"wrote {path}")
     print_table(rows, ["shape", "routing", "experts_touched", "roofline_us", "v3_us", "v3_fraction", "v3_pf_us",
-                       "v3_pf_fraction", "v2c_us", "v2c_fraction", "bf16_grouped_mm_us"])
+                       "v3_pf_fraction", "v3_w8_us", "v2c_us", "v2c_fraction", "bf16_grouped_mm_us"])
 
 
 if __name__ == "__main__":

@@ -173,12 +173,16 @@ def test_every_variant_the_launcher_picks_is_compiled(tmp_path):
         SOURCE,
         WARPS,
         gate_up_variant,
+        gate_up_w16,
     )
 
     names = {f"kdtree_moe_v3_down_nt{nt}_p{p}" for nt, p in DOWN_P.items()}
     for nt in GATE_UP_P:
         for per_warp in range(1, 40):
             names.add(gate_up_variant(nt, per_warp * WARPS))
+            names.add(gate_up_w16(nt, per_warp * WARPS, 100, 132))
+    names.discard(None)
+    assert "kdtree_moe_v3_gate_up_w16_nt1_p7" in names
     for arch in ("sm_90", "sm_120"):
         data = _nvcc(SOURCE.read_bytes(), SOURCE.name, arch)
         assert data[:4] == b"\x7fELF"
@@ -194,6 +198,16 @@ def test_every_variant_the_launcher_picks_is_compiled(tmp_path):
     assert len(bodies) >= len(names) and all("griddepcontrol.wait" in b for b in bodies)
     # and every kernel can put its weights in flight with the bulk L2 prefetch (taken when pf is set)
     assert all("cp.async.bulk.prefetch.L2.global" in b for b in bodies)
+
+
+def test_the_16_warp_gate_up_takes_one_token_at_k26_only():
+    """launch_v3.gate_up_w16: at t = 1 on the K2.6 TP8 rank (224 k groups, at most 9 x 16 items on 132 SMs) one
+    16-warp CTA per SM; not at t = 2 (288 items), not for k groups 16 warps x 7 do not divide (the tiny models)."""
+    from plugins.moe_w4a16.launch_v3 import gate_up_w16, max_entries, token_tile
+    items = lambda t: max_entries(t, 8, 384, token_tile(t)) * 16  # noqa: E731
+    assert gate_up_w16(token_tile(1), 224, items(1), 132) == "kdtree_moe_v3_gate_up_w16_nt1_p7"
+    assert gate_up_w16(token_tile(2), 224, items(2), 132) is None
+    assert gate_up_w16(1, 8, 16, 132) is None and gate_up_w16(2, 224, 100, 132) is None
 
 
 def test_v3_inputs_are_checked_by_name():

@@ -54,6 +54,9 @@ def down_tile(t: int) -> int:
 
 GATE_UP_P = {1: (7, 4, 2, 1), 2: (4, 2, 1), 4: (2, 1)}  # ring depths compiled per NT (moe_v3.cu's variants)
 GATE_UP_CTAS_PER_SM = {1: 2, 2: 2, 4: 1}
+W16 = 16  # warps of moe_v3.cu's gate_up_w16 variants: one 512-thread CTA per SM
+GATE_UP_W16_P = {1: 7}  # their (NT, ring depth)
+USE_W16 = True  # gate_up_w16 where it applies (benchmarks/moe_w4a16_v3.py times it against the 8-warp kernel)
 DOWN_P = {1: 8, 2: 4}
 
 
@@ -65,15 +68,26 @@ def gate_up_variant(nt: int, n_groups: int) -> str:
     return f"kdtree_moe_v3_gate_up_nt{nt}_p{p}"
 
 
+def gate_up_w16(nt: int, n_groups: int, n_items: int, sms: int) -> str | None:
+    """The 16-warp gate_up where the items (at most n_items) barely exceed the SMs (t = 1: 8 experts x 16 row pairs,
+    144 at most on 132 SMs): one CTA of 16 warps per SM, against two 8-warp CTAs of which the items fill one, so
+    twice the warps per SM keep loads in flight (Nsight: issue / latency bound at 8 warps per SM).  None where it
+    does not apply: more items, another NT, or k groups that 16 warps x the ring depth do not divide."""
+    p = GATE_UP_W16_P.get(nt)
+    if p is None or n_items > sms + sms // 4 or n_groups % (W16 * p):
+        return None
+    return f"kdtree_moe_v3_gate_up_w16_nt{nt}_p{p}"
+
+
 def max_entries(t: int, top_k: int, e_local: int, nt: int) -> int:
     """Bound on (expert, token tile) entries: each active expert's last tile may be partial."""
     return min(e_local, t * top_k) + cdiv(t * top_k, 8 * nt)
 
 
-def gate_up_smem(t: int, top_k: int, e_local: int, nt: int) -> int:
-    """reduction [2][8 warps][2][nt][4][32] fp32 + h rows staged [8 nt][16] bf16 + entry list."""
-    return (2 * WARPS * (2 * nt * 4 * 32) * 4 + 8 * nt * 16 * 2
-            + (WARPS + e_local + max_entries(t, top_k, e_local, nt)) * 4)
+def gate_up_smem(t: int, top_k: int, e_local: int, nt: int, warps: int = WARPS) -> int:
+    """reduction [2][warps][2][nt][4][32] fp32 + h rows staged [8 nt][16] bf16 + entry list."""
+    return (2 * warps * (2 * nt * 4 * 32) * 4 + 8 * nt * 16 * 2
+            + (warps + e_local + max_entries(t, top_k, e_local, nt)) * 4)
 
 
 def down_smem(t: int, top_k: int, e_local: int, nt: int) -> int:
@@ -146,13 +160,23 @@ def _func(mod: _Module, name: str, smem: int):
     return func
 
 
-def _launch(mod: _Module, name: str, grid: int, smem: int, args: tuple, types: tuple) -> None:
+def _has(mod: _Module, name: str) -> bool:
+    """Whether the loaded cubin holds kernel `name` (one built from an older source may not)."""
+    if name not in mod.funcs:
+        res = mod.cu.cuModuleGetFunction(mod.module, name.encode())
+        if res[0] != mod.cu.CUresult.CUDA_SUCCESS:
+            return False
+        mod.funcs[name] = res[1]
+    return True
+
+
+def _launch(mod: _Module, name: str, grid: int, smem: int, args: tuple, types: tuple, warps: int = WARPS) -> None:
     """One launch on torch's current stream; with mod.pdl through cuLaunchKernelEx with programmatic stream
     serialization (the kernels wait for their predecessor grid first: moe_v3.cu's pdl_prologue).  A refused
     attribute turns PDL off for the module (plain launches from then on, this one included)."""
     cu = mod.cu
     stream = cu.CUstream(torch.cuda.current_stream().cuda_stream)
-    mod.pdl = launch(cu, _func(mod, name, smem), grid, 32 * WARPS, smem, stream, args, types, mod.pdl,
+    mod.pdl = launch(cu, _func(mod, name, smem), grid, 32 * warps, smem, stream, args, types, mod.pdl,
                      f"moe_w4a16 v3: launch {name}")
 
 
@@ -238,11 +262,15 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
     pf = ((int(prefetch),), (i32,)) if mod.prefetch_arg else ((), ())
     nt = token_tile(t)
     n_items = max_entries(t, top_k, e_local, nt) * pairs13
-    smem = gate_up_smem(t, top_k, e_local, nt)
-    _launch(mod, gate_up_variant(nt, c1), min(n_items, GATE_UP_CTAS_PER_SM[nt] * sms), smem,
+    name = gate_up_w16(nt, c1, n_items, sms) if USE_W16 and mod.prefetch_arg else None
+    if name is not None and _has(mod, name):  # one 16-warp CTA per SM
+        warps, grid = W16, min(n_items, sms)
+    else:
+        name, warps, grid = gate_up_variant(nt, c1), WARPS, min(n_items, GATE_UP_CTAS_PER_SM[nt] * sms)
+    _launch(mod, name, grid, gate_up_smem(t, top_k, e_local, nt, warps),
             (w13.data_ptr(), w13_scale.data_ptr(), x.data_ptr(), ws.counts.data_ptr(), ws.lists.data_ptr(),
              ws.h.data_ptr(), t, top_k, e_local, d // GROUP, c1, pairs13, i, *pf[0]),
-            (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32, *pf[1]))
+            (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32, *pf[1]), warps)
     nt2 = down_tile(t)
     n_items = max_entries(t, top_k, e_local, nt2) * pairs2
     smem = down_smem(t, top_k, e_local, nt2)

@@ -118,12 +118,14 @@ __device__ __forceinline__ void group_mma(float (&acc)[2][NT][4], const uint4& w
             for (int r = 0; r < 4; ++r) acc[m][j][r] += sc[m][r >> 1] * part[m][j][r];
 }
 
-// counts [e_local] -> entries (expert << 16 | tile) in expert order; returns how many (every thread).
+// counts [e_local] -> entries (expert << 16 | tile) in expert order; returns how many (every thread of a CTA of W
+// warps; s_ws holds W ints).
+template <int W>
 __device__ int build_entries(const int* __restrict__ counts, int e_local, int tile_tokens, int* s_cnt, int* s_ent,
                              int* s_ws) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int base = 0;
-    for (int e0 = 0; e0 < e_local; e0 += THREADS) {
+    for (int e0 = 0; e0 < e_local; e0 += 32 * W) {
         const int e = e0 + threadIdx.x;
         const int c = e < e_local ? counts[e] : 0;
         if (e < e_local) s_cnt[e] = c;
@@ -138,7 +140,7 @@ __device__ int build_entries(const int* __restrict__ counts, int e_local, int ti
         __syncthreads();
         int before = 0, total = 0;
 #pragma unroll
-        for (int k = 0; k < WARPS; ++k) {
+        for (int k = 0; k < W; ++k) {
             const int sv = s_ws[k];
             before += k < warp ? sv : 0;
             total += sv;
@@ -184,25 +186,25 @@ struct Ring {
 };
 
 // ---------------------------------------------------------------------------------------------------------
-// gate_up: item = (entry, row pair); the CTA's warps split the item's k groups (warp w: groups w + 8 m)
+// gate_up: item = (entry, row pair); the CTA's W warps split the item's k groups (warp w: groups w + W m)
 // ---------------------------------------------------------------------------------------------------------
-template <int NT, int P>
+template <int NT, int P, int W>
 __device__ void gate_up(const uint4* __restrict__ w13, const uint2* __restrict__ s13, const uint4* __restrict__ x,
                         const int* __restrict__ counts, const int* __restrict__ lists, u16* __restrict__ h,
                         int t, int top_k, int e_local, int c_real, int n_groups, int n_pairs, int inter, int pf) {
     extern __shared__ __align__(16) unsigned char smem[];
     constexpr int TT = 8 * NT;            // token slots per tile
     constexpr int RED = 2 * NT * 4 * 32;  // floats one warp leaves per item
-    float* s_red = reinterpret_cast<float*>(smem);                  // [2 parity][WARPS][2 m][NT][4][32]
-    u16* s_h = reinterpret_cast<u16*>(s_red + 2 * WARPS * RED);     // [TT tokens][16 rows] bf16
+    float* s_red = reinterpret_cast<float*>(smem);                  // [2 parity][W][2 m][NT][4][32]
+    u16* s_h = reinterpret_cast<u16*>(s_red + 2 * W * RED);         // [TT tokens][16 rows] bf16
     int* s_ws = reinterpret_cast<int*>(s_h + TT * 16);
-    int* s_cnt = s_ws + WARPS;
+    int* s_cnt = s_ws + W;
     int* s_ent = s_cnt + e_local;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, u = lane & 3;
 
-    const int n_ent = build_entries(counts, e_local, TT, s_cnt, s_ent, s_ws);
+    const int n_ent = build_entries<W>(counts, e_local, TT, s_cnt, s_ent, s_ws);
     const int n_work = n_ent * n_pairs;
-    const int chunks = n_groups / (WARPS * P);  // chunks per item (the host picks P dividing n_groups / WARPS)
+    const int chunks = n_groups / (W * P);  // chunks per item (the host picks P dividing n_groups / W)
     const int mine = (int)blockIdx.x < n_work ? (n_work - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
     const int total = mine * chunks;
     if (total == 0) return;  // uniform over the CTA
@@ -216,7 +218,7 @@ __device__ void gate_up(const uint4* __restrict__ w13, const uint2* __restrict__
         ring.pw = w13 + blk * 32 + lane;
         ring.ps = s13 + blk * 8 + g;
         ring.chunk = 0;
-        if (pf && warp == WARPS - 1) {  // the item's weights (n_groups * 512 B) and scales, all in flight at once
+        if (pf && warp == W - 1) {  // the item's weights (n_groups * 512 B) and scales, all in flight at once
             warp_prefetch(w13 + blk * 32, n_groups * 512u, lane);
             if (lane == 31) l2_prefetch(s13 + blk * 8, n_groups * 64u);
         }
@@ -236,7 +238,7 @@ __device__ void gate_up(const uint4* __restrict__ w13, const uint2* __restrict__
     };
     l_setup(l_wi);
 #pragma unroll
-    for (int k = 0; k < P; ++k) ring.load(k, warp + WARPS * k, c_real);
+    for (int k = 0; k < P; ++k) ring.load(k, warp + W * k, c_real);
     l_next();
 
     // the writer threads (tid < 2 * TT) of the item's h rows: token tid / 2, rows 8 (tid % 2) ..
@@ -251,16 +253,16 @@ __device__ void gate_up(const uint4* __restrict__ w13, const uint2* __restrict__
     zero_acc<NT>(acc);
 
     for (int ch = 0; ch < total; ++ch) {
-        const int base = warp + WARPS * P * ring.chunk;
+        const int base = warp + W * P * ring.chunk;
 #pragma unroll
         for (int k = 0; k < P; ++k) {
             group_mma<NT>(acc, ring.w[k], ring.s[k], ring.x[k]);
-            ring.load(k, base + WARPS * k, c_real);
+            ring.load(k, base + W * k, c_real);
         }
         l_next();
         if (++c_chunk < chunks) continue;
         // end of the item: reduce over the warps (in warp order), silu(gate) * up, 16-byte stores of h
-        float* red = s_red + parity * WARPS * RED;
+        float* red = s_red + parity * W * RED;
 #pragma unroll
         for (int m = 0; m < 2; ++m)
 #pragma unroll
@@ -271,10 +273,10 @@ __device__ void gate_up(const uint4* __restrict__ w13, const uint2* __restrict__
                     acc[m][j][r] = 0.f;
                 }
         __syncthreads();
-        for (int q = threadIdx.x; q < NT * 128; q += THREADS) {
+        for (int q = threadIdx.x; q < NT * 128; q += 32 * W) {
             float gs = 0.f, us = 0.f;
 #pragma unroll
-            for (int w = 0; w < WARPS; ++w) {
+            for (int w = 0; w < W; ++w) {
                 gs += red[(w * 2) * NT * 128 + q];
                 us += red[(w * 2 + 1) * NT * 128 + q];
             }
@@ -312,7 +314,7 @@ __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2,
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, u = lane & 3;
     u16* stage = s_o + warp * TT * 32;
 
-    const int n_ent = build_entries(counts, e_local, TT, s_cnt, s_ent, s_ws);
+    const int n_ent = build_entries<WARPS>(counts, e_local, TT, s_cnt, s_ent, s_ws);
     const int n_work = n_ent * n_pairs;
     const int gw = blockIdx.x * WARPS + warp, n_warps = gridDim.x * WARPS;
     const int chunks = n_groups / P;  // chunks per item (P divides n_groups: a multiple of 8)
@@ -430,7 +432,17 @@ extern "C" __global__ void kdtree_moe_v3_takes_prefetch_arg() {}
         const uint4* w13, const uint2* s13, const uint4* x, const int* counts, const int* lists, u16* h, int t, \
         int top_k, int e_local, int c_real, int n_groups, int n_pairs, int inter, int pf) {                  \
         pdl_prologue();                                                                                        \
-        gate_up<NT, P>(w13, s13, x, counts, lists, h, t, top_k, e_local, c_real, n_groups, n_pairs, inter, pf); \
+        gate_up<NT, P, WARPS>(w13, s13, x, counts, lists, h, t, top_k, e_local, c_real, n_groups, n_pairs, inter, \
+                              pf);                                                                             \
+    }
+// 16 warps in one CTA per SM (<= 128 registers each): where the items are about as many as the SMs (t = 1: 8
+// experts x 16 row pairs), twice the warps per SM of two 8-warp CTAs that the items cannot fill
+#define GATE_UP_W16(NT, P)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(16 * 32, 1) kdtree_moe_v3_gate_up_w16_nt##NT##_p##P(          \
+        const uint4* w13, const uint2* s13, const uint4* x, const int* counts, const int* lists, u16* h, int t, \
+        int top_k, int e_local, int c_real, int n_groups, int n_pairs, int inter, int pf) {                  \
+        pdl_prologue();                                                                                        \
+        gate_up<NT, P, 16>(w13, s13, x, counts, lists, h, t, top_k, e_local, c_real, n_groups, n_pairs, inter, pf); \
     }
 #define DOWN(NT, P, MINB)                                                                                       \
     extern "C" __global__ void __launch_bounds__(THREADS, MINB) kdtree_moe_v3_down_nt##NT##_p##P(            \
@@ -445,5 +457,6 @@ extern "C" __global__ void kdtree_moe_v3_takes_prefetch_arg() {}
 GATE_UP(1, 7, 2) GATE_UP(1, 4, 2) GATE_UP(1, 2, 2) GATE_UP(1, 1, 2)
 GATE_UP(2, 4, 2) GATE_UP(2, 2, 2) GATE_UP(2, 1, 2)
 GATE_UP(4, 2, 1) GATE_UP(4, 1, 1)
+GATE_UP_W16(1, 7)
 DOWN(1, 8, 2)
 DOWN(2, 4, 2)
