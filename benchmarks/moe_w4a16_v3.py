@@ -7,8 +7,8 @@ tokens share experts) and "uniform" routing.  Roofline bytes: the touched expert
 + x, y, logits (benchmarks/moe_w4a16.py's count; v3's layout holds the same bytes per expert).  Both kernel
 paths are timed as CUDA graph replays (scratch from a MoEWorkspace allocated once), the peer eagerly.
 v3 is timed three times: as it runs by default, with its L2 prefetch of the expert weights (v3_pf,
-KDTREE_MOE_PREFETCH=1), and with the 8-warp gate_up where the default takes the 16-warp one (v3_w8: t = 1).  Before timing: v3 against the fp32 reference on the dequantised experts and against
-v2c at t = 16.
+KDTREE_MOE_PREFETCH=1), and with the 8-warp gate_up where the default takes the 16-warp one (v3_w8: t = 1).
+Before timing: v3 against the fp32 reference on the dequantised experts and against v2c at t = 16.
 Writes benchmarks/results/moe_w4a16_v3.json and moe_w4a16_v3.png (fraction of roofline against t).
 
     python3 benchmarks/moe_w4a16_v3.py [--quick] [--out DIR]
