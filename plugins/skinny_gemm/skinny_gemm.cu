@@ -36,10 +36,19 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {  // weights: read o
     return r;
 }
 
-__device__ __forceinline__ uint4 ld_tokens(const uint4* p) {  // token rows: every CTA reads them
+// Token rows and c: written by the predecessor grid, which under PDL may still run when this CTA starts, so never
+// through the non-coherent path (.nc assumes the data does not change while the kernel runs): from L2 (.cg), where
+// every CTA finds them after the wait.
+__device__ __forceinline__ uint4 ld_tokens(const uint4* p) {
     uint4 r;
-    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ u16 ld_c(const u16* p) {
+    u16 r;
+    asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(r) : "l"(p));
     return r;
 }
 
@@ -192,7 +201,7 @@ __device__ __forceinline__ void skinny(const u16* __restrict__ x, const u16* __r
             for (int v = 0; v < warps; ++v) s += red[v * tile + f];
         }
         const u64 col = (u64)r0 + row;
-        if (ADD_C) s += from_bf16(c[(u64)tok * ldc + col]);
+        if (ADD_C) s += from_bf16(ld_c(c + (u64)tok * ldc + col));
         if (OUT_F32)
             reinterpret_cast<float*>(y)[(u64)tok * ldy + col] = s;
         else
