@@ -7,7 +7,8 @@ tokens share experts) and "uniform" routing.  Roofline bytes: the touched expert
 + x, y, logits (benchmarks/moe_w4a16.py's count; v3's layout holds the same bytes per expert).  Both kernel
 paths are timed as CUDA graph replays (scratch from a MoEWorkspace allocated once), the peer eagerly.
 v3 is timed three times: as it runs by default, with its L2 prefetch of the expert weights (v3_pf,
-KDTREE_MOE_PREFETCH=1), and with the 8-warp gate_up where the default takes the 16-warp one (v3_w8: t = 1).
+KDTREE_MOE_PREFETCH=1), and with the 8-warp gate_up where the default takes the 16-warp one (v3_w8: t = 1); at
+t = 8, 9, 16, 17, 33, 64 also with the other token tile (v3_nt{1,2,4}_us: launch_v3.token_tile's choice checked).
 Before timing: v3 against the fp32 reference on the dequantised experts and against v2c at t = 16.
 Writes benchmarks/results/moe_w4a16_v3.json and moe_w4a16_v3.png (fraction of roofline against t).
 
@@ -101,6 +102,19 @@ def bench_shape(name: str, t: int, routing: str, ex: dict, e_start: int, dev, de
         row[f"{label}_us"], row[f"{label}_fraction"] = us, roof / us
     os.environ.pop(PREFETCH_ENV)
     launch_v3.USE_W16 = True
+    # the other token tile where the choice changes (launch_v3.token_tile: NT = 1 to t = 8, 2 to t = 33): is the
+    # switch at the right t under tree routing, where most experts see a few of the tokens?
+    other = {8: 2, 9: 1, 16: 1, 17: 1, 33: 4, 64: 2}.get(t)
+    if other is not None:
+        call = lambda: moe_w4a16(x, logits, None, bias, *ex["frag"], K, 1, 1, True, SCALING, e_start,  # noqa: E731
+                                 ws.buffer)
+        want = call()
+        launch_v3.TOKEN_TILE_OVERRIDE = other
+        try:
+            row[f"v3_nt{other}_same_bits"] = bool(torch.equal(call(), want))  # a column's sum order is NT's own
+            row[f"v3_nt{other}_us"] = time_us(call, graph=True)
+        finally:
+            launch_v3.TOKEN_TILE_OVERRIDE = None
     if dense is not None:
         try:
             row["bf16_grouped_mm_us"] = time_us(lambda: grouped_mm_peer(x, logits, bias, *dense, e_start, e_local))
@@ -174,7 +188,7 @@ def main() -> None:
     dense = None if args.quick else dense_operands(tp8)
     rows = []
     # t = 17 and 33: the verify of a 16- and a 32-node tree (nodes + the root)
-    for t in ([1, 17, 64, 512] if args.quick else [1, 8, 16, 17, 33, 64, 256, 512]):
+    for t in ([1, 9, 17, 64, 512] if args.quick else [1, 8, 9, 16, 17, 33, 64, 256, 512]):
         for routing in (("tree",) if args.quick else ("tree", "uniform")):
             rows.append(bench_shape(f"k26_tp8_t{t}", t, routing, tp8, 0, dev, dense))
             r = rows[-1]

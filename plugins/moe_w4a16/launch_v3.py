@@ -57,6 +57,7 @@ GATE_UP_CTAS_PER_SM = {1: 2, 2: 2, 4: 1}
 W16 = 16  # warps of moe_v3.cu's gate_up_w16 variants: one 512-thread CTA per SM
 GATE_UP_W16_P = {1: 7}  # their (NT, ring depth)
 USE_W16 = True  # gate_up_w16 where it applies (benchmarks/moe_w4a16_v3.py times it against the 8-warp kernel)
+TOKEN_TILE_OVERRIDE: int | None = None  # NT for every t (1, 2 or 4; down takes min(NT, 2)): the benchmark's other choice
 DOWN_P = {1: 8, 2: 4}
 
 
@@ -260,7 +261,7 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
     i32, ptr = ctypes.c_int, ctypes.c_void_p
     # the prefetch argument, where the cubin takes one
     pf = ((int(prefetch),), (i32,)) if mod.prefetch_arg else ((), ())
-    nt = token_tile(t)
+    nt = TOKEN_TILE_OVERRIDE or token_tile(t)
     n_items = max_entries(t, top_k, e_local, nt) * pairs13
     name = gate_up_w16(nt, c1, n_items, sms) if USE_W16 and mod.prefetch_arg else None
     if name is not None and _has(mod, name):  # one 16-warp CTA per SM
@@ -271,7 +272,7 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
             (w13.data_ptr(), w13_scale.data_ptr(), x.data_ptr(), ws.counts.data_ptr(), ws.lists.data_ptr(),
              ws.h.data_ptr(), t, top_k, e_local, d // GROUP, c1, pairs13, i, *pf[0]),
             (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32, *pf[1]), warps)
-    nt2 = down_tile(t)
+    nt2 = min(nt, 2)  # down_tile(t), or the override's
     n_items = max_entries(t, top_k, e_local, nt2) * pairs2
     smem = down_smem(t, top_k, e_local, nt2)
     _launch(mod, f"kdtree_moe_v3_down_nt{nt2}_p{DOWN_P[nt2]}", min(cdiv(n_items, WARPS), 2 * sms), smem,
