@@ -120,6 +120,15 @@ __device__ __forceinline__ void group_mma(float (&acc)[2][NT][4], const uint4& w
 
 // counts [e_local] -> entries (expert << 16 | tile) in expert order; returns how many (every thread of a CTA of W
 // warps; s_ws holds W ints).
+// The counts come from L2 (.cg): the route kernel, this grid's predecessor, writes them, and under PDL this grid may
+// start while it runs, so not through the non-coherent path that `const __restrict__` lets the compiler pick.
+// (Loading both passes' counts before the first scan moved register spills into gate_up_nt2_p4: not done.)
+__device__ __forceinline__ int ld_count(const int* p) {
+    int r;
+    asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(r) : "l"(p));
+    return r;
+}
+
 template <int W>
 __device__ int build_entries(const int* __restrict__ counts, int e_local, int tile_tokens, int* s_cnt, int* s_ent,
                              int* s_ws) {
@@ -127,7 +136,7 @@ __device__ int build_entries(const int* __restrict__ counts, int e_local, int ti
     int base = 0;
     for (int e0 = 0; e0 < e_local; e0 += 32 * W) {
         const int e = e0 + threadIdx.x;
-        const int c = e < e_local ? counts[e] : 0;
+        const int c = e < e_local ? ld_count(counts + e) : 0;
         if (e < e_local) s_cnt[e] = c;
         const int nt = (c + tile_tokens - 1) / tile_tokens;
         int v = nt;
