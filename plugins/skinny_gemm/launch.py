@@ -9,12 +9,13 @@ tree round.  The cubin comes from the artifact, the kdtree cache or NVRTC/nvcc (
 from __future__ import annotations
 
 import ctypes
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from plugins.common.cubin import load_module
+from plugins.common.cubin import CubinUnavailable, load_module
 from plugins.common.device import device_facts
 from plugins.common.driver import checked, launch
 from plugins.common.pdl import USE_PDL
@@ -91,7 +92,35 @@ def supports(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, out_f32: 
     if c is not None:
         ok = ok and not out_f32 and c.dtype == torch.bfloat16 and c.shape == (t, w.shape[0]) and c.stride(1) == 1 \
             and c.device == x.device
-    return ok
+    return ok and available(x.device)
+
+
+class SkinnyGemmWarning(UserWarning):
+    """skinny_gemm.cu cannot be loaded on a device: its GEMMs stay cuBLAS's."""
+
+
+_UNAVAILABLE: dict[int, str] = {}  # device index -> why the module does not load there (final per process)
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernels load on `device` (loading them at the first ask); one SkinnyGemmWarning, naming why, when
+    they do not (no cubin for the arch and no compiler, no cuda-python, the driver refused the module).  Asked first
+    inside a CUDA graph capture, False without loading (the runtime's warm-up calls come before any capture)."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index in _MODULES:
+        return True
+    if index in _UNAVAILABLE or torch.cuda.is_current_stream_capturing():
+        return False
+    try:
+        _module(device)
+    except (CubinUnavailable, ImportError, RuntimeError) as exc:
+        _UNAVAILABLE[index] = f"{type(exc).__name__}: {exc}"
+        warnings.warn(SkinnyGemmWarning(f"skinny_gemm unavailable on cuda:{index} ({_UNAVAILABLE[index]}); the "
+                                        f"few-token GEMMs stay cuBLAS's"), stacklevel=2)
+        return False
+    return True
 
 
 @dataclass
