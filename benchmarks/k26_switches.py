@@ -10,7 +10,7 @@ Switches (each off unless named in a setting; "base" names none):
   skinny_pf with skinny: each GEMM CTA's weights into L2 before its PDL wait (plugins/skinny_gemm/launch.PREFETCH)
 
     python3 benchmarks/k26_switches.py --out DIR [--settings base,skinny,moe_pf,gemm_pf,attn_pf,...]
-        [--context 4096] [--budget 16] [--iters 10] [--layers N]
+        [--context 4096] [--budget 16] [--iters 10] [--layers N] [--source tiny-kimi --tp 1 --context 512]
 Writes OUT/k26-switches.json; prints a table with each setting's change against the first.
 """
 
@@ -75,7 +75,9 @@ def apply(on: frozenset[str]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
-    ap.add_argument("--source", default="kimi-k2.6")
+    ap.add_argument("--source", default="kimi-k2.6", help="a preset (tiny-kimi with --tp 1 --context 512: the tiny "
+                    "model's step) or a synthetic artifact")
+    ap.add_argument("--tp", type=int, default=8)
     ap.add_argument("--settings", default="base,skinny,skinny+skinny_pf,moe_pf,gemm_pf,attn_pf,"
                                           "skinny+skinny_pf+moe_pf+attn_pf")
     ap.add_argument("--context", type=int, default=4096)
@@ -92,7 +94,7 @@ def main() -> None:
     from runtime.decode.params import SpecConfig
 
     dev = torch.device("cuda")
-    target, drafter, replicated, _ = load_rank_models(a.source, 8, 0, a.layers, 0, dev, True)
+    target, drafter, replicated, _ = load_rank_models(a.source, a.tp, 0, a.layers, 0, dev, True)
     pool = GraphPool(dev)
     rows = []
     for name, on in settings:
