@@ -114,7 +114,7 @@ def main() -> None:
     for row in rows:
         for key in [k for k in row if k.endswith("_us")]:
             row[f"{key[:-3]}_vs_{base['setting']}"] = round(row[key] / base[key], 3)
-    extra = {"source": a.source, "layers": target.cfg.num_layers, "context": a.context, "budget": a.budget,
+    extra = {"source": a.source, "tp": a.tp, "layers": target.cfg.num_layers, "context": a.context, "budget": a.budget,
              "iters": a.iters, "switches": __doc__.split("Switches")[1].split("\n\n")[0].strip(),
              "timing": "runtime/bench_rank.measure_mode: CUDA graphs, each setting captured afresh"}
     path = write_result("k26-switches", rows, extra, a.out)
