@@ -119,27 +119,31 @@ __device__ __forceinline__ void group_mma(float (&acc)[2][NT][4], const uint4& w
 }
 
 // counts [e_local] -> entries (expert << 16 | tile) in expert order; returns how many (every thread of a CTA of W
-// warps; s_ws holds W ints).
+// warps; s_ws holds W ints).  Each thread takes two neighbouring experts per pass, so 384 experts at W = 8 take one
+// pass: one memory latency and one CTA scan, not two.
 // The counts come from L2 (.cg): the route kernel, this grid's predecessor, writes them, and under PDL this grid may
 // start while it runs, so not through the non-coherent path that `const __restrict__` lets the compiler pick.
-// (Loading both passes' counts before the first scan moved register spills into gate_up_nt2_p4: not done.)
 __device__ __forceinline__ int ld_count(const int* p) {
     int r;
     asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(r) : "l"(p));
     return r;
 }
 
+// Not inlined: its registers then stay out of the callers' allocation (inlined, ptxas spilled 8-20 bytes in
+// gate_up nt1_p7 / nt2_p4 / w16 and both down kernels; as a call, none of them spills).
 template <int W>
-__device__ int build_entries(const int* __restrict__ counts, int e_local, int tile_tokens, int* s_cnt, int* s_ent,
-                             int* s_ws) {
+__device__ __noinline__ int build_entries(const int* __restrict__ counts, int e_local, int tile_tokens, int* s_cnt,
+                                          int* s_ent, int* s_ws) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int base = 0;
-    for (int e0 = 0; e0 < e_local; e0 += 32 * W) {
-        const int e = e0 + threadIdx.x;
-        const int c = e < e_local ? ld_count(counts + e) : 0;
-        if (e < e_local) s_cnt[e] = c;
-        const int nt = (c + tile_tokens - 1) / tile_tokens;
-        int v = nt;
+    for (int e0 = 0; e0 < e_local; e0 += 64 * W) {
+        const int e = e0 + 2 * threadIdx.x;  // this thread's experts e, e + 1
+        const int c0 = e < e_local ? ld_count(counts + e) : 0;
+        const int c1 = e + 1 < e_local ? ld_count(counts + e + 1) : 0;
+        if (e < e_local) s_cnt[e] = c0;
+        if (e + 1 < e_local) s_cnt[e + 1] = c1;
+        const int n0 = (c0 + tile_tokens - 1) / tile_tokens, n1 = (c1 + tile_tokens - 1) / tile_tokens;
+        int v = n0 + n1;
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
             const int y = __shfl_up_sync(0xFFFFFFFFu, v, o);
@@ -154,8 +158,9 @@ __device__ int build_entries(const int* __restrict__ counts, int e_local, int ti
             before += k < warp ? sv : 0;
             total += sv;
         }
-        const int first = base + before + v - nt;
-        for (int j = 0; j < nt; ++j) s_ent[first + j] = (e << 16) | j;
+        const int first = base + before + v - n0 - n1;
+        for (int j = 0; j < n0; ++j) s_ent[first + j] = (e << 16) | j;
+        for (int j = 0; j < n1; ++j) s_ent[first + n0 + j] = ((e + 1) << 16) | j;
         base += total;
         __syncthreads();
     }
