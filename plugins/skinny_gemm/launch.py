@@ -125,11 +125,14 @@ def available(device: torch.device) -> bool:
 
 @dataclass
 class _Module:
+    """One device's loaded kernels and split-k workspace.  The workspace serves the calls of one stream at a time
+    (each call's last CTAs leave its tickets zero for the next): the decode round's, eager or replayed."""
     cu: object
-    funcs: dict
+    module: object
+    funcs: dict  # kernel name -> CUfunction
     pdl: bool
     parts: torch.Tensor  # [PARTS_FLOATS] fp32
-    tickets: torch.Tensor  # [TICKETS] int32, zero between calls (each call's last CTAs re-zero theirs)
+    tickets: torch.Tensor  # [TICKETS] int32, zero between calls
 
 
 _MODULES: dict[int, _Module] = {}
@@ -146,7 +149,7 @@ def _module(device: torch.device) -> _Module:
         from cuda.bindings import driver as cu
         dev = torch.device("cuda", index)
         module, _ = load_module(SOURCE, dev, "skinny_gemm")
-        mod = _MODULES[index] = _Module(cu, {"module": module}, USE_PDL and device_facts(dev).capability[0] >= 9,
+        mod = _MODULES[index] = _Module(cu, module, {}, USE_PDL and device_facts(dev).capability[0] >= 9,
                                         torch.empty(PARTS_FLOATS, dtype=torch.float32, device=dev),
                                         torch.zeros(TICKETS, dtype=torch.int32, device=dev))
     return mod
@@ -164,7 +167,7 @@ def skinny_gemm_cuda(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, o
     cu = mod.cu
     func = mod.funcs.get(p.kernel)
     if func is None:
-        func = mod.funcs[p.kernel] = checked(cu, cu.cuModuleGetFunction(mod.funcs["module"], p.kernel.encode()),
+        func = mod.funcs[p.kernel] = checked(cu, cu.cuModuleGetFunction(mod.module, p.kernel.encode()),
                                              f"skinny_gemm: cuModuleGetFunction {p.kernel}")
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     args = (x.data_ptr(), w.data_ptr(), y.data_ptr(), c.data_ptr() if c is not None else 0, mod.parts.data_ptr(),
