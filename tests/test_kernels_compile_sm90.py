@@ -107,7 +107,8 @@ def specialisations() -> list:
     out.append(kernel("route_shared_bf16", route_kernel, t, c, 1))
     # ... and prefetching the picked experts' weights into L2 (v3 with KDTREE_MOE_PREFETCH, one token)
     t = t | {"pf1_ptr": "*i32", "pf2_ptr": "*i32"}
-    out.append(kernel("route_prefetch_bf16", route_kernel, t, c | dict(PREFETCH=True, NCH1=32, NCH2=16), 1))
+    out.append(kernel("route_prefetch_bf16", route_kernel, t, c | dict(PREFETCH=True, NCH1=32, NCH2=16, ACTIVE=False),
+                      1))  # v3's form: no active-expert list
     t = {"out_ptr": "*fp32", "idx_ptr": "*i32", "y_ptr": "*bf16", "counts_ptr": "*i32"}
     out.append(kernel("moe_combine_bf16", combine_kernel, t, dict(K=8, BD=1024, BC=512, PDL=True), 4))
     # ... with the shared expert's down projection (K2.6 TP8: i' 256; token tiles of 16 and 64)

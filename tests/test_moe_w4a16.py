@@ -225,6 +225,19 @@ def _interp_case(t, e, d, i, k, n_group, topk_group, e_start, e_local, int4, dty
         want = shared_down_reference(y.clone(), shared_h, down).double()
         res["shared_down_rel"] = ((y2.double() - want).norm() / want.norm()).item()
         res["shared_down_moved"] = ((want - y.double()).norm() / want.norm()).item()  # the shared part is not ~0
+    # the routing kernel without the active-expert list (v3's form): the same picks, weights, counts and lists
+    from plugins.moe_w4a16.route_kernel import launch_route
+    routed = []
+    for active_list in (True, False):
+        bufs = [torch.zeros(t * k, dtype=torch.int32), torch.zeros(t * k), torch.zeros(e_local + 1, dtype=torch.int32),
+                torch.zeros(e_local, dtype=torch.int32), torch.full((e_local, t), -1, dtype=torch.int32)]
+        launch_route(logits, bias, bufs[0], bufs[1], bufs[2], bufs[3], bufs[4], e_start, e_local, 2.5, k, n_group,
+                     topk_group, True, active_list=active_list)
+        routed.append(bufs)
+    (i1, w1, c1, _, l1), (i2, w2_, c2, a2, l2) = routed
+    res["route_without_active_list"] = bool(torch.equal(i1, i2) and torch.equal(w1, w2_)
+                                            and torch.equal(c1[:-1], c2[:-1]) and c2[-1].item() == 0
+                                            and not a2.any() and torch.equal(l1.sort(1).values, l2.sort(1).values))
     if workspace:
         ws = MoEWorkspace.allocate(t + 7, k, e_local, d, i, dtype, "cpu", cfg)
         ws.buffer.fill_(0xFF)  # NaN floats, -1 ints: whatever the kernels read before writing shows
@@ -266,6 +279,7 @@ def test_triton_interpreter_matches_reference(interp_results, case):
     assert r.get("workspace_equal", True), r  # the caller's workspace gives the allocating path's y exactly
     assert r.get("counts_rezeroed", True), r  # the call left the routing counts zero for the next one
     assert r["shared_equal_silu_mul"], r  # the routing kernel's shared activation is silu_mul's, bit for bit
+    assert r["route_without_active_list"], r  # v3's routing (no active list) routes the same
     assert r["shared_rel"] < (1e-6 if r["dtype"] == "torch.float32" else 2e-2), r  # bf16: truncated, see above
     if case in SHARED_DOWN_CASES:  # the combine's shared down projection: the GEMM-with-beta-1 reference
         assert r["shared_down_rel"] < (1e-6 if r["dtype"] == "torch.float32" else 2e-2), r

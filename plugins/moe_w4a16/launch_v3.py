@@ -255,7 +255,7 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
     # prefetch and one token's worth of picks, the routing kernel also puts the picked experts' weights in flight
     launch_route(logits, bias, ws.topk_idx, ws.topk_w, ws.counts, ws.active, ws.lists, e_start, e_local, scaling,
                  top_k, n_group, topk_group, norm_topk_prob, shared_gate_up, shared_h,
-                 (w13, w2) if prefetch and t * top_k <= ROUTE_PREFETCH_SLOTS else None)
+                 (w13, w2) if prefetch and t * top_k <= ROUTE_PREFETCH_SLOTS else None, active_list=False)
 
     sms = device_facts(x.device).sms
     i32, ptr = ctypes.c_int, ctypes.c_void_p

@@ -56,7 +56,7 @@ def route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, counts_ptr, active_ptr, l
                  K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr,
                  BT: tl.constexpr, BE: tl.constexpr, BKK: tl.constexpr, BG: tl.constexpr,
                  SHARED: tl.constexpr, BS: tl.constexpr, IEEE_EXP: tl.constexpr, PREFETCH: tl.constexpr,
-                 NCH1: tl.constexpr, NCH2: tl.constexpr, PDL: tl.constexpr):
+                 NCH1: tl.constexpr, NCH2: tl.constexpr, PDL: tl.constexpr, ACTIVE: tl.constexpr = True):
     pdl_prologue(PDL)
     NEG = float("-inf")
     pid = tl.program_id(0)
@@ -107,11 +107,15 @@ def route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, counts_ptr, active_ptr, l
         key = tl.where(emask[None, :] & (choice > NEG), pack(choice, re[None, :]), KEY_NONE)  # [BT, BE] int64
         rk = tl.arange(0, BKK)  # [BKK] slots (padded)
         sel_i = tl.zeros([BT, BKK], tl.int32)
+        sel_w = tl.zeros([BT, BKK], tl.float32)
         for j in tl.static_range(K):
             m = tl.max(key, axis=1)  # [BT]
             ij = unpack(m)[1]  # [BT] the pick (lowest id among equal choices)
-            key = tl.where(re[None, :] == ij[:, None], KEY_NONE, key)
+            hit = re[None, :] == ij[:, None]  # [BT, BE]
+            key = tl.where(hit, KEY_NONE, key)
             sel_i = tl.where(rk[None, :] == j, ij[:, None], sel_i)
+            # its unbiased score, taken from the row in registers (one term: the sum is exact)
+            sel_w = tl.where(rk[None, :] == j, tl.sum(tl.where(hit, scores, 0.0), axis=1)[:, None], sel_w)
         kmask = tmask[:, None] & (rk[None, :] < K)  # [BT, BKK]
         if PREFETCH:  # the picked local experts' weights in flight now, while the routing finishes (an L2 hint)
             lp = sel_i - e_start
@@ -119,8 +123,6 @@ def route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, counts_ptr, active_ptr, l
             lp = tl.where(here, lp, 0)
             _prefetch_experts(pf1_ptr, lp, PF1_BYTES, here, NCH1)
             _prefetch_experts(pf2_ptr, lp, PF2_BYTES, here, NCH2)
-        # the unbiased scores of the picks, re-read from the logits (same sigmoid as above, bit for bit)
-        sel_w = tl.sigmoid(tl.load(logits_ptr + rt[:, None] * stride_l + sel_i, mask=kmask, other=0.0).to(tl.float32))
         sel_w = tl.where(kmask, sel_w, 0.0)
         if NORM:
             sel_w = sel_w / (tl.sum(sel_w, axis=1)[:, None] + 1e-20)
@@ -134,9 +136,10 @@ def route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, counts_ptr, active_ptr, l
         local = kmask & (le >= 0) & (le < e_local)
         le = tl.where(local, le, 0)
         pos = tl.atomic_add(counts_ptr + le, 1, mask=local)  # [BT, BKK] place in the expert's list
-        first = local & (pos == 0)
-        a = tl.atomic_add(counts_ptr + e_local + le * 0, 1, mask=first)
-        tl.store(active_ptr + a, le, mask=first)
+        if ACTIVE:  # the list of active experts (v2c's kernels walk it; v3 reads the counts only)
+            first = local & (pos == 0)
+            a = tl.atomic_add(counts_ptr + e_local + le * 0, 1, mask=first)
+            tl.store(active_ptr + a, le, mask=first)
         tl.store(lists_ptr + le * T + pos, slot, mask=local)
 
 
@@ -144,12 +147,14 @@ def launch_route(logits: torch.Tensor, bias: torch.Tensor, topk_idx: torch.Tenso
                  counts: torch.Tensor, active: torch.Tensor, lists: torch.Tensor, e_start: int, e_local: int,
                  scaling: float, top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool,
                  shared_gate_up: torch.Tensor | None = None, shared_h: torch.Tensor | None = None,
-                 prefetch: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 prefetch: tuple[torch.Tensor, torch.Tensor] | None = None, active_list: bool = True) -> None:
     """route_kernel over logits [t, e] (rows may be strided): one token per one-warp program, each pick a
     warp-shuffle reduction.  With shared_gate_up [t, 2i] (unit stride along 2i) and shared_h [t, i] (x's
     dtype), one more program per token writes shared_h = silu(gate) * up (plugins/common/activation_kernel.py).
     prefetch (w13, w2): contiguous expert weights [e_local, ...] whose picked experts the kernel puts in flight
-    into L2 as soon as it has picked them (sm_90+ CUDA only; a hint, ignored elsewhere)."""
+    into L2 as soon as it has picked them (sm_90+ CUDA only; a hint, ignored elsewhere).  active_list False: no
+    list of active experts (active and counts[e_local] untouched; one dependent atomic fewer), for v3, which walks
+    the counts."""
     t, e = logits.shape
     shared = shared_h is not None
     i_sh = shared_h.shape[1] if shared else 0
@@ -163,7 +168,7 @@ def launch_route(logits: torch.Tensor, bias: torch.Tensor, topk_idx: torch.Tenso
         N_GROUP=n_group, TOPK_GROUP=topk_group, NORM=bool(norm_topk_prob), BT=1, BE=next_pow2(e),
         BKK=next_pow2(top_k), BG=next_pow2(n_group), SHARED=shared, BS=min(1024, next_pow2(max(i_sh, 1))),
         IEEE_EXP=logits.is_cuda, PREFETCH=pf, NCH1=next_pow2(-(-b1 // PF_CHUNK_BYTES)),
-        NCH2=next_pow2(-(-b2 // PF_CHUNK_BYTES)), num_warps=1, **pdl_args(pdl_for(logits)))
+        NCH2=next_pow2(-(-b2 // PF_CHUNK_BYTES)), num_warps=1, ACTIVE=active_list, **pdl_args(pdl_for(logits)))
 
 
 def next_pow2(n: int) -> int:
