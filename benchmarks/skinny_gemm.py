@@ -31,16 +31,15 @@ SHAPES = {"qkv_a": (2112, 7168, "bf16"), "q_b": (1536, 1536, "bf16"), "o_proj": 
 
 
 def _sweep(t: int, n: int, k: int, sms: int) -> list[dict]:
-    """Alternatives to the plan's (warps, splits, u): halved / doubled warps and splits, U = 8 at t <= 8."""
-    from plugins.skinny_gemm.launch import MAX_WARPS, split_shape, token_tiles
+    """Alternatives to the plan's (warps, splits, u): halved / doubled warps and splits, the shallower U."""
+    from plugins.skinny_gemm.launch import MAX_WARPS, U_VARIANTS, split_shape, token_tiles
     w, ks = split_shape(n, k, sms)
     out = []
     for ww in {max(1, w // 2), w, min(MAX_WARPS, w * 2)}:
         for kk in {max(1, ks // 2), ks, ks * 2, ks * 4}:
             if (ww, kk) != (w, ks) and k // 32 >= kk:
                 out.append({"warps": ww, "splits": kk})
-    if token_tiles(t) == 1:
-        out.append({"warps": w, "splits": ks, "u": 8})
+    out += [{"warps": w, "splits": ks, "u": u} for u in U_VARIANTS[token_tiles(t)][1:]]  # shallower register rings
     return out
 
 

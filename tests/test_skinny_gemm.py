@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from plugins.skinny_gemm import skinny_gemm
-from plugins.skinny_gemm.launch import MAX_TOKENS, SOURCE, U_OF_TT, plan, split_shape, token_tiles
+from plugins.skinny_gemm.launch import MAX_TOKENS, SOURCE, U_VARIANTS, plan, split_shape, token_tiles
 
 NVCC = shutil.which("nvcc")
 
@@ -115,7 +115,8 @@ def test_source_compiles_with_every_planned_kernel(tmp_path, arch):
     subprocess.run([NVCC, "-O3", "-std=c++17", "-ptx", f"-arch={arch}", "-o", str(ptx), str(SOURCE)], check=True)
     text = ptx.read_text()
     names = {plan(t, 64, 64, f32, c, 132, u=u).kernel for t in (1, 16, 32) for f32, c in ((0, 0), (0, 1), (1, 0))
-             for u in {U_OF_TT[token_tiles(t)], *((8,) if t <= 8 else ())}}
+             for u in U_VARIANTS[token_tiles(t)]}
+    assert len(names) == 18
     for name in names:
         assert f".entry {name}(" in text, name
     assert ("cp.async.bulk.prefetch.L2" in text) == (arch != "sm_80")

@@ -26,7 +26,9 @@ ROWS = 16  # weight rows per CTA (mma's M)
 BLOCK_K = 32  # k columns per block (two mma k steps)
 MAX_WARPS = 16  # 512 threads per CTA (skinny_gemm.cu's launch bounds)
 WARPS_PER_SM = 16  # the plan's target of resident warps per SM (<= 128 registers each: a whole SM at 16)
-U_OF_TT = {1: 4, 2: 4, 4: 2}  # blocks in flight per warp, per token tile count (compiled variants)
+# blocks in flight per warp (1 KB of weights each), per token tile count: the compiled variants, the plan's first
+# (the deepest that fits 128 registers without spilling; benchmarks/skinny_gemm.py's sweep times the other)
+U_VARIANTS = {1: (8, 4), 2: (6, 4), 4: (4, 2)}
 PARTS_FLOATS = 1 << 20  # the per-device split-k workspace: partial tiles (4 MB) ...
 TICKETS = 4096  # ... and one ticket counter per row group (a plan with KS > 1 has fewer groups than SMs)
 # pf's default: each CTA L2-prefetches its weights before its PDL wait (benchmarks/skinny_gemm.py times both ways,
@@ -72,7 +74,7 @@ def plan(t: int, n: int, k: int, out_f32: bool, add_c: bool, sms: int, u: int | 
     """The launch for x [t, k] . w [n, k]^T; u / warps / splits override the choice (benchmark sweeps, tests)."""
     tt = token_tiles(t)
     w, ks = split_shape(n, k, sms)
-    w, ks, u = warps or w, splits or ks, u or U_OF_TT[tt]
+    w, ks, u = warps or w, splits or ks, u or U_VARIANTS[tt][0]
     groups = -(-n // ROWS)
     if ks > 1 and (groups > TICKETS or groups * ks * tt * 128 > PARTS_FLOATS):
         raise ValueError(f"skinny_gemm: {ks} k splits of {groups} row groups exceed the split workspace")

@@ -219,4 +219,4 @@ __device__ __forceinline__ void skinny(const u16* __restrict__ x, const u16* __r
     }
 
 #define OUTS(TT, U) SKINNY(TT, U, bf16, false, false) SKINNY(TT, U, bf16_c, false, true) SKINNY(TT, U, f32, true, false)
-OUTS(1, 4) OUTS(1, 8) OUTS(2, 4) OUTS(4, 2)
+OUTS(1, 8) OUTS(1, 4) OUTS(2, 6) OUTS(2, 4) OUTS(4, 4) OUTS(4, 2)  // launch.U_VARIANTS: <= 128 registers, no spill
