@@ -43,7 +43,7 @@ def mla_forward(cfg: ModelConfig, w: AttentionWeights, rope: Rope, x: torch.Tens
 
     kv [b, l_max, c+r] is this layer's committed cache, lens [b] its lengths, tree_mask [b, n, w]
     which of the n tokens each token sees (itself and its ancestors); ws holds the attention's outputs.
-    With GEMM_PREFETCH on CUDA, o_proj's weights and up to three of `prefetch` (the caller's next GEMMs')
+    With GEMM_PREFETCH on CUDA, o_proj's and W_UV's weights and up to two of `prefetch` (the caller's next GEMMs')
     are put in flight into L2 before the attention, which leaves HBM mostly idle.
     """
     b, n, _ = x.shape
@@ -67,7 +67,7 @@ def mla_forward(cfg: ModelConfig, w: AttentionWeights, rope: Rope, x: torch.Tens
     q_full = mla_q_absorb(q, w.w_uk, cos_t, sin_t, rope.interleave).view(b, n, h, c + r)  # [q_nope . W_UK | rope]
 
     if GEMM_PREFETCH and x.is_cuda:  # a hint (plugins/l2_prefetch): the weights of the GEMMs after the attention
-        l2_prefetch([t for t in (w.o, *prefetch) if t is not None and t.is_contiguous()][:4])
+        l2_prefetch([t for t in (w.o, w.w_uv, *prefetch) if t is not None and t.is_contiguous()][:4])
     o_lat, lse = ws.attention(b, n, h, c)  # [b, n, h, c], [b, n, h]
     tree_verify_mla(q_full, kv, lens, tree_kv, tree_mask, cfg.softmax_scale, o_lat, lse)
     o = mla_v_absorb(o_lat.view(t, h, c), w.w_uv)  # [t, h, u] = o_lat . W_UV^T per head: o_proj's input rows
