@@ -1,6 +1,6 @@
 """A/B of the runtime's performance switches on one K2.6 TP8 rank, loaded once (the load is most of a rank
-benchmark's time): for each setting the AR step and a DDTree round at one cache length and budget, each captured
-afresh after the switches are set (runtime/bench_rank.measure_mode, no profile).
+benchmark's time): for each setting the AR step and DDTree rounds at one cache length and the given budgets, each
+captured afresh after the switches are set (runtime/bench_rank.measure_mode, no profile).
 
 Switches (each off unless named in a setting; "base" names none):
   skinny    KDTREE_SKINNY_GEMM: the few-token GEMMs on plugins/skinny_gemm (runtime.model.layers.SKINNY_GEMM)
@@ -10,7 +10,7 @@ Switches (each off unless named in a setting; "base" names none):
   skinny_pf with skinny: each GEMM CTA's weights into L2 before its PDL wait (plugins/skinny_gemm/launch.PREFETCH)
 
     python3 benchmarks/k26_switches.py --out DIR [--settings base,skinny,moe_pf,gemm_pf,attn_pf,...]
-        [--context 4096] [--budget 16] [--iters 10] [--layers N] [--source tiny-kimi --tp 1 --context 512]
+        [--context 4096] [--budget 16[,15,...]] [--iters 10] [--layers N] [--source tiny-kimi --tp 1 --context 512]
 Writes OUT/k26-switches.json; prints a table with each setting's change against the first.
 """
 
@@ -81,11 +81,13 @@ def main() -> None:
     ap.add_argument("--settings", default="base,skinny,skinny+skinny_pf,moe_pf,gemm_pf,attn_pf,"
                                           "skinny+skinny_pf+moe_pf+attn_pf")
     ap.add_argument("--context", type=int, default=4096)
-    ap.add_argument("--budget", type=int, default=16)
+    ap.add_argument("--budget", default="16", help="DDTree budgets, comma-separated (15,16: T(16) against T(17), "
+                    "whether buckets of 2^k - 1 nodes save the padding of 2^k + 1 tokens)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--layers", type=int, default=None)
     a = ap.parse_args()
     settings = parse_settings(a.settings)
+    budgets = [int(b) for b in a.budget.split(",")]
 
     import torch
 
@@ -100,12 +102,12 @@ def main() -> None:
     for name, on in settings:
         apply(on)
         row = {"setting": name}
-        for spec in (SpecConfig("none", 1), SpecConfig("ddtree", a.budget)):
+        for spec in (SpecConfig("none", 1), *(SpecConfig("ddtree", b) for b in budgets)):
             r = measure_mode(target, drafter, replicated, spec, a.context, a.iters, pool, False)
-            key = "ar" if spec.mode == "none" else f"ddtree{a.budget}"
+            key = "ar" if spec.mode == "none" else f"ddtree{spec.budget}"
             row[f"{key}_step_us"], row[f"{key}_verify_us"] = r["step_us"], r["verify_us"]
             if "drafter_us" in r:
-                row["drafter_us"] = r["drafter_us"]
+                row[f"{key}_drafter_us"] = r["drafter_us"]
             torch.cuda.empty_cache()
         rows.append(row)
         print(row, flush=True)
@@ -114,13 +116,14 @@ def main() -> None:
     for row in rows:
         for key in [k for k in row if k.endswith("_us")]:
             row[f"{key[:-3]}_vs_{base['setting']}"] = round(row[key] / base[key], 3)
-    extra = {"source": a.source, "tp": a.tp, "layers": target.cfg.num_layers, "context": a.context, "budget": a.budget,
+    extra = {"source": a.source, "tp": a.tp, "layers": target.cfg.num_layers, "context": a.context, "budgets": budgets,
              "iters": a.iters, "switches": __doc__.split("Switches")[1].split("\n\n")[0].strip(),
              "timing": "runtime/bench_rank.measure_mode: CUDA graphs, each setting captured afresh"}
     path = write_result("k26-switches", rows, extra, a.out)
     print(f"wrote {path}")
-    cols = ["setting", "ar_step_us", f"ddtree{a.budget}_step_us", "ar_verify_us", f"ddtree{a.budget}_verify_us",
-            "drafter_us", f"ar_step_vs_{base['setting']}", f"ddtree{a.budget}_step_vs_{base['setting']}"]
+    cols = ["setting", "ar_step_us", "ar_verify_us", f"ar_step_vs_{base['setting']}"]
+    for b in budgets:
+        cols += [f"ddtree{b}_step_us", f"ddtree{b}_verify_us", f"ddtree{b}_step_vs_{base['setting']}"]
     print_table(rows, cols)
 
 

@@ -101,7 +101,7 @@ def test_switches_ab_on_artifact(k26_art, tmp_path, monkeypatch):
     rows = json.loads((tmp_path / "k26-switches.json").read_text())["rows"]
     assert [r["setting"] for r in rows] == ["base", "skinny+moe_pf+gemm_pf+attn_pf"]
     for r in rows:
-        assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("ar_step_us", "ddtree8_step_us", "drafter_us"))
+        assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("ar_step_us", "ddtree8_step_us", "ddtree8_drafter_us"))
     assert not layers.SKINNY_GEMM
 
 
