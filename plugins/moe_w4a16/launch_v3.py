@@ -48,8 +48,9 @@ def token_tile(t: int) -> int:
     return 1 if t <= 8 else 2 if t <= 33 else 4
 
 
-def down_tile(t: int) -> int:
-    return min(token_tile(t), 2)
+def down_tile(nt: int) -> int:
+    """The down kernel's NT for gate_up's: at most 2 (its variants)."""
+    return min(nt, 2)
 
 
 GATE_UP_P = {1: (7, 4, 2, 1), 2: (4, 2, 1), 4: (2, 1)}  # ring depths compiled per NT (moe_v3.cu's variants)
@@ -272,7 +273,7 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
             (w13.data_ptr(), w13_scale.data_ptr(), x.data_ptr(), ws.counts.data_ptr(), ws.lists.data_ptr(),
              ws.h.data_ptr(), t, top_k, e_local, d // GROUP, c1, pairs13, i, *pf[0]),
             (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32, *pf[1]), warps)
-    nt2 = min(nt, 2)  # down_tile(t), or the override's
+    nt2 = down_tile(nt)
     n_items = max_entries(t, top_k, e_local, nt2) * pairs2
     smem = down_smem(t, top_k, e_local, nt2)
     _launch(mod, f"kdtree_moe_v3_down_nt{nt2}_p{DOWN_P[nt2]}", min(cdiv(n_items, WARPS), 2 * sms), smem,
