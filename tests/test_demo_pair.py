@@ -74,3 +74,18 @@ def test_drafter_for_another_target_is_said(tmp_path):
     (other / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="target_fingerprint"):
         Engine.load(PAIR / "target", device="cpu", drafter=other, spec="ddtree", budget=4)
+
+
+def test_budget_aligned_benchmark_runs(tmp_path, monkeypatch):
+    """benchmarks/budget_aligned.py (tau at 2^k - 1 against 2^k nodes) on a short run: lossless, both budgets'
+    rows, the file written."""
+    import sys
+
+    import benchmarks.budget_aligned as ba
+
+    monkeypatch.setattr(sys, "argv", ["budget_aligned", "--ks", "2", "--prompts", "1", "--new", "12", "--out",
+                                      str(tmp_path)])
+    ba.main()
+    doc = json.loads((tmp_path / "budget-aligned.json").read_text())
+    assert doc["matches_ar"] and [(r["aligned_budget"], r["power_budget"]) for r in doc["rows"]] == [(3, 4)]
+    assert all(r["aligned_tau"] >= 1 and r["power_tau"] >= 1 for r in doc["rows"])
