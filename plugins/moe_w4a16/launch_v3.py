@@ -58,7 +58,8 @@ GATE_UP_CTAS_PER_SM = {1: 2, 2: 2, 4: 1}
 W16 = 16  # warps of moe_v3.cu's gate_up_w16 variants: one 512-thread CTA per SM
 GATE_UP_W16_P = {1: 7}  # their (NT, ring depth)
 USE_W16 = True  # gate_up_w16 where it applies (benchmarks/moe_w4a16_v3.py times it against the 8-warp kernel)
-TOKEN_TILE_OVERRIDE: int | None = None  # NT for every t (1, 2 or 4; down takes min(NT, 2)): the benchmark's other choice
+# NT for every t (1, 2 or 4; down takes min(NT, 2)): the benchmark's other choice; None: token_tile(t)
+TOKEN_TILE_OVERRIDE: int | None = None
 DOWN_P = {1: 8, 2: 4}
 
 
