@@ -36,8 +36,8 @@ def _set_moe_pf(on: bool) -> None:
 
 
 def _set_gemm_pf(on: bool) -> None:
-    from runtime.model import attention, target
-    attention.GEMM_PREFETCH = target.GEMM_PREFETCH = on
+    from runtime.model import attention
+    attention.GEMM_PREFETCH = on  # read at each forward (runtime/model/target.py reads it through the module)
 
 
 def _set_skinny_pf(on: bool) -> None:

@@ -152,10 +152,9 @@ def unavailable(device: torch.device) -> str | None:
 
 def _func(mod: _Module, name: str, smem: int):
     cu = mod.cu
-    func = mod.funcs.get(name)
-    if func is None:
-        func = mod.funcs[name] = _ok(cu, cu.cuModuleGetFunction(mod.module, name.encode()),
-                                     f"cuModuleGetFunction {name}")
+    if not _has(mod, name):
+        raise RuntimeError(f"moe_w4a16 v3: cuModuleGetFunction {name} failed: not in the loaded cubin ({mod.where})")
+    func = mod.funcs[name]
     if smem > 48 * 1024 and mod.smem_set.get(name, 0) < smem:
         _ok(cu, cu.cuFuncSetAttribute(func, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                       smem), f"cuFuncSetAttribute {name}")

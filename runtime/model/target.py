@@ -33,7 +33,8 @@ from plugins.common.precision import acc_dtype
 from plugins.layer_fusion import add_rms_norm, embed_norm_rope, embed_range
 from plugins.moe_w4a16 import MoEWorkspace, expert_dims
 from plugins.tree_accept.vocab_argmax import vocab_argmax_local, vocab_argmax_pick
-from runtime.model.attention import GEMM_PREFETCH, mla_forward
+from runtime.model import attention
+from runtime.model.attention import mla_forward
 from runtime.model.cache import LatentCache
 from runtime.model.layers import linear, rms_norm, swiglu_mlp
 from runtime.model.moe import moe_forward
@@ -97,7 +98,7 @@ class TargetModel:
         x, hn, cos, sin = self.embed_norm_rope(tokens, first_norm, eps, positions, self.rope)
         for li, lw in enumerate(layers):
             a = mla_forward(cfg, lw.attn, self.rope, hn, cos, sin, cache.kv[li], cache.lens, cache.scratch[li],
-                            tree_mask, cache.work, self._next_gemms(lw) if GEMM_PREFETCH else ())  # [b, n, d]
+                            tree_mask, cache.work, self._next_gemms(lw) if attention.GEMM_PREFETCH else ())  # [b, n, d]
             x, hn = add_rms_norm(x, self._reduce(a), lw.mlp_norm, eps)  # residual, then the MLP's norm
             if isinstance(lw.mlp, MoEWeights):
                 m = moe_forward(cfg, lw.mlp, hn, self.experts[0], cache.work.moe)  # ep: experts from experts[0]
