@@ -5,6 +5,7 @@ captured afresh after the switches are set (runtime/bench_rank.measure_mode, no 
 Switches (each off unless named in a setting; "base" names none):
   skinny    KDTREE_SKINNY_GEMM: the few-token GEMMs on plugins/skinny_gemm (runtime.model.layers.SKINNY_GEMM)
   moe_pf    KDTREE_MOE_PREFETCH: the MoE's L2 prefetch of its experts (read by launch_v3 at each call)
+  moe_route KDTREE_MOE_FUSED_ROUTE: at t <= 8 the MoE's gate_up kernel routes the tokens itself (no route kernel)
   gemm_pf   KDTREE_GEMM_PREFETCH: each layer's post-attention weights into L2 before its attention
   attn_pf   KDTREE_ATTN_PREFETCH: the attention's first cache tiles into L2 before its PDL wait
   skinny_pf with skinny: each GEMM CTA's weights into L2 before its PDL wait (plugins/skinny_gemm/launch.PREFETCH)
@@ -35,6 +36,11 @@ def _set_moe_pf(on: bool) -> None:
     os.environ["KDTREE_MOE_PREFETCH"] = "1" if on else "0"
 
 
+def _set_moe_route(on: bool) -> None:
+    from plugins.moe_w4a16.launch_v3 import FUSED_ROUTE_ENV
+    os.environ[FUSED_ROUTE_ENV] = "1" if on else "0"
+
+
 def _set_gemm_pf(on: bool) -> None:
     from runtime.model import attention
     attention.GEMM_PREFETCH = on  # read at each forward (runtime/model/target.py reads it through the module)
@@ -51,7 +57,7 @@ def _set_attn_pf(on: bool) -> None:
 
 
 SWITCHES = {"skinny": _set_skinny, "moe_pf": _set_moe_pf, "gemm_pf": _set_gemm_pf,  # see the module doc
-            "attn_pf": _set_attn_pf, "skinny_pf": _set_skinny_pf}
+            "attn_pf": _set_attn_pf, "skinny_pf": _set_skinny_pf, "moe_route": _set_moe_route}
 
 
 def parse_settings(text: str) -> list[tuple[str, frozenset[str]]]:
@@ -78,8 +84,8 @@ def main() -> None:
     ap.add_argument("--source", default="kimi-k2.6", help="a preset (tiny-kimi with --tp 1 --context 512: the tiny "
                     "model's step) or a synthetic artifact")
     ap.add_argument("--tp", type=int, default=8)
-    ap.add_argument("--settings", default="base,skinny,skinny+skinny_pf,moe_pf,gemm_pf,attn_pf,"
-                                          "skinny+skinny_pf+moe_pf+attn_pf")
+    ap.add_argument("--settings", default="base,skinny,skinny+skinny_pf,moe_pf,moe_route,gemm_pf,attn_pf,"
+                                          "skinny+skinny_pf+moe_pf+attn_pf+moe_route")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--budget", default="16", help="DDTree budgets, comma-separated (15,16: T(16) against T(17), "
                     "whether buckets of 2^k - 1 nodes save the padding of 2^k + 1 tokens)")

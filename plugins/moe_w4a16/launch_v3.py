@@ -60,6 +60,11 @@ GATE_UP_W16_P = {1: 7}  # their (NT, ring depth)
 USE_W16 = True  # gate_up_w16 where it applies (benchmarks/moe_w4a16_v3.py times it against the 8-warp kernel)
 # NT for every t (1, 2 or 4; down takes min(NT, 2)): the benchmark's other choice; None: token_tile(t)
 TOKEN_TILE_OVERRIDE: int | None = None
+# KDTREE_MOE_FUSED_ROUTE=1: at t <= 8 the gate_up kernel routes the tokens itself (moe_v3.cu's route_gate_up, the
+# route kernel's arithmetic): one launch per MoE layer fewer.  Read at each call; off until the rank benchmark
+# measures it (benchmarks/k26_switches.py's fused_route).
+FUSED_ROUTE_ENV = "KDTREE_MOE_FUSED_ROUTE"
+ROUTE_EPL = 16  # moe_v3.cu's EPL: experts per lane of the in-CTA routing (e <= 32 * EPL)
 DOWN_P = {1: 8, 2: 4}
 
 
@@ -80,6 +85,27 @@ def gate_up_w16(nt: int, n_groups: int, n_items: int, sms: int) -> str | None:
     if p is None or n_items > sms + sms // 4 or n_groups % (W16 * p):
         return None
     return f"kdtree_moe_v3_gate_up_w16_nt{nt}_p{p}"
+
+
+def route_gate_up(nt: int, t: int, top_k: int, e: int, n_group: int, bias: torch.Tensor, n_groups: int,
+                  n_items: int, sms: int) -> tuple[str, int] | None:
+    """(kernel, warps) of the gate_up that routes the tokens itself, or None where it does not apply: NT 1, one
+    warp per token (t <= the CTA's warps), no expert groups, contiguous fp32 bias, e <= 32 * ROUTE_EPL, top_k <= 32.
+    The 16-warp CTA where gate_up_w16 takes the plain kernel's place, else the 8-warp one with the plain kernel's
+    ring."""
+    if nt != 1 or n_group != 1 or bias.dtype != torch.float32 or not bias.is_contiguous() or e > 32 * ROUTE_EPL \
+            or top_k > 32:
+        return None
+    if USE_W16 and gate_up_w16(nt, n_groups, n_items, sms) is not None and t <= W16:
+        return "kdtree_moe_v3_route_gate_up_w16_nt1_p7", W16
+    if t <= WARPS:  # the plain kernel's ring depth
+        return gate_up_variant(nt, n_groups).replace("_gate_up_", "_route_gate_up_"), WARPS
+    return None
+
+
+def route_gate_up_smem(t: int, top_k: int, e_local: int, warps: int) -> int:
+    """gate_up_smem at NT 1 + the CTA's own lists [e_local, t] and picks [t * top_k] (int32)."""
+    return gate_up_smem(t, top_k, e_local, 1, warps) + (e_local * t + t * top_k) * 4
 
 
 def max_entries(t: int, top_k: int, e_local: int, nt: int) -> int:
@@ -252,27 +278,41 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
                             launch_plan(t, top_k, e_local, d, i, x.device).splits)
     mod = kernels(x.device)  # before the route kernel: a failure here leaves counts zero
     prefetch = env_flag(PREFETCH_ENV, False)
-    # counts [e_local + 1] is zero here (MoEWorkspace.allocate zeroes it, every call's combine re-zeroes it); with
-    # prefetch and one token's worth of picks, the routing kernel also puts the picked experts' weights in flight
-    launch_route(logits, bias, ws.topk_idx, ws.topk_w, ws.counts, ws.active, ws.lists, e_start, e_local, scaling,
-                 top_k, n_group, topk_group, norm_topk_prob, shared_gate_up, shared_h,
-                 (w13, w2) if prefetch and t * top_k <= ROUTE_PREFETCH_SLOTS else None, active_list=False)
-
     sms = device_facts(x.device).sms
-    i32, ptr = ctypes.c_int, ctypes.c_void_p
+    i32, ptr, f32 = ctypes.c_int, ctypes.c_void_p, ctypes.c_float
     # the prefetch argument, where the cubin takes one
     pf = ((int(prefetch),), (i32,)) if mod.prefetch_arg else ((), ())
     nt = TOKEN_TILE_OVERRIDE or token_tile(t)
     n_items = max_entries(t, top_k, e_local, nt) * pairs13
-    name = gate_up_w16(nt, c1, n_items, sms) if USE_W16 and mod.prefetch_arg else None
-    if name is not None and _has(mod, name):  # one 16-warp CTA per SM
-        warps, grid = W16, min(n_items, sms)
+    gate_up_args = ((w13.data_ptr(), w13_scale.data_ptr(), x.data_ptr(), ws.counts.data_ptr(), ws.lists.data_ptr(),
+                     ws.h.data_ptr(), t, top_k, e_local, d // GROUP, c1, pairs13, i, *pf[0]),
+                    (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32, *pf[1]))
+    fused = route_gate_up(nt, t, top_k, logits.shape[1], n_group, bias, c1, n_items, sms) \
+        if env_flag(FUSED_ROUTE_ENV, False) and mod.prefetch_arg else None
+    if fused is not None and _has(mod, fused[0]):  # the routing inside gate_up: no route kernel
+        name, warps = fused
+        su, sh = (shared_gate_up, shared_h) if shared_h is not None else (None, None)
+        _launch(mod, name, min(n_items, sms if warps == W16 else GATE_UP_CTAS_PER_SM[nt] * sms),
+                route_gate_up_smem(t, top_k, e_local, warps),
+                (*gate_up_args[0], logits.data_ptr(), logits.stride(0), bias.data_ptr(), logits.shape[1], e_start,
+                 float(scaling), int(bool(norm_topk_prob)), ws.topk_idx.data_ptr(), ws.topk_w.data_ptr(),
+                 0 if su is None else su.data_ptr(), 0 if su is None else su.stride(0),
+                 0 if sh is None else sh.data_ptr(), 0 if sh is None else sh.stride(0),
+                 0 if sh is None else sh.shape[1]),
+                (*gate_up_args[1], ptr, i32, ptr, i32, i32, f32, i32, ptr, ptr, ptr, i32, ptr, i32, i32), warps)
     else:
-        name, warps, grid = gate_up_variant(nt, c1), WARPS, min(n_items, GATE_UP_CTAS_PER_SM[nt] * sms)
-    _launch(mod, name, grid, gate_up_smem(t, top_k, e_local, nt, warps),
-            (w13.data_ptr(), w13_scale.data_ptr(), x.data_ptr(), ws.counts.data_ptr(), ws.lists.data_ptr(),
-             ws.h.data_ptr(), t, top_k, e_local, d // GROUP, c1, pairs13, i, *pf[0]),
-            (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32, *pf[1]), warps)
+        # counts [e_local + 1] is zero here (MoEWorkspace.allocate zeroes it, every call's combine re-zeroes it);
+        # with prefetch and one token's worth of picks, the routing kernel also puts the picked experts' weights
+        # in flight
+        launch_route(logits, bias, ws.topk_idx, ws.topk_w, ws.counts, ws.active, ws.lists, e_start, e_local,
+                     scaling, top_k, n_group, topk_group, norm_topk_prob, shared_gate_up, shared_h,
+                     (w13, w2) if prefetch and t * top_k <= ROUTE_PREFETCH_SLOTS else None, active_list=False)
+        name = gate_up_w16(nt, c1, n_items, sms) if USE_W16 and mod.prefetch_arg else None
+        if name is not None and _has(mod, name):  # one 16-warp CTA per SM
+            warps, grid = W16, min(n_items, sms)
+        else:
+            name, warps, grid = gate_up_variant(nt, c1), WARPS, min(n_items, GATE_UP_CTAS_PER_SM[nt] * sms)
+        _launch(mod, name, grid, gate_up_smem(t, top_k, e_local, nt, warps), *gate_up_args, warps)
     nt2 = down_tile(nt)
     n_items = max_entries(t, top_k, e_local, nt2) * pairs2
     smem = down_smem(t, top_k, e_local, nt2)
