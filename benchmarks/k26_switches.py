@@ -78,6 +78,18 @@ def apply(on: frozenset[str]) -> None:
         set_switch(name in on)
 
 
+def _write(rows: list[dict], a, budgets: list[int], layers: int):
+    """OUT/k26-switches.json with each setting's change against the first (rows gain the _vs_ columns)."""
+    base = rows[0]
+    for row in rows:
+        for key in [k for k in row if k.endswith("_us")]:
+            row[f"{key[:-3]}_vs_{base['setting']}"] = round(row[key] / base[key], 3)
+    extra = {"source": a.source, "tp": a.tp, "layers": layers, "context": a.context, "budgets": budgets,
+             "iters": a.iters, "switches": __doc__.split("Switches")[1].split("\n\n")[0].strip(),
+             "timing": "runtime/bench_rank.measure_mode: CUDA graphs, each setting captured afresh"}
+    return write_result("k26-switches", rows, extra, a.out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
@@ -117,16 +129,10 @@ def main() -> None:
             torch.cuda.empty_cache()
         rows.append(row)
         print(row, flush=True)
+        path = _write(rows, a, budgets, target.cfg.num_layers)  # after every setting: a run cut short keeps its rows
     apply(frozenset())
-    base = rows[0]
-    for row in rows:
-        for key in [k for k in row if k.endswith("_us")]:
-            row[f"{key[:-3]}_vs_{base['setting']}"] = round(row[key] / base[key], 3)
-    extra = {"source": a.source, "tp": a.tp, "layers": target.cfg.num_layers, "context": a.context, "budgets": budgets,
-             "iters": a.iters, "switches": __doc__.split("Switches")[1].split("\n\n")[0].strip(),
-             "timing": "runtime/bench_rank.measure_mode: CUDA graphs, each setting captured afresh"}
-    path = write_result("k26-switches", rows, extra, a.out)
     print(f"wrote {path}")
+    base = rows[0]
     cols = ["setting", "ar_step_us", "ar_verify_us", f"ar_step_vs_{base['setting']}"]
     for b in budgets:
         cols += [f"ddtree{b}_step_us", f"ddtree{b}_verify_us", f"ddtree{b}_step_vs_{base['setting']}"]
