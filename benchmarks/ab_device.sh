@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One device call (< 600 s) that decides the runtime's performance switches: the GPU tests of the kernels behind
+# them, then the K2.6 rank's AR step and DDTree rounds under each switch setting (one load,
+# benchmarks/k26_switches.py), then the quick kernel benchmarks of the MoE and the few-token GEMM with what is left.
+#   bash benchmarks/ab_device.sh [all|tests|switches]   (device tool, repo root as cwd; results under $OUT)
+# k26_switches takes ~1 min per setting after a ~15 s load: with the tests first, about five settings fit one call,
+# so `tests` (tests + kernel benchmarks) and `switches` (every setting) can go in two calls back to back.
+# Env: BUDGET_S (default 585) for the whole call; SETTINGS / BUDGETS passed to k26_switches; SOURCE=tiny-kimi times
+# the tiny model's step instead (tp 1, context 512: issue 16's figure).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+R=${OUT:-/tmp/kdtree-out}
+mkdir -p "$R"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+budget=${BUDGET_S:-585}
+what=${1:-all}
+status=0
+if [[ $what != switches ]]; then
+  echo "=== GPU tests of the switched kernels"
+  files="tests/test_skinny_gemm.py tests/test_moe_v3_gpu.py tests/test_tree_verify_mla_kernel.py"
+  OUT=$R/tests PARALLEL=1 KDTREE_GPU_QUICK=1 TEST_TIMEOUT=${TEST_TIMEOUT:-170} TESTS="$files tests/test_l2_prefetch.py" \
+    bash benchmarks/device_run.sh tests >"$R/tests.log" 2>&1 || status=1
+  tail -15 "$R/tests.log"
+fi
+settings=${SETTINGS:-base,skinny,moe_route,skinny+skinny_pf,attn_pf,moe_pf,gemm_pf,skinny+moe_route+attn_pf}
+src=(--budget "${BUDGETS:-15,16}" --settings "$settings")
+[[ ${SOURCE:-} == tiny-kimi ]] && src+=(--source tiny-kimi --tp 1 --context 512)
+if [[ $what != tests ]]; then
+  echo "=== switch A/B at ${SECONDS} s"
+  keep=$([[ $what == all ]] && echo 90 || echo 0)  # s kept for the kernel benchmarks
+  left=$(( budget - SECONDS - keep ))
+  timeout $(( left > 60 ? left : 60 )) python3 benchmarks/k26_switches.py --out "$R" "${src[@]}" >"$R/switches.log" \
+    2>&1 || status=1
+  tail -14 "$R/switches.log"
+fi
+if [[ $what != switches ]]; then
+  left=$(( budget - SECONDS ))
+  echo "=== kernel benchmarks, ${left} s left"
+  OUT=$R/bench BUDGET_S=$left BENCH="moe_w4a16_v3:--quick skinny_gemm:--quick" bash benchmarks/device_run.sh bench \
+    >"$R/bench.log" 2>&1 || status=1
+  tail -40 "$R/bench.log"
+fi
+exit $status
