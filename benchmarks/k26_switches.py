@@ -5,7 +5,7 @@ captured afresh after the switches are set (runtime/bench_rank.measure_mode, no 
 Switches (each off unless named in a setting; "base" names none):
   skinny    KDTREE_SKINNY_GEMM: the few-token GEMMs on plugins/skinny_gemm (runtime.model.layers.SKINNY_GEMM)
   moe_pf    KDTREE_MOE_PREFETCH: the MoE's L2 prefetch of its experts (read by launch_v3 at each call)
-  moe_route KDTREE_MOE_FUSED_ROUTE: at t <= 8 the MoE's gate_up kernel routes the tokens itself (no route kernel)
+  moe_route KDTREE_MOE_FUSED_ROUTE: at t <= 24 the MoE's gate_up kernel routes the tokens itself (no route kernel)
   gemm_pf   KDTREE_GEMM_PREFETCH: each layer's post-attention weights into L2 before its attention
   attn_pf   KDTREE_ATTN_PREFETCH: the attention's first cache tiles into L2 before its PDL wait
   skinny_pf with skinny: each GEMM CTA's weights into L2 before its PDL wait (plugins/skinny_gemm/launch.PREFETCH)

@@ -102,7 +102,7 @@ def bench_shape(name: str, t: int, routing: str, ex: dict, e_start: int, dev, de
         row[f"{label}_us"], row[f"{label}_fraction"] = us, roof / us
     os.environ.pop(PREFETCH_ENV)
     launch_v3.USE_W16 = True
-    # v3_route: the gate_up that routes the tokens itself (KDTREE_MOE_FUSED_ROUTE, t <= 8): the same bits, one launch
+    # v3_route: the gate_up that routes the tokens itself (KDTREE_MOE_FUSED_ROUTE, t <= 24): the same bits, one launch
     # fewer
     call = lambda: moe_w4a16(x, logits, None, bias, *ex["frag"], K, 1, 1, True, SCALING, e_start,  # noqa: E731
                              ws.buffer)

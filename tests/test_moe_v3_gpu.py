@@ -75,7 +75,7 @@ def _case(t, e, d, i, k, n_group, topk_group, e_start, e_local, seed, dev) -> di
         h8 = None if h is None else h.clone()
     finally:
         launch_v3.USE_W16 = True
-    # the gate_up that routes the tokens itself (t <= 8, n_group 1; elsewhere the same path as y): the route
+    # the gate_up that routes the tokens itself (t <= 24, n_group 1; elsewhere the same path as y): the route
     # kernel's bits, the shared activation's too, with the 16- and the 8-warp CTA
     os.environ[FUSED_ROUTE_ENV] = "1"
     try:

@@ -60,11 +60,14 @@ GATE_UP_W16_P = {1: 7}  # their (NT, ring depth)
 USE_W16 = True  # gate_up_w16 where it applies (benchmarks/moe_w4a16_v3.py times it against the 8-warp kernel)
 # NT for every t (1, 2 or 4; down takes min(NT, 2)): the benchmark's other choice; None: token_tile(t)
 TOKEN_TILE_OVERRIDE: int | None = None
-# KDTREE_MOE_FUSED_ROUTE=1: at t <= 8 the gate_up kernel routes the tokens itself (moe_v3.cu's route_gate_up, the
-# route kernel's arithmetic): one launch per MoE layer fewer.  Read at each call; off until the rank benchmark
-# measures it (benchmarks/k26_switches.py's fused_route).
+# KDTREE_MOE_FUSED_ROUTE=1: at t <= 24 (NT 1 or 2) the gate_up kernel routes the tokens itself (moe_v3.cu's
+# route_gate_up, the route kernel's arithmetic): one launch per MoE layer fewer.  Read at each call; off until the
+# rank benchmark measures it (benchmarks/k26_switches.py's moe_route).
 FUSED_ROUTE_ENV = "KDTREE_MOE_FUSED_ROUTE"
 ROUTE_EPL = 16  # moe_v3.cu's EPL: experts per lane of the in-CTA routing (e <= 32 * EPL)
+# tokens one warp routes, one after the other, before the CTA's first weight load (~1 µs each): AR steps and trees
+# of up to 23 nodes (t = 24: a DDTree-16 round's 17 tokens included)
+ROUTE_TOKENS_PER_WARP = 3
 DOWN_P = {1: 8, 2: 4}
 
 
@@ -89,23 +92,24 @@ def gate_up_w16(nt: int, n_groups: int, n_items: int, sms: int) -> str | None:
 
 def route_gate_up(nt: int, t: int, top_k: int, e: int, n_group: int, bias: torch.Tensor, n_groups: int,
                   n_items: int, sms: int) -> tuple[str, int] | None:
-    """(kernel, warps) of the gate_up that routes the tokens itself, or None where it does not apply: NT 1, one
-    warp per token (t <= the CTA's warps), no expert groups, contiguous fp32 bias, e <= 32 * ROUTE_EPL, top_k <= 32.
-    The 16-warp CTA where gate_up_w16 takes the plain kernel's place, else the 8-warp one with the plain kernel's
-    ring."""
-    if nt != 1 or n_group != 1 or bias.dtype != torch.float32 or not bias.is_contiguous() or e > 32 * ROUTE_EPL \
+    """(kernel, warps) of the gate_up that routes the tokens itself, or None where it does not apply: NT 1 or 2, at
+    most ROUTE_TOKENS_PER_WARP tokens per warp, no expert groups, contiguous fp32 bias, e <= 32 * ROUTE_EPL,
+    top_k <= 32.  The 16-warp CTA where gate_up_w16 takes the plain kernel's place, else the 8-warp one with the
+    plain kernel's ring."""
+    if nt > 2 or n_group != 1 or bias.dtype != torch.float32 or not bias.is_contiguous() or e > 32 * ROUTE_EPL \
             or top_k > 32:
         return None
-    if USE_W16 and gate_up_w16(nt, n_groups, n_items, sms) is not None and t <= W16:
-        return "kdtree_moe_v3_route_gate_up_w16_nt1_p7", W16
-    if t <= WARPS:  # the plain kernel's ring depth
+    name = gate_up_w16(nt, n_groups, n_items, sms) if USE_W16 else None
+    if name is not None and t <= ROUTE_TOKENS_PER_WARP * W16:
+        return name.replace("_gate_up_", "_route_gate_up_"), W16
+    if t <= ROUTE_TOKENS_PER_WARP * WARPS:  # the plain kernel's ring depth
         return gate_up_variant(nt, n_groups).replace("_gate_up_", "_route_gate_up_"), WARPS
     return None
 
 
-def route_gate_up_smem(t: int, top_k: int, e_local: int, warps: int) -> int:
-    """gate_up_smem at NT 1 + the CTA's own lists [e_local, t] and picks [t * top_k] (int32)."""
-    return gate_up_smem(t, top_k, e_local, 1, warps) + (e_local * t + t * top_k) * 4
+def route_gate_up_smem(t: int, top_k: int, e_local: int, nt: int, warps: int) -> int:
+    """gate_up_smem + the CTA's own lists [e_local, t] and picks [t * top_k] (int32)."""
+    return gate_up_smem(t, top_k, e_local, nt, warps) + (e_local * t + t * top_k) * 4
 
 
 def max_entries(t: int, top_k: int, e_local: int, nt: int) -> int:
@@ -293,7 +297,7 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
         name, warps = fused
         su, sh = (shared_gate_up, shared_h) if shared_h is not None else (None, None)
         _launch(mod, name, min(n_items, sms if warps == W16 else GATE_UP_CTAS_PER_SM[nt] * sms),
-                route_gate_up_smem(t, top_k, e_local, warps),
+                route_gate_up_smem(t, top_k, e_local, nt, warps),
                 (*gate_up_args[0], logits.data_ptr(), logits.stride(0), bias.data_ptr(), logits.shape[1], e_start,
                  float(scaling), int(bool(norm_topk_prob)), ws.topk_idx.data_ptr(), ws.topk_w.data_ptr(),
                  0 if su is None else su.data_ptr(), 0 if su is None else su.stride(0),

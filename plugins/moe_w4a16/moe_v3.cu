@@ -427,8 +427,8 @@ __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2,
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// The routing of a few tokens inside gate_up (route_gate_up kernels: one launch per MoE layer fewer at t <= 8).
-// Every CTA routes all t tokens itself (warp w takes token w: t <= W) from the router logits, in the arithmetic of
+// The routing of a few tokens inside gate_up (route_gate_up kernels: one launch per MoE layer fewer at t <= 24).
+// Every CTA routes all t tokens itself (warp w takes tokens w, w + W, ...) from the router logits, in the arithmetic of
 // route_kernel.py as Triton 3.6 compiles it (sigmoid = 1 / (1 + ex2.approx(-x log2 e)) with div.full, picks by the
 // packed key (choice desc, expert asc) of plugins/common/keys.py, the weights' sum by butterfly shuffles from
 // BKK / 2 down), so picks and weights are the route kernel's bits.  Each CTA keeps its lists in shared memory, in
@@ -635,6 +635,9 @@ ROUTE_GATE_UP(kdtree_moe_v3_route_gate_up_nt1_p7, 1, 7, 8, 2)
 ROUTE_GATE_UP(kdtree_moe_v3_route_gate_up_nt1_p4, 1, 4, 8, 2)
 ROUTE_GATE_UP(kdtree_moe_v3_route_gate_up_nt1_p2, 1, 2, 8, 2)
 ROUTE_GATE_UP(kdtree_moe_v3_route_gate_up_nt1_p1, 1, 1, 8, 2)
+ROUTE_GATE_UP(kdtree_moe_v3_route_gate_up_nt2_p4, 2, 4, 8, 2)
+ROUTE_GATE_UP(kdtree_moe_v3_route_gate_up_nt2_p2, 2, 2, 8, 2)
+ROUTE_GATE_UP(kdtree_moe_v3_route_gate_up_nt2_p1, 2, 1, 8, 2)
 ROUTE_GATE_UP(kdtree_moe_v3_route_gate_up_w16_nt1_p7, 1, 7, 16, 1)
 DOWN(1, 8, 2)
 DOWN(2, 4, 2)
