@@ -118,9 +118,6 @@ def bench_shape(name: str, t: int, routing: str, ex: dict, e_start: int, dev, de
     # switch at the right t under tree routing, where most experts see a few of the tokens?
     other = {8: 2, 9: 1, 16: 1, 17: 1, 33: 4, 64: 2}.get(t)
     if other is not None:
-        call = lambda: moe_w4a16(x, logits, None, bias, *ex["frag"], K, 1, 1, True, SCALING, e_start,  # noqa: E731
-                                 ws.buffer)
-        want = call()
         launch_v3.TOKEN_TILE_OVERRIDE = other
         try:
             row[f"v3_nt{other}_same_bits"] = bool(torch.equal(call(), want))  # a column's sum order is NT's own

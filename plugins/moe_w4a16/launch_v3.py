@@ -99,12 +99,17 @@ def route_gate_up(nt: int, t: int, top_k: int, e: int, n_group: int, bias: torch
     if nt > 2 or n_group != 1 or bias.dtype != torch.float32 or not bias.is_contiguous() or e > 32 * ROUTE_EPL \
             or top_k > 32:
         return None
+    name, warps = gate_up_kernel(nt, n_groups, n_items, sms)
+    if t > ROUTE_TOKENS_PER_WARP * warps:
+        return None
+    return name.replace("_gate_up_", "_route_gate_up_"), warps
+
+
+def gate_up_kernel(nt: int, n_groups: int, n_items: int, sms: int) -> tuple[str, int]:
+    """(kernel, warps) of the plain gate_up: the 16-warp CTA where gate_up_w16 applies (and USE_W16), else the
+    8-warp kernel with the deepest ring (gate_up_variant)."""
     name = gate_up_w16(nt, n_groups, n_items, sms) if USE_W16 else None
-    if name is not None and t <= ROUTE_TOKENS_PER_WARP * W16:
-        return name.replace("_gate_up_", "_route_gate_up_"), W16
-    if t <= ROUTE_TOKENS_PER_WARP * WARPS:  # the plain kernel's ring depth
-        return gate_up_variant(nt, n_groups).replace("_gate_up_", "_route_gate_up_"), WARPS
-    return None
+    return (name, W16) if name is not None else (gate_up_variant(nt, n_groups), WARPS)
 
 
 def route_gate_up_smem(t: int, top_k: int, e_local: int, nt: int, warps: int) -> int:
@@ -288,22 +293,21 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
     pf = ((int(prefetch),), (i32,)) if mod.prefetch_arg else ((), ())
     nt = TOKEN_TILE_OVERRIDE or token_tile(t)
     n_items = max_entries(t, top_k, e_local, nt) * pairs13
-    gate_up_args = ((w13.data_ptr(), w13_scale.data_ptr(), x.data_ptr(), ws.counts.data_ptr(), ws.lists.data_ptr(),
-                     ws.h.data_ptr(), t, top_k, e_local, d // GROUP, c1, pairs13, i, *pf[0]),
-                    (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32, *pf[1]))
+    args = (w13.data_ptr(), w13_scale.data_ptr(), x.data_ptr(), ws.counts.data_ptr(), ws.lists.data_ptr(),
+            ws.h.data_ptr(), t, top_k, e_local, d // GROUP, c1, pairs13, i, *pf[0])
+    types = (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32, *pf[1])
     fused = route_gate_up(nt, t, top_k, logits.shape[1], n_group, bias, c1, n_items, sms) \
         if env_flag(FUSED_ROUTE_ENV, False) and mod.prefetch_arg else None
     if fused is not None and _has(mod, fused[0]):  # the routing inside gate_up: no route kernel
         name, warps = fused
+        smem = route_gate_up_smem(t, top_k, e_local, nt, warps)
         su, sh = (shared_gate_up, shared_h) if shared_h is not None else (None, None)
-        _launch(mod, name, min(n_items, sms if warps == W16 else GATE_UP_CTAS_PER_SM[nt] * sms),
-                route_gate_up_smem(t, top_k, e_local, nt, warps),
-                (*gate_up_args[0], logits.data_ptr(), logits.stride(0), bias.data_ptr(), logits.shape[1], e_start,
-                 float(scaling), int(bool(norm_topk_prob)), ws.topk_idx.data_ptr(), ws.topk_w.data_ptr(),
+        args += (logits.data_ptr(), logits.stride(0), bias.data_ptr(), logits.shape[1], e_start, float(scaling),
+                 int(bool(norm_topk_prob)), ws.topk_idx.data_ptr(), ws.topk_w.data_ptr(),
                  0 if su is None else su.data_ptr(), 0 if su is None else su.stride(0),
                  0 if sh is None else sh.data_ptr(), 0 if sh is None else sh.stride(0),
-                 0 if sh is None else sh.shape[1]),
-                (*gate_up_args[1], ptr, i32, ptr, i32, i32, f32, i32, ptr, ptr, ptr, i32, ptr, i32, i32), warps)
+                 0 if sh is None else sh.shape[1])
+        types += (ptr, i32, ptr, i32, i32, f32, i32, ptr, ptr, ptr, i32, ptr, i32, i32)
     else:
         # counts [e_local + 1] is zero here (MoEWorkspace.allocate zeroes it, every call's combine re-zeroes it);
         # with prefetch and one token's worth of picks, the routing kernel also puts the picked experts' weights
@@ -311,12 +315,12 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
         launch_route(logits, bias, ws.topk_idx, ws.topk_w, ws.counts, ws.active, ws.lists, e_start, e_local,
                      scaling, top_k, n_group, topk_group, norm_topk_prob, shared_gate_up, shared_h,
                      (w13, w2) if prefetch and t * top_k <= ROUTE_PREFETCH_SLOTS else None, active_list=False)
-        name = gate_up_w16(nt, c1, n_items, sms) if USE_W16 and mod.prefetch_arg else None
-        if name is not None and _has(mod, name):  # one 16-warp CTA per SM
-            warps, grid = W16, min(n_items, sms)
-        else:
-            name, warps, grid = gate_up_variant(nt, c1), WARPS, min(n_items, GATE_UP_CTAS_PER_SM[nt] * sms)
-        _launch(mod, name, grid, gate_up_smem(t, top_k, e_local, nt, warps), *gate_up_args, warps)
+        name, warps = gate_up_kernel(nt, c1, n_items, sms)
+        if warps == W16 and not (mod.prefetch_arg and _has(mod, name)):  # an older cubin: the 8-warp kernel
+            name, warps = gate_up_variant(nt, c1), WARPS
+        smem = gate_up_smem(t, top_k, e_local, nt, warps)
+    # one 16-warp CTA per SM, or GATE_UP_CTAS_PER_SM[nt] of 8 warps
+    _launch(mod, name, min(n_items, sms if warps == W16 else GATE_UP_CTAS_PER_SM[nt] * sms), smem, args, types, warps)
     nt2 = down_tile(nt)
     n_items = max_entries(t, top_k, e_local, nt2) * pairs2
     smem = down_smem(t, top_k, e_local, nt2)

@@ -203,6 +203,13 @@ struct Ring {
 // ---------------------------------------------------------------------------------------------------------
 // gate_up: item = (entry, row pair); the CTA's W warps split the item's k groups (warp w: groups w + W m)
 // ---------------------------------------------------------------------------------------------------------
+// gate_up's shared memory: s_red [2][W][2][NT][4][32] fp32 | s_h [8 NT][16] bf16 | s_ws [W] | s_cnt [e_local] |
+// s_ent [entries] int32; this returns s_cnt (the fused routing fills it and the lists behind s_ent)
+template <int NT, int W>
+__device__ __forceinline__ int* gate_up_counts(unsigned char* smem) {
+    return reinterpret_cast<int*>(smem + 2 * W * (2 * NT * 4 * 32) * 4 + 8 * NT * 16 * 2) + W;
+}
+
 template <int NT, int P, int W, bool ROUTED = false>
 __device__ void gate_up(const uint4* __restrict__ w13, const uint2* __restrict__ s13, const uint4* __restrict__ x,
                         const int* __restrict__ counts, const int* __restrict__ lists, u16* __restrict__ h,
@@ -212,8 +219,8 @@ __device__ void gate_up(const uint4* __restrict__ w13, const uint2* __restrict__
     constexpr int RED = 2 * NT * 4 * 32;  // floats one warp leaves per item
     float* s_red = reinterpret_cast<float*>(smem);                  // [2 parity][W][2 m][NT][4][32]
     u16* s_h = reinterpret_cast<u16*>(s_red + 2 * W * RED);         // [TT tokens][16 rows] bf16
-    int* s_ws = reinterpret_cast<int*>(s_h + TT * 16);
-    int* s_cnt = s_ws + W;
+    int* s_cnt = gate_up_counts<NT, W>(smem);
+    int* s_ws = s_cnt - W;
     int* s_ent = s_cnt + e_local;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, u = lane & 3;
 
@@ -609,7 +616,7 @@ extern "C" __global__ void kdtree_moe_v3_takes_prefetch_arg() {}
         extern __shared__ __align__(16) unsigned char smem[];                                                  \
         constexpr int TT = 8 * NT;                                                                             \
         const int slots = t * top_k, max_ent = (e_local < slots ? e_local : slots) + (slots + TT - 1) / TT;    \
-        int* s_cnt = reinterpret_cast<int*>(smem + 2 * W * (2 * NT * 4 * 32) * 4 + TT * 16 * 2) + W;           \
+        int* s_cnt = gate_up_counts<NT, W>(smem);                                                               \
         int* s_lists = s_cnt + e_local + max_ent;                                                              \
         const RouteArgs ra{logits, bias, topk_idx, topk_w, counts, lists, su, sh, stride_l, e, e_start, norm,  \
                            stride_su, stride_h, i_sh, scaling};                                                \
