@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from plugins.common import driver
 from plugins.common.device import DEFAULT_SMS, RATES, device_facts, facts_for
 from plugins.common.workspace import ALIGN, carve, workspace_bytes
 
@@ -36,3 +37,47 @@ def test_workspace_carves_aligned_views_and_names_a_short_buffer():
         carve(buf[:need - 1], specs, "op", "b 2")
     with pytest.raises(ValueError, match="contiguous 1-D uint8"):
         carve(torch.zeros(need, dtype=torch.int32), specs, "op", "b 2")
+
+
+class _FakeDriver:
+    """The few cuda.bindings.driver names plugins/common/driver.launch uses; cuLaunchKernelEx refuses when told to."""
+
+    class CUresult:
+        CUDA_SUCCESS, CUDA_ERROR_NOT_SUPPORTED = 0, 801
+
+    class CUlaunchAttributeID:
+        CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+    class _Value:
+        programmaticStreamSerializationAllowed = 0
+
+    class CUlaunchAttribute:
+        def __init__(self):
+            self.value = _FakeDriver._Value()
+
+    class CUlaunchConfig:
+        pass
+
+    def __init__(self, refuse: bool):
+        self.refuse, self.calls = refuse, []
+
+    def cuLaunchKernelEx(self, config, func, args, extra):
+        self.calls.append("ex")
+        return (self.CUresult.CUDA_ERROR_NOT_SUPPORTED if self.refuse else self.CUresult.CUDA_SUCCESS,)
+
+    def cuLaunchKernel(self, *a):
+        self.calls.append("plain")
+        return (self.CUresult.CUDA_SUCCESS,)
+
+
+def test_a_refused_pdl_launch_goes_plain_and_is_remembered_per_device(monkeypatch):
+    monkeypatch.setattr(driver, "_PDL_REFUSED", set())
+    ok = _FakeDriver(refuse=False)
+    assert driver.launch(ok, None, 4, 128, 0, None, (), (), True, "test", 0) and ok.calls == ["ex"]
+    refuses = _FakeDriver(refuse=True)
+    assert not driver.launch(refuses, None, (4, 2), 128, 0, None, (), (), True, "test", 1)
+    assert refuses.calls == ["ex", "plain"] and driver.pdl_refused(1) and not driver.pdl_refused(0)
+    assert not driver.launch(refuses, None, 4, 128, 0, None, (), (), True, "test", 1)  # not asked again there
+    assert refuses.calls == ["ex", "plain", "plain"]
+    assert driver.launch(ok, None, 4, 128, 0, None, (), (), True, "test", 0)  # device 0 keeps it
+    assert not driver.launch(ok, None, 4, 128, 0, None, (), (), False, "test", 0) and ok.calls[-1] == "plain"

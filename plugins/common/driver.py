@@ -5,6 +5,8 @@ or raises `error` naming what failed and the CUresult, so a caller states only w
 
 from __future__ import annotations
 
+_PDL_REFUSED: set[int] = set()  # device indices where the driver or the bindings refused the PDL attribute once
+
 
 def checked(cu, res, what: str, error: type[Exception] = RuntimeError):
     """The values of the driver result `res` (cu: the cuda.bindings.driver module), else
@@ -15,14 +17,20 @@ def checked(cu, res, what: str, error: type[Exception] = RuntimeError):
     return rest[0] if len(rest) == 1 else tuple(rest) if rest else None
 
 
+def pdl_refused(device_index: int) -> bool:
+    """Whether a PDL launch on CUDA device `device_index` was refused before (launch goes plain there from then on)."""
+    return device_index in _PDL_REFUSED
+
+
 def launch(cu, func, grid: int | tuple[int, int], threads: int, smem: int, stream, args: tuple, types: tuple,
-           pdl: bool, what: str) -> bool:
-    """One launch of the driver function `func` on `stream` (grid x 1 x 1, or gx x gy x 1, CTAs of `threads`); with
-    pdl through cuLaunchKernelEx with programmatic stream serialization (the kernel must wait for its predecessor
-    grid before reading anything: griddepcontrol.wait).  Returns whether it went with PDL: False when the driver or the
-    bindings refused the attribute (the caller should stop asking) and this launch went plain."""
+           pdl: bool, what: str, device_index: int = -1) -> bool:
+    """One launch of the driver function `func` on `stream` (grid x 1 x 1, or gx x gy x 1, CTAs of `threads`) of CUDA
+    device `device_index`; with pdl through cuLaunchKernelEx with programmatic stream serialization (the kernel must
+    wait for its predecessor grid before reading anything: griddepcontrol.wait).  Returns whether it went with PDL:
+    False when pdl was not asked, or was refused on this device by the driver or the bindings, now (this launch then
+    goes plain) or before (recorded per device: every later launch there goes plain without asking)."""
     gx, gy = grid if isinstance(grid, tuple) else (grid, 1)
-    if pdl:
+    if pdl and device_index not in _PDL_REFUSED:
         config = cu.CUlaunchConfig()
         config.gridDimX, config.gridDimY, config.gridDimZ = gx, gy, 1
         config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
@@ -37,5 +45,6 @@ def launch(cu, func, grid: int | tuple[int, int], threads: int, smem: int, strea
             err = None
         if err == cu.CUresult.CUDA_SUCCESS:
             return True
+        _PDL_REFUSED.add(device_index)
     checked(cu, cu.cuLaunchKernel(func, gx, gy, 1, threads, 1, 1, smem, stream, (args, types), 0), what)
     return False

@@ -23,7 +23,6 @@ CHUNK = 64 << 10  # bytes per bulk prefetch request
 THREADS = 128
 
 _FUNCS: dict[int, dict[str, object]] = {}
-_PDL: dict[int, bool] = {}  # device index -> launch the regions kernel with PDL (off once the driver refuses it)
 REGIONS = 4  # kdtree_l2_prefetch_regions' parameters
 
 
@@ -84,12 +83,12 @@ def prefetch_regions_l2(ws: list[torch.Tensor], chunk: int = CHUNK) -> None:
     requests = sum(-(-b // chunk) for b in sizes)
     cu, func = _func(dev, "kdtree_l2_prefetch_regions")
     index = dev.index if dev.index is not None else torch.cuda.current_device()
-    pdl = _PDL.get(index, USE_PDL and device_facts(dev).capability[0] >= 9)
+    pdl = USE_PDL and device_facts(dev).capability[0] >= 9  # plugins/common/driver.launch remembers a refusal
     args = (*(v for pair in zip(ptrs, sizes) for v in pair), chunk)
     types = (*(t for _ in range(REGIONS) for t in (ctypes.c_void_p, ctypes.c_ulonglong)), ctypes.c_uint)
     stream = cu.CUstream(torch.cuda.current_stream(dev).cuda_stream)
-    _PDL[index] = launch(cu, func, max(1, -(-requests // THREADS)), THREADS, 0, stream, args, types, pdl,
-                         "l2_prefetch: launch kdtree_l2_prefetch_regions")
+    launch(cu, func, max(1, -(-requests // THREADS)), THREADS, 0, stream, args, types, pdl,
+           "l2_prefetch: launch kdtree_l2_prefetch_regions", index)
 
 
 def spin(cycles: int, device: torch.device) -> None:

@@ -19,7 +19,7 @@ import torch
 from core.env_flags import env_flag
 from plugins.common.cubin import CubinUnavailable, load_module
 from plugins.common.device import device_facts
-from plugins.common.driver import checked, launch
+from plugins.common.driver import checked, launch, pdl_refused
 from plugins.common.pdl import USE_PDL
 from plugins.moe_w4a16.fragment_layout import ROWS
 from plugins.moe_w4a16.launch import launch_combine
@@ -140,7 +140,8 @@ class _Module:
     funcs: dict
     smem_set: dict
     where: str
-    pdl: bool = False  # launch with programmatic dependent launch (sm_90+; off for good once the driver refuses it)
+    index: int  # the CUDA device's
+    pdl: bool = False  # ask for programmatic dependent launch (sm_90+; plugins/common/driver.launch remembers a refusal)
     prefetch_arg: bool = False  # the kernels take `pf` (a cubin built from an older source does not)
 
 
@@ -165,7 +166,7 @@ def kernels(device: torch.device) -> _Module:
         waits = cu.cuModuleGetFunction(module, PDL_MARKER)[0] == cu.CUresult.CUDA_SUCCESS  # an older cubin: no
         pdl = waits and USE_PDL and device_facts(device).capability[0] >= 9
         takes_pf = cu.cuModuleGetFunction(module, PREFETCH_MARKER)[0] == cu.CUresult.CUDA_SUCCESS
-        mod = _MODULES[index] = _Module(cu, module, {}, {}, where, pdl, takes_pf)
+        mod = _MODULES[index] = _Module(cu, module, {}, {}, where, index, pdl, takes_pf)
     return mod
 
 
@@ -210,11 +211,11 @@ def _has(mod: _Module, name: str) -> bool:
 def _launch(mod: _Module, name: str, grid: int, smem: int, args: tuple, types: tuple, warps: int = WARPS) -> None:
     """One launch on torch's current stream; with mod.pdl through cuLaunchKernelEx with programmatic stream
     serialization (the kernels wait for their predecessor grid first: moe_v3.cu's pdl_prologue).  A refused
-    attribute turns PDL off for the module (plain launches from then on, this one included)."""
+    attribute turns PDL off for the device (plain launches from then on, this one included)."""
     cu = mod.cu
     stream = cu.CUstream(torch.cuda.current_stream().cuda_stream)
-    mod.pdl = launch(cu, _func(mod, name, smem), grid, 32 * warps, smem, stream, args, types, mod.pdl,
-                     f"moe_w4a16 v3: launch {name}")
+    launch(cu, _func(mod, name, smem), grid, 32 * warps, smem, stream, args, types, mod.pdl,
+           f"moe_w4a16 v3: launch {name}", mod.index)
 
 
 def check_fragments(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13: torch.Tensor,
@@ -328,5 +329,6 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
             (w2.data_ptr(), w2_scale.data_ptr(), ws.h.data_ptr(), ws.topk_w.data_ptr(), ws.counts.data_ptr(),
              ws.lists.data_ptr(), ws.out.data_ptr(), t, e_local, i // GROUP, c2, pairs2, d, *pf[0]),
             (ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, *pf[1]))
-    launch_combine(ws.out, ws.topk_idx, y, ws.counts, e_start, e_local, top_k, mod.pdl, shared_h, shared_down)
+    launch_combine(ws.out, ws.topk_idx, y, ws.counts, e_start, e_local, top_k, mod.pdl and not pdl_refused(mod.index),
+                   shared_h, shared_down)
     return y

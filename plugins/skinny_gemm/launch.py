@@ -132,7 +132,7 @@ class _Module:
     cu: object
     module: object
     funcs: dict  # kernel name -> CUfunction
-    pdl: bool
+    pdl: bool  # ask for PDL (sm_90+ and KDTREE_PDL; plugins/common/driver.launch remembers a refusal)
     parts: torch.Tensor  # [PARTS_FLOATS] fp32
     tickets: torch.Tensor  # [TICKETS] int32, zero between calls
 
@@ -177,6 +177,6 @@ def skinny_gemm_cuda(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, o
             int(PREFETCH if pf is None else pf))
     types = (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32, i32)
     stream = cu.CUstream(torch.cuda.current_stream(x.device).cuda_stream)
-    mod.pdl = launch(cu, func, p.grid, 32 * p.warps, p.smem, stream, args, types, mod.pdl,
-                     f"skinny_gemm: launch {p.kernel}")
+    launch(cu, func, p.grid, 32 * p.warps, p.smem, stream, args, types, mod.pdl, f"skinny_gemm: launch {p.kernel}",
+           x.device.index)
     return y
