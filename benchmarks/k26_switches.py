@@ -2,8 +2,10 @@
 benchmark's time): for each setting the AR step and DDTree rounds at one cache length and the given budgets, each
 captured afresh after the switches are set (runtime/bench_rank.measure_mode, no profile).
 
-Switches (each off unless named in a setting; "base" names none):
-  skinny    KDTREE_SKINNY_GEMM: the few-token GEMMs on plugins/skinny_gemm (runtime.model.layers.SKINNY_GEMM)
+Switches (each off unless named in a setting, whatever its default; "base" names none, "default" those on by
+default (DEFAULT_ON), which are set again after the run):
+  skinny    KDTREE_SKINNY_GEMM (on by default): one-token GEMMs on plugins/skinny_gemm (runtime.model.layers)
+  skinny_wide with skinny: every GEMM of up to 32 tokens and 128 MB (layers.SKINNY_MAX_TOKENS / _WEIGHT_BYTES)
   moe_pf    KDTREE_MOE_PREFETCH: the MoE's L2 prefetch of its experts (read by launch_v3 at each call)
   moe_route KDTREE_MOE_FUSED_ROUTE: at t <= 24 the MoE's gate_up kernel routes the tokens itself (no route kernel)
   gemm_pf   KDTREE_GEMM_PREFETCH: each layer's post-attention weights into L2 before its attention
@@ -32,6 +34,18 @@ def _set_skinny(on: bool) -> None:
     layers.SKINNY_GEMM = on
 
 
+_SKINNY_LIMITS: list[tuple[int, int]] = []  # layers' defaults, read before the first change, restored when not named
+
+
+def _set_skinny_wide(on: bool) -> None:
+    from plugins.skinny_gemm import launch
+    from runtime.model import layers
+    if not _SKINNY_LIMITS:
+        _SKINNY_LIMITS.append((layers.SKINNY_MAX_TOKENS, layers.SKINNY_MAX_WEIGHT_BYTES))
+    layers.SKINNY_MAX_TOKENS, layers.SKINNY_MAX_WEIGHT_BYTES = (launch.MAX_TOKENS, launch.MAX_WEIGHT_BYTES) if on \
+        else _SKINNY_LIMITS[0]
+
+
 def _set_moe_pf(on: bool) -> None:
     os.environ["KDTREE_MOE_PREFETCH"] = "1" if on else "0"
 
@@ -57,7 +71,11 @@ def _set_attn_pf(on: bool) -> None:
 
 
 SWITCHES = {"skinny": _set_skinny, "moe_pf": _set_moe_pf, "gemm_pf": _set_gemm_pf,  # see the module doc
-            "attn_pf": _set_attn_pf, "skinny_pf": _set_skinny_pf, "moe_route": _set_moe_route}
+            "attn_pf": _set_attn_pf, "skinny_pf": _set_skinny_pf, "moe_route": _set_moe_route,
+            "skinny_wide": _set_skinny_wide}
+
+
+DEFAULT_ON = frozenset({"skinny"})  # the runtime's defaults among SWITCHES
 
 
 def parse_settings(text: str) -> list[tuple[str, frozenset[str]]]:
@@ -65,10 +83,11 @@ def parse_settings(text: str) -> list[tuple[str, frozenset[str]]]:
     ValueError naming it and the known ones."""
     out = []
     for name in text.split(","):
-        parts = frozenset() if name == "base" else frozenset(name.split("+"))
+        parts = frozenset() if name == "base" else DEFAULT_ON if name == "default" else frozenset(name.split("+"))
         unknown = sorted(parts - set(SWITCHES))
         if unknown or not name:
-            raise ValueError(f"--settings: unknown switch {unknown or [name]} (known: base, {', '.join(SWITCHES)})")
+            raise ValueError(f"--settings: unknown switch {unknown or [name]} (known: base, default, "
+                             f"{', '.join(SWITCHES)})")
         out.append((name, parts))
     return out
 
@@ -96,8 +115,8 @@ def main() -> None:
     ap.add_argument("--source", default="kimi-k2.6", help="a preset (tiny-kimi with --tp 1 --context 512: the tiny "
                     "model's step) or a synthetic artifact")
     ap.add_argument("--tp", type=int, default=8)
-    ap.add_argument("--settings", default="base,skinny,skinny+skinny_pf,moe_pf,moe_route,gemm_pf,attn_pf,"
-                                          "skinny+skinny_pf+moe_pf+attn_pf+moe_route")
+    ap.add_argument("--settings", default="base,skinny,skinny+skinny_wide,skinny+skinny_pf,moe_pf,gemm_pf,attn_pf,"
+                                          "skinny+skinny_pf+moe_pf+attn_pf")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--budget", default="16", help="DDTree budgets, comma-separated (15,16: T(16) against T(17), "
                     "whether buckets of 2^k - 1 nodes save the padding of 2^k + 1 tokens)")
@@ -130,7 +149,7 @@ def main() -> None:
         rows.append(row)
         print(row, flush=True)
         path = _write(rows, a, budgets, target.cfg.num_layers)  # after every setting: a run cut short keeps its rows
-    apply(frozenset())
+    apply(DEFAULT_ON)
     print(f"wrote {path}")
     base = rows[0]
     cols = ["setting", "ar_step_us", "ar_verify_us", f"ar_step_vs_{base['setting']}"]

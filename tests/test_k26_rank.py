@@ -87,7 +87,7 @@ def test_bench_rank_only_on_artifact(k26_art):
 
 def test_switches_ab_on_artifact(k26_art, tmp_path, monkeypatch):
     """benchmarks/k26_switches.py loads the rank once and times each switch setting (every switch on in the second),
-    leaving the switches off after."""
+    leaving the defaults set after."""
     import json
     import sys
 
@@ -95,14 +95,14 @@ def test_switches_ab_on_artifact(k26_art, tmp_path, monkeypatch):
     from runtime.model import layers
 
     monkeypatch.setattr(sys, "argv", ["k26_switches", "--source", str(k26_art), "--settings",
-                                      "base,skinny+moe_pf+gemm_pf+attn_pf", "--context", "256", "--budget", "8",
+                                      "base,skinny+skinny_wide+moe_pf+gemm_pf+attn_pf", "--context", "256", "--budget", "8",
                                       "--iters", "2", "--out", str(tmp_path)])
     ks.main()
     rows = json.loads((tmp_path / "k26-switches.json").read_text())["rows"]
-    assert [r["setting"] for r in rows] == ["base", "skinny+moe_pf+gemm_pf+attn_pf"]
+    assert [r["setting"] for r in rows] == ["base", "skinny+skinny_wide+moe_pf+gemm_pf+attn_pf"]
     for r in rows:
         assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("ar_step_us", "ddtree8_step_us", "ddtree8_drafter_us"))
-    assert not layers.SKINNY_GEMM
+    assert layers.SKINNY_GEMM and layers.SKINNY_MAX_TOKENS == 1  # the defaults again
 
 
 def test_router_bf16_gate_matches_fp64():

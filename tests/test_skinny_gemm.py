@@ -181,15 +181,19 @@ def test_a_token_row_does_not_depend_on_the_batch_and_graphs_replay_it():
 @pytest.mark.gpu
 @GPU
 def test_engine_with_the_switch_is_lossless(tiny, tmp_path, monkeypatch):
-    """KDTREE_SKINNY_GEMM on (runtime.model.layers.SKINNY_GEMM): the tiny INT4 model's GEMMs go through the kernel
-    (counted), graphs on, and DDTree gives the AR tokens."""
+    """KDTREE_SKINNY_GEMM on (runtime.model.layers.SKINNY_GEMM) for every GEMM the kernel takes (the default takes
+    one-token GEMMs only): the tiny INT4 model's GEMMs go through the kernel (counted), graphs on, and DDTree gives
+    the AR tokens, since a row's bits do not depend on the token count."""
     from build_pipeline.tiny_drafter import make_tiny_drafter
+    from plugins.skinny_gemm import launch
     from runtime.engine.engine import Engine
     from runtime.model import layers
 
     calls = []
     real = layers.skinny_gemm
     monkeypatch.setattr(layers, "SKINNY_GEMM", True)
+    monkeypatch.setattr(layers, "SKINNY_MAX_TOKENS", launch.MAX_TOKENS)
+    monkeypatch.setattr(layers, "SKINNY_MAX_WEIGHT_BYTES", launch.MAX_WEIGHT_BYTES)
     monkeypatch.setattr(layers, "skinny_gemm", lambda *a: calls.append(1) or real(*a))
     path, drafter = tiny.get("kimi", int4=True, kimi25=True), tmp_path / "drafter"
     make_tiny_drafter(path, drafter)

@@ -189,8 +189,7 @@ def tree_verify_mla_triton(q: torch.Tensor, cache: torch.Tensor, cache_lens: tor
                          f"and d_v / dv_split >= 16, got {cfg} for d_v {d_v}")
     pdl = (USE_PDL if pdl is None else pdl) and q.is_cuda and device_facts(q.device).capability[0] >= 9
     launch = pdl_args(pdl)  # the PDL constexpr, and the launch attribute with it (the interpreter takes none)
-    if pdl and CACHE_PREFETCH and _prefetchable(cache):
-        launch["PREFETCH"] = True
+    prefetch = {"PREFETCH": True} if pdl and CACHE_PREFETCH and _prefetchable(cache) else {}  # the split kernel's
     s = p.num_splits
     m_rows = n * h
     need = 0 if s == 1 else b * s * m_rows * (d_v + 1)
@@ -218,7 +217,7 @@ def tree_verify_mla_triton(q: torch.Tensor, cache: torch.Tensor, cache_lens: tor
         n, h, l_max, s, float(scale) * LOG2E,
         D_V=d_v, D_R=d_r, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DV_SPLIT=cfg.dv_split, KEYS_M=cfg.keys_m,
         DIRECT=s == 1, IEEE=q.dtype == torch.float32, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **launch)
+        num_stages=cfg.num_stages, **launch, **prefetch)
     if s == 1:
         return
     s_pad = triton.next_power_of_2(s)

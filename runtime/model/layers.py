@@ -1,6 +1,6 @@
 """Small building blocks shared by the target and drafter forward passes (the fused kernels of
-plugins/layer_fusion on CUDA, their torch references elsewhere; GEMMs are cuBLAS's, or plugins/skinny_gemm's for
-few tokens with KDTREE_SKINNY_GEMM=1)."""
+plugins/layer_fusion on CUDA, their torch references elsewhere; GEMMs are cuBLAS's, or plugins/skinny_gemm's where
+that wins: one token, weights up to SKINNY_MAX_WEIGHT_BYTES; KDTREE_SKINNY_GEMM=0 turns it off)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,14 @@ from plugins.skinny_gemm.launch import supports as skinny_supports
 
 __all__ = ["linear", "rms_norm", "swiglu_mlp"]
 
-# KDTREE_SKINNY_GEMM=1: few-token bf16 GEMMs on CUDA go to plugins/skinny_gemm instead of cuBLAS (off until
-# benchmarks/skinny_gemm.py and the rank benchmark measure it on the GPU)
-SKINNY_GEMM = env_flag("KDTREE_SKINNY_GEMM", False)
+# KDTREE_SKINNY_GEMM (on unless "0"): bf16 GEMMs on CUDA of at most SKINNY_MAX_TOKENS tokens and weights of at most
+# SKINNY_MAX_WEIGHT_BYTES go to plugins/skinny_gemm instead of cuBLAS: where it won on the H200
+# (benchmarks/results/skinny_gemm.json: at t = 1 qkv_a 10.9 vs 13.3 µs, q_b 4.9 vs 6.6, o_proj 6.7 vs 6.9, router +
+# shared gate_up 7.1 vs 9.0, shared down 3.2 vs 3.9; it lost at t = 16 / 17 on most shapes and at t = 1 on the dense
+# MLP's 33 and 66 MB; results/k26-switches.json: the K2.6 AR step -6 %, DDTree rounds +4-10 % with every t <= 32)
+SKINNY_GEMM = env_flag("KDTREE_SKINNY_GEMM", True)
+SKINNY_MAX_TOKENS = 1
+SKINNY_MAX_WEIGHT_BYTES = 31 << 20  # 32.5 MB: qkv_a's 30.3 MB in, the dense MLP's down (33.0 MB) out
 _MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype") and \
     torch._C._dispatch_has_kernel_for_dispatch_key("aten::mm.dtype", "CUDA")
 
@@ -30,8 +35,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None,
     kernel); c is addmm's beta = 1 (the shared expert's down projection accumulates into the routed
     output: one GEMM instead of a GEMM and an add), in place: c is consumed (a contiguous c is the
     result's storage), because an out-of-place addmm first copies c into a new output (one more kernel).
-    Elsewhere both sides are upcast.  With SKINNY_GEMM, a CUDA bf16 product of at most 32 rows is
-    kdtree::skinny_gemm's (same sum in fp32, rounded once; c added in its epilogue)."""
+    Elsewhere both sides are upcast.  With SKINNY_GEMM, a CUDA bf16 product of at most SKINNY_MAX_TOKENS rows and
+    SKINNY_MAX_WEIGHT_BYTES of weights is kdtree::skinny_gemm's (same sum in fp32, rounded once; c added in its
+    epilogue)."""
     out_dtype = out_dtype or x.dtype
     n, k = w.shape
     if SKINNY_GEMM and x.is_cuda:
@@ -56,6 +62,8 @@ def _skinny(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, out_dtype:
     if out_dtype not in (x.dtype, torch.float32) or (c is not None and (out_f32 or c.dtype != x.dtype)):
         return None
     x2, c2 = x.reshape(-1, k), (None if c is None else c.reshape(-1, n))  # [t, k], [t, n]
+    if x2.shape[0] > SKINNY_MAX_TOKENS or w.numel() * w.element_size() > SKINNY_MAX_WEIGHT_BYTES:
+        return None
     if not skinny_supports(x2, w, c2, out_f32):
         return None
     return skinny_gemm(x2, w, c2, out_f32).view(*x.shape[:-1], n)
