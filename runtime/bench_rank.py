@@ -143,10 +143,7 @@ def measure_mode(target, drafter, replicated, spec: SpecConfig, ctx: int, iters:
                  profile: bool) -> dict:
     """One (cache length, mode) row: the whole step, and each piece, each in its own graph."""
     base = torch.cuda.memory_allocated()
-    s = DecodeSession(target, drafter, spec, 1, ctx + 64 * 8 * 4, pool)
-    prime_session(s, ctx)
-    step = s.capture(True)
-    rewind = lambda: rewind_session(s, ctx)
+    s, step, rewind = captured_step(target, drafter, spec, ctx, pool)
     row = {"context": ctx, "mode": "ar" if spec.mode == "none" else f"ddtree-{spec.budget}",
            "budget": s.budget, "tokens": s.n, "step_us": _time(step.launch, iters, rewind)}
     buf, cache = s.buf, s.cache
@@ -196,6 +193,22 @@ def measure_mode(target, drafter, replicated, spec: SpecConfig, ctx: int, iters:
                                               lambda: s.dcache.lens.fill_(ctx - 1), target,
                                               {"gemm": row["drafter_bytes"]}, drafter.cfg.num_layers)
     return row
+
+
+def captured_step(target, drafter, spec: SpecConfig, ctx: int, pool: GraphPool
+                  ) -> tuple[DecodeSession, CapturedStep, Callable[[], None]]:
+    """(a one-request session primed as after ctx committed tokens, its whole step captured in a graph, the rewind
+    to ctx that a timed replay starts from)."""
+    s = DecodeSession(target, drafter, spec, 1, ctx + 64 * 8 * 4, pool)
+    prime_session(s, ctx)
+    step = s.capture(True)
+    return s, step, lambda: rewind_session(s, ctx)
+
+
+def step_us(target, drafter, spec: SpecConfig, ctx: int, iters: int, pool: GraphPool) -> float:
+    """µs per replay of the whole captured step (measure_mode's step_us alone)."""
+    s, step, rewind = captured_step(target, drafter, spec, ctx, pool)
+    return _time(step.launch, iters, rewind)
 
 
 def prime_session(s: DecodeSession, ctx: int) -> None:
