@@ -7,7 +7,6 @@ default (DEFAULT_ON), which are set again after the run):
   skinny    KDTREE_SKINNY_GEMM (on by default): one-token GEMMs on plugins/skinny_gemm (runtime.model.layers)
   skinny_wide with skinny: every GEMM of up to 32 tokens and 128 MB (layers.SKINNY_MAX_TOKENS / _WEIGHT_BYTES)
   moe_pf    KDTREE_MOE_PREFETCH: the MoE's L2 prefetch of its experts (read by launch_v3 at each call)
-  moe_route KDTREE_MOE_FUSED_ROUTE: at t <= 24 the MoE's gate_up kernel routes the tokens itself (no route kernel)
   gemm_pf   KDTREE_GEMM_PREFETCH: each layer's post-attention weights into L2 before its attention
   attn_pf   KDTREE_ATTN_PREFETCH: the attention's first cache tiles into L2 before its PDL wait
   skinny_pf with skinny: each GEMM CTA's weights into L2 before its PDL wait (plugins/skinny_gemm/launch.PREFETCH)
@@ -50,11 +49,6 @@ def _set_moe_pf(on: bool) -> None:
     os.environ["KDTREE_MOE_PREFETCH"] = "1" if on else "0"
 
 
-def _set_moe_route(on: bool) -> None:
-    from plugins.moe_w4a16.launch_v3 import FUSED_ROUTE_ENV
-    os.environ[FUSED_ROUTE_ENV] = "1" if on else "0"
-
-
 def _set_gemm_pf(on: bool) -> None:
     from runtime.model import attention
     attention.GEMM_PREFETCH = on  # read at each forward (runtime/model/target.py reads it through the module)
@@ -71,8 +65,7 @@ def _set_attn_pf(on: bool) -> None:
 
 
 SWITCHES = {"skinny": _set_skinny, "moe_pf": _set_moe_pf, "gemm_pf": _set_gemm_pf,  # see the module doc
-            "attn_pf": _set_attn_pf, "skinny_pf": _set_skinny_pf, "moe_route": _set_moe_route,
-            "skinny_wide": _set_skinny_wide}
+            "attn_pf": _set_attn_pf, "skinny_pf": _set_skinny_pf, "skinny_wide": _set_skinny_wide}
 
 
 DEFAULT_ON = frozenset({"skinny"})  # the runtime's defaults among SWITCHES

@@ -37,7 +37,7 @@ from plugins.moe_w4a16 import (  # noqa: E402
 )
 from plugins.moe_w4a16.fragment_layout import dequantize_fragments  # noqa: E402
 from plugins.moe_w4a16 import launch_v3  # noqa: E402
-from plugins.moe_w4a16.launch_v3 import FUSED_ROUTE_ENV, PREFETCH_ENV, kernels  # noqa: E402
+from plugins.moe_w4a16.launch_v3 import PREFETCH_ENV, kernels  # noqa: E402
 
 
 def make_experts(e_local: int, i: int, dev) -> dict:
@@ -102,22 +102,13 @@ def bench_shape(name: str, t: int, routing: str, ex: dict, e_start: int, dev, de
         row[f"{label}_us"], row[f"{label}_fraction"] = us, roof / us
     os.environ.pop(PREFETCH_ENV)
     launch_v3.USE_W16 = True
-    # v3_route: the gate_up that routes the tokens itself (KDTREE_MOE_FUSED_ROUTE, t <= 24): the same bits, one launch
-    # fewer
-    call = lambda: moe_w4a16(x, logits, None, bias, *ex["frag"], K, 1, 1, True, SCALING, e_start,  # noqa: E731
-                             ws.buffer)
-    want = call()
-    os.environ[FUSED_ROUTE_ENV] = "1"
-    try:
-        row["v3_route_same_bits"] = bool(torch.equal(call(), want))
-        row["v3_route_us"] = time_us(call, graph=True)
-        row["v3_route_fraction"] = roof / row["v3_route_us"]
-    finally:
-        os.environ.pop(FUSED_ROUTE_ENV)
     # the other token tile where the choice changes (launch_v3.token_tile: NT = 1 to t = 8, 2 to t = 33): is the
     # switch at the right t under tree routing, where most experts see a few of the tokens?
     other = {8: 2, 9: 1, 16: 1, 17: 1, 33: 4, 64: 2}.get(t)
     if other is not None:
+        call = lambda: moe_w4a16(x, logits, None, bias, *ex["frag"], K, 1, 1, True, SCALING, e_start,  # noqa: E731
+                                 ws.buffer)
+        want = call()
         launch_v3.TOKEN_TILE_OVERRIDE = other
         try:
             row[f"v3_nt{other}_same_bits"] = bool(torch.equal(call(), want))  # a column's sum order is NT's own
@@ -217,8 +208,7 @@ def main() -> None:
     plot(rows, Path(path).with_suffix(".png"))
     print(f"wrote {path}")
     print_table(rows, ["shape", "routing", "experts_touched", "roofline_us", "v3_us", "v3_fraction", "v3_pf_us",
-                       "v3_pf_fraction", "v3_w8_us", "v3_route_us", "v3_route_same_bits", "v2c_us", "v2c_fraction",
-                       "bf16_grouped_mm_us"])
+                       "v3_pf_fraction", "v3_w8_us", "v2c_us", "v2c_fraction", "bf16_grouped_mm_us"])
 
 
 if __name__ == "__main__":

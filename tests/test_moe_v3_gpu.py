@@ -25,7 +25,7 @@ from plugins.moe_w4a16 import (
 )
 from plugins.moe_w4a16.fragment_layout import dequantize_fragments
 from plugins.moe_w4a16 import launch_v3
-from plugins.moe_w4a16.launch_v3 import FUSED_ROUTE_ENV, PREFETCH_ENV
+from plugins.moe_w4a16.launch_v3 import PREFETCH_ENV
 from plugins.moe_w4a16.layout import padded_k
 
 pytestmark = pytest.mark.gpu
@@ -72,20 +72,7 @@ def _case(t, e, d, i, k, n_group, topk_group, e_start, e_local, seed, dev) -> di
     launch_v3.USE_W16 = False  # the 8-warp gate_up where the default takes the 16-warp one (t = 1 at K2.6)
     try:
         y8 = call()
-        h8 = None if h is None else h.clone()
     finally:
-        launch_v3.USE_W16 = True
-    # the gate_up that routes the tokens itself (t <= 24, n_group 1; elsewhere the same path as y): the route
-    # kernel's bits, the shared activation's too, with the 16- and the 8-warp CTA
-    os.environ[FUSED_ROUTE_ENV] = "1"
-    try:
-        if h is not None:
-            h.fill_(float("nan"))
-        same_routed = bool(torch.equal(call(), y)) and (h is None or bool(torch.equal(h, h8)))
-        launch_v3.USE_W16 = False  # the 8-warp kernels sum in their own order: y8's bits
-        same_routed = same_routed and bool(torch.equal(call(), y8))
-    finally:
-        os.environ.pop(FUSED_ROUTE_ENV)
         launch_v3.USE_W16 = True
     idx, tw = route_reference(logits, bias, k, n_group, topk_group, True, 2.5)
     w13f, w2f = dequantize_fragments(w13, s13, d, True), dequantize_fragments(w2, s2, i, False)
@@ -102,7 +89,7 @@ def _case(t, e, d, i, k, n_group, topk_group, e_start, e_local, seed, dev) -> di
         down_rel = ((y2.float() - want).norm() / want.norm().clamp_min(1e-20)).item()
     return {"t": t, "e": e, "d": d, "i": i, "k": k, "n_group": n_group, "topk_group": topk_group,
             "e_start": e_start, "e_local": e_local, "seed": seed, "rel": rel, "w8_rel": rel8, "deterministic": same,
-            "prefetch_equal": same_prefetched, "fused_route_equal": same_routed, "shared_down_rel": down_rel,
+            "prefetch_equal": same_prefetched, "shared_down_rel": down_rel,
             "finite": bool(torch.isfinite(y).all()),
             "counts_rezeroed": carved is None or not carved.counts.any().item(),
             # layer_fusion's silu_mul kernel bit for bit (the same Triton function, plugins/common/activation_kernel)
@@ -138,7 +125,7 @@ def test_v3_matches_reference_on_random_and_k26_shapes():
         results.append(_case(*c, dev=dev) | {"big": j >= n})
     bad = [r for r in results if not (r["finite"] and max(r["rel"], r["w8_rel"]) < 2e-2 and r["deterministic"]
                                       and r["counts_rezeroed"]
-                                      and r["shared_equal"] and r["prefetch_equal"] and r["fused_route_equal"]
+                                      and r["shared_equal"] and r["prefetch_equal"]
                                       and r["shared_down_rel"] < 1e-2)]
     summary = {"op": "moe_w4a16 v3", "checked": len(results), "failed": len(bad), "tolerance_rel": 2e-2,
                "max_rel": max(r["rel"] for r in results), "failures": bad[:20], "cases": results}

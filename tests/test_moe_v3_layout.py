@@ -174,7 +174,6 @@ def test_every_variant_the_launcher_picks_is_compiled(tmp_path):
         WARPS,
         gate_up_variant,
         gate_up_w16,
-        route_gate_up,
     )
 
     names = {f"kdtree_moe_v3_down_nt{nt}_p{p}" for nt, p in DOWN_P.items()}
@@ -182,14 +181,8 @@ def test_every_variant_the_launcher_picks_is_compiled(tmp_path):
         for per_warp in range(1, 40):
             names.add(gate_up_variant(nt, per_warp * WARPS))
             names.add(gate_up_w16(nt, per_warp * WARPS, 100, 132))
-    bias = torch.zeros(384)
-    for nt, t in ((1, 1), (1, 8), (2, 17)):  # the gates that route the tokens themselves (KDTREE_MOE_FUSED_ROUTE)
-        for n_items in (144, 1000):
-            for per_warp in range(1, 40):
-                names.add((route_gate_up(nt, t, 8, 384, 1, bias, per_warp * WARPS, n_items, 132) or (None,))[0])
     names.discard(None)
-    assert {"kdtree_moe_v3_gate_up_w16_nt1_p7", "kdtree_moe_v3_route_gate_up_nt1_p7",
-            "kdtree_moe_v3_route_gate_up_w16_nt1_p7", "kdtree_moe_v3_route_gate_up_nt2_p4"} <= names
+    assert "kdtree_moe_v3_gate_up_w16_nt1_p7" in names
     for arch in ("sm_90", "sm_120"):
         data = _nvcc(SOURCE.read_bytes(), SOURCE.name, arch)
         assert data[:4] == b"\x7fELF"
@@ -209,33 +202,16 @@ def test_every_variant_the_launcher_picks_is_compiled(tmp_path):
 
 def test_the_16_warp_gate_up_takes_one_token_at_k26_only():
     """launch_v3.gate_up_w16: at t = 1 on the K2.6 TP8 rank (224 k groups, at most 9 x 16 items on 132 SMs) one
-    16-warp CTA per SM; not at t = 2 (288 items), not for k groups 16 warps x 7 do not divide (the tiny models)."""
-    from plugins.moe_w4a16.launch_v3 import gate_up_w16, max_entries, token_tile
+    16-warp CTA per SM; not at t = 2 (288 items), not for k groups 16 warps x 7 do not divide (the tiny models).
+    launch_v3.gate_up_kernel (the launch's choice) takes it there, else the 8-warp kernel with the deepest ring."""
+    from plugins.moe_w4a16.launch_v3 import gate_up_kernel, gate_up_w16, max_entries, token_tile
     items = lambda t: max_entries(t, 8, 384, token_tile(t)) * 16  # noqa: E731
     assert gate_up_w16(token_tile(1), 224, items(1), 132) == "kdtree_moe_v3_gate_up_w16_nt1_p7"
     assert gate_up_w16(token_tile(2), 224, items(2), 132) is None
     assert gate_up_w16(1, 8, 16, 132) is None and gate_up_w16(2, 224, 100, 132) is None
-
-
-def test_the_routing_gate_up_applies_to_the_few_token_tiles():
-    """launch_v3.route_gate_up (KDTREE_MOE_FUSED_ROUTE): NT 1 or 2 with at most 3 tokens per warp (t <= 24), one
-    expert group and a contiguous fp32 bias; the 16-warp CTA where gate_up_w16 applies (t = 1 at K2.6), else the
-    8-warp one with the plain kernel's ring depth; elsewhere None (the route kernel runs)."""
-    from plugins.moe_w4a16.launch_v3 import route_gate_up, route_gate_up_smem
-    bias = torch.zeros(384)
-    assert route_gate_up(1, 1, 8, 384, 1, bias, 224, 144, 132) == ("kdtree_moe_v3_route_gate_up_w16_nt1_p7", 16)
-    assert route_gate_up(1, 8, 8, 384, 1, bias, 224, 1152, 132) == ("kdtree_moe_v3_route_gate_up_nt1_p7", 8)
-    assert route_gate_up(2, 17, 8, 384, 1, bias, 224, 1152, 132) == ("kdtree_moe_v3_route_gate_up_nt2_p4", 8)
-    assert route_gate_up(2, 25, 8, 384, 1, bias, 224, 1152, 132) is None  # > 3 tokens per warp
-    assert route_gate_up(4, 24, 8, 384, 1, bias, 224, 1152, 132) is None  # NT 4
-    assert route_gate_up(1, 8, 8, 384, 4, bias, 224, 1152, 132) is None  # expert groups
-    assert route_gate_up(1, 8, 8, 384, 1, bias.bfloat16(), 224, 1152, 132) is None
-    assert route_gate_up(1, 8, 8, 384, 1, torch.zeros(768)[::2], 224, 1152, 132) is None
-    assert route_gate_up(1, 8, 8, 1024, 1, torch.zeros(1024), 224, 1152, 132) is None  # > 32 x 16 experts
-    assert route_gate_up(1, 4, 2, 64, 1, torch.zeros(64), 8, 16, 132) == ("kdtree_moe_v3_route_gate_up_nt1_p1", 8)
-    # gate_up's shared memory plus the CTA's lists [e_local, t] and picks [t * top_k]; two 8-warp CTAs per SM fit
-    assert route_gate_up_smem(8, 8, 384, 1, 8) - route_gate_up_smem(1, 8, 384, 1, 8) > (384 * 7 + 56) * 4
-    assert 2 * route_gate_up_smem(24, 8, 384, 2, 8) <= 227 * 1024
+    assert gate_up_kernel(token_tile(1), 224, items(1), 132) == ("kdtree_moe_v3_gate_up_w16_nt1_p7", 16)
+    assert gate_up_kernel(token_tile(17), 224, items(17), 132) == ("kdtree_moe_v3_gate_up_nt2_p4", 8)
+    assert gate_up_kernel(1, 8, 16, 132) == ("kdtree_moe_v3_gate_up_nt1_p1", 8)
 
 
 def test_v3_inputs_are_checked_by_name():

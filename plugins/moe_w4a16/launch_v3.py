@@ -60,14 +60,6 @@ GATE_UP_W16_P = {1: 7}  # their (NT, ring depth)
 USE_W16 = True  # gate_up_w16 where it applies (benchmarks/moe_w4a16_v3.py times it against the 8-warp kernel)
 # NT for every t (1, 2 or 4; down takes min(NT, 2)): the benchmark's other choice; None: token_tile(t)
 TOKEN_TILE_OVERRIDE: int | None = None
-# KDTREE_MOE_FUSED_ROUTE=1: at t <= 24 (NT 1 or 2) the gate_up kernel routes the tokens itself (moe_v3.cu's
-# route_gate_up, the route kernel's arithmetic): one launch per MoE layer fewer.  Read at each call; off until the
-# rank benchmark measures it (benchmarks/k26_switches.py's moe_route).
-FUSED_ROUTE_ENV = "KDTREE_MOE_FUSED_ROUTE"
-ROUTE_EPL = 16  # moe_v3.cu's EPL: experts per lane of the in-CTA routing (e <= 32 * EPL)
-# tokens one warp routes, one after the other, before the CTA's first weight load (~1 µs each): AR steps and trees
-# of up to 23 nodes (t = 24: a DDTree-16 round's 17 tokens included)
-ROUTE_TOKENS_PER_WARP = 3
 DOWN_P = {1: 8, 2: 4}
 
 
@@ -90,31 +82,11 @@ def gate_up_w16(nt: int, n_groups: int, n_items: int, sms: int) -> str | None:
     return f"kdtree_moe_v3_gate_up_w16_nt{nt}_p{p}"
 
 
-def route_gate_up(nt: int, t: int, top_k: int, e: int, n_group: int, bias: torch.Tensor, n_groups: int,
-                  n_items: int, sms: int) -> tuple[str, int] | None:
-    """(kernel, warps) of the gate_up that routes the tokens itself, or None where it does not apply: NT 1 or 2, at
-    most ROUTE_TOKENS_PER_WARP tokens per warp, no expert groups, contiguous fp32 bias, e <= 32 * ROUTE_EPL,
-    top_k <= 32.  The 16-warp CTA where gate_up_w16 takes the plain kernel's place, else the 8-warp one with the
-    plain kernel's ring."""
-    if nt > 2 or n_group != 1 or bias.dtype != torch.float32 or not bias.is_contiguous() or e > 32 * ROUTE_EPL \
-            or top_k > 32:
-        return None
-    name, warps = gate_up_kernel(nt, n_groups, n_items, sms)
-    if t > ROUTE_TOKENS_PER_WARP * warps:
-        return None
-    return name.replace("_gate_up_", "_route_gate_up_"), warps
-
-
 def gate_up_kernel(nt: int, n_groups: int, n_items: int, sms: int) -> tuple[str, int]:
     """(kernel, warps) of the plain gate_up: the 16-warp CTA where gate_up_w16 applies (and USE_W16), else the
     8-warp kernel with the deepest ring (gate_up_variant)."""
     name = gate_up_w16(nt, n_groups, n_items, sms) if USE_W16 else None
     return (name, W16) if name is not None else (gate_up_variant(nt, n_groups), WARPS)
-
-
-def route_gate_up_smem(t: int, top_k: int, e_local: int, nt: int, warps: int) -> int:
-    """gate_up_smem + the CTA's own lists [e_local, t] and picks [t * top_k] (int32)."""
-    return gate_up_smem(t, top_k, e_local, nt, warps) + (e_local * t + t * top_k) * 4
 
 
 def max_entries(t: int, top_k: int, e_local: int, nt: int) -> int:
@@ -289,7 +261,7 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
     mod = kernels(x.device)  # before the route kernel: a failure here leaves counts zero
     prefetch = env_flag(PREFETCH_ENV, False)
     sms = device_facts(x.device).sms
-    i32, ptr, f32 = ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+    i32, ptr = ctypes.c_int, ctypes.c_void_p
     # the prefetch argument, where the cubin takes one
     pf = ((int(prefetch),), (i32,)) if mod.prefetch_arg else ((), ())
     nt = TOKEN_TILE_OVERRIDE or token_tile(t)
@@ -297,29 +269,15 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
     args = (w13.data_ptr(), w13_scale.data_ptr(), x.data_ptr(), ws.counts.data_ptr(), ws.lists.data_ptr(),
             ws.h.data_ptr(), t, top_k, e_local, d // GROUP, c1, pairs13, i, *pf[0])
     types = (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32, *pf[1])
-    fused = route_gate_up(nt, t, top_k, logits.shape[1], n_group, bias, c1, n_items, sms) \
-        if env_flag(FUSED_ROUTE_ENV, False) and mod.prefetch_arg else None
-    if fused is not None and _has(mod, fused[0]):  # the routing inside gate_up: no route kernel
-        name, warps = fused
-        smem = route_gate_up_smem(t, top_k, e_local, nt, warps)
-        su, sh = (shared_gate_up, shared_h) if shared_h is not None else (None, None)
-        args += (logits.data_ptr(), logits.stride(0), bias.data_ptr(), logits.shape[1], e_start, float(scaling),
-                 int(bool(norm_topk_prob)), ws.topk_idx.data_ptr(), ws.topk_w.data_ptr(),
-                 0 if su is None else su.data_ptr(), 0 if su is None else su.stride(0),
-                 0 if sh is None else sh.data_ptr(), 0 if sh is None else sh.stride(0),
-                 0 if sh is None else sh.shape[1])
-        types += (ptr, i32, ptr, i32, i32, f32, i32, ptr, ptr, ptr, i32, ptr, i32, i32)
-    else:
-        # counts [e_local + 1] is zero here (MoEWorkspace.allocate zeroes it, every call's combine re-zeroes it);
-        # with prefetch and one token's worth of picks, the routing kernel also puts the picked experts' weights
-        # in flight
-        launch_route(logits, bias, ws.topk_idx, ws.topk_w, ws.counts, ws.active, ws.lists, e_start, e_local,
-                     scaling, top_k, n_group, topk_group, norm_topk_prob, shared_gate_up, shared_h,
-                     (w13, w2) if prefetch and t * top_k <= ROUTE_PREFETCH_SLOTS else None, active_list=False)
-        name, warps = gate_up_kernel(nt, c1, n_items, sms)
-        if warps == W16 and not (mod.prefetch_arg and _has(mod, name)):  # an older cubin: the 8-warp kernel
-            name, warps = gate_up_variant(nt, c1), WARPS
-        smem = gate_up_smem(t, top_k, e_local, nt, warps)
+    # counts [e_local + 1] is zero here (MoEWorkspace.allocate zeroes it, every call's combine re-zeroes it); with
+    # prefetch and one token's worth of picks, the routing kernel also puts the picked experts' weights in flight
+    launch_route(logits, bias, ws.topk_idx, ws.topk_w, ws.counts, ws.active, ws.lists, e_start, e_local, scaling,
+                 top_k, n_group, topk_group, norm_topk_prob, shared_gate_up, shared_h,
+                 (w13, w2) if prefetch and t * top_k <= ROUTE_PREFETCH_SLOTS else None, active_list=False)
+    name, warps = gate_up_kernel(nt, c1, n_items, sms)
+    if warps == W16 and not (mod.prefetch_arg and _has(mod, name)):  # an older cubin: the 8-warp kernel
+        name, warps = gate_up_variant(nt, c1), WARPS
+    smem = gate_up_smem(t, top_k, e_local, nt, warps)
     # one 16-warp CTA per SM, or GATE_UP_CTAS_PER_SM[nt] of 8 warps
     _launch(mod, name, min(n_items, sms if warps == W16 else GATE_UP_CTAS_PER_SM[nt] * sms), smem, args, types, warps)
     nt2 = down_tile(nt)

@@ -131,18 +131,17 @@ __device__ __forceinline__ int ld_count(const int* p) {
 
 // Not inlined: its registers then stay out of the callers' allocation (inlined, ptxas spilled 8-20 bytes in
 // gate_up nt1_p7 / nt2_p4 / w16 and both down kernels; as a call, none of them spills).
-// ROUTED: the counts are already in s_cnt (the CTA routed the tokens itself: route_cta), `counts` is not read.
-template <int W, bool ROUTED>
+template <int W>
 __device__ __noinline__ int build_entries(const int* __restrict__ counts, int e_local, int tile_tokens, int* s_cnt,
                                           int* s_ent, int* s_ws) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int base = 0;
     for (int e0 = 0; e0 < e_local; e0 += 64 * W) {
         const int e = e0 + 2 * threadIdx.x;  // this thread's experts e, e + 1
-        const int c0 = e < e_local ? (ROUTED ? s_cnt[e] : ld_count(counts + e)) : 0;
-        const int c1 = e + 1 < e_local ? (ROUTED ? s_cnt[e + 1] : ld_count(counts + e + 1)) : 0;
-        if (!ROUTED && e < e_local) s_cnt[e] = c0;
-        if (!ROUTED && e + 1 < e_local) s_cnt[e + 1] = c1;
+        const int c0 = e < e_local ? ld_count(counts + e) : 0;
+        const int c1 = e + 1 < e_local ? ld_count(counts + e + 1) : 0;
+        if (e < e_local) s_cnt[e] = c0;
+        if (e + 1 < e_local) s_cnt[e + 1] = c1;
         const int n0 = (c0 + tile_tokens - 1) / tile_tokens, n1 = (c1 + tile_tokens - 1) / tile_tokens;
         int v = n0 + n1;
 #pragma unroll
@@ -204,13 +203,13 @@ struct Ring {
 // gate_up: item = (entry, row pair); the CTA's W warps split the item's k groups (warp w: groups w + W m)
 // ---------------------------------------------------------------------------------------------------------
 // gate_up's shared memory: s_red [2][W][2][NT][4][32] fp32 | s_h [8 NT][16] bf16 | s_ws [W] | s_cnt [e_local] |
-// s_ent [entries] int32; this returns s_cnt (the fused routing fills it and the lists behind s_ent)
+// s_ent [entries] int32; this returns s_cnt
 template <int NT, int W>
 __device__ __forceinline__ int* gate_up_counts(unsigned char* smem) {
     return reinterpret_cast<int*>(smem + 2 * W * (2 * NT * 4 * 32) * 4 + 8 * NT * 16 * 2) + W;
 }
 
-template <int NT, int P, int W, bool ROUTED = false>
+template <int NT, int P, int W>
 __device__ void gate_up(const uint4* __restrict__ w13, const uint2* __restrict__ s13, const uint4* __restrict__ x,
                         const int* __restrict__ counts, const int* __restrict__ lists, u16* __restrict__ h,
                         int t, int top_k, int e_local, int c_real, int n_groups, int n_pairs, int inter, int pf) {
@@ -224,7 +223,7 @@ __device__ void gate_up(const uint4* __restrict__ w13, const uint2* __restrict__
     int* s_ent = s_cnt + e_local;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, u = lane & 3;
 
-    const int n_ent = build_entries<W, ROUTED>(counts, e_local, TT, s_cnt, s_ent, s_ws);
+    const int n_ent = build_entries<W>(counts, e_local, TT, s_cnt, s_ent, s_ws);
     const int n_work = n_ent * n_pairs;
     const int chunks = n_groups / (W * P);  // chunks per item (the host picks P dividing n_groups / W)
     const int mine = (int)blockIdx.x < n_work ? (n_work - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
@@ -336,7 +335,7 @@ __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2,
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, u = lane & 3;
     u16* stage = s_o + warp * TT * 32;
 
-    const int n_ent = build_entries<WARPS, false>(counts, e_local, TT, s_cnt, s_ent, s_ws);
+    const int n_ent = build_entries<WARPS>(counts, e_local, TT, s_cnt, s_ent, s_ws);
     const int n_work = n_ent * n_pairs;
     const int gw = blockIdx.x * WARPS + warp, n_warps = gridDim.x * WARPS;
     const int chunks = n_groups / P;  // chunks per item (P divides n_groups: a multiple of 8)
@@ -433,144 +432,6 @@ __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2,
     }
 }
 
-// ---------------------------------------------------------------------------------------------------------
-// The routing of a few tokens inside gate_up (route_gate_up kernels: one launch per MoE layer fewer at t <= 24).
-// Every CTA routes all t tokens itself (warp w takes tokens w, w + W, ...) from the router logits, in the arithmetic of
-// route_kernel.py as Triton 3.6 compiles it (sigmoid = 1 / (1 + ex2.approx(-x log2 e)) with div.full, picks by the
-// packed key (choice desc, expert asc) of plugins/common/keys.py, the weights' sum by butterfly shuffles from
-// BKK / 2 down), so picks and weights are the route kernel's bits.  Each CTA keeps its lists in shared memory, in
-// slot order (the route kernel's order is its atomics'; a token's h row does not depend on its tile mates); CTA 0
-// also writes topk_idx, topk_w, counts and lists for the down and combine kernels.  n_group 1 only (the host
-// checks), fp32 bias, e <= 32 * EPL experts.
-// ---------------------------------------------------------------------------------------------------------
-#define EPL 16
-#define KEY_NONE (-0x7FFFFFFFFFFFFFFFLL - 1)
-
-__device__ __forceinline__ float sigmoid_triton(float x) {
-    float e, r;
-    const float m = __fmul_rn(__fsub_rn(0.f, x), 1.4426950408889634f);
-    asm("ex2.approx.f32 %0, %1;" : "=f"(e) : "f"(m));
-    asm("div.full.f32 %0, %1, %2;" : "=f"(r) : "f"(1.f), "f"(__fadd_rn(e, 1.f)));
-    return r;
-}
-
-__device__ __forceinline__ long long pack_key(float score, int id) {
-    int bits = __float_as_int(__fadd_rn(score, 0.f));
-    bits = bits < 0 ? bits ^ 0x7FFFFFFF : bits;
-    return ((long long)bits << 31) | (long long)(0x7FFFFFFF - id);
-}
-
-__device__ __forceinline__ float ld_f32_cg(const float* p) {  // written by this grid's PDL predecessor
-    float r;
-    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
-    return r;
-}
-
-// silu(g) * u with plugins/common/activation.py's roundings (g, u to bf16 first; silu rounded; IEEE exp and divide)
-__device__ __forceinline__ u16 silu_mul_bf16(float g, float u) {
-    g = bf16_lo(to_bf16(g));
-    u = bf16_lo(to_bf16(u));
-    const float act = bf16_lo(to_bf16(__fdiv_rn(g, __fadd_rn(1.f, expf(-g)))));
-    return to_bf16(__fmul_rn(act, u));
-}
-
-struct RouteArgs {  // the fused routing's inputs and outputs (kernel arguments, see route_gate_up below)
-    const float* logits;  // [t, e] rows stride_l apart
-    const float* bias;    // [e] fp32
-    int* topk_idx;        // [t * top_k] (CTA 0 writes)
-    float* topk_w;        // [t * top_k]
-    int* counts;          // [e_local]
-    int* lists;           // [e_local, t]
-    const float* su;      // shared expert's gate | up [t, 2 i_sh], rows stride_su apart, or nullptr
-    u16* sh;              // its activation [t, i_sh], rows stride_h apart
-    int stride_l, e, e_start, norm, stride_su, stride_h, i_sh;
-    float scaling;
-};
-
-// Fills s_cnt [e_local] and s_lists [e_local, t] (slot ids); s_pick [t * top_k] is scratch.  Every thread calls.
-__device__ __noinline__ void route_cta(const RouteArgs& a, int t, int top_k, int e_local, int* s_cnt, int* s_lists,
-                                       int* s_pick) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const bool writer = blockIdx.x == 0;
-    for (int e = threadIdx.x; e < e_local; e += blockDim.x) s_cnt[e] = 0;
-    for (int tok = warp; tok < t; tok += nw) {
-        const float* row = a.logits + (long)tok * a.stride_l;
-        float sc[EPL];
-        long long key[EPL];
-#pragma unroll
-        for (int q = 0; q < EPL; ++q) {
-            const int ex = lane + 32 * q;
-            sc[q] = 0.f;
-            key[q] = KEY_NONE;
-            if (ex < a.e) {
-                sc[q] = sigmoid_triton(ld_f32_cg(row + ex));
-                const float choice = __fadd_rn(sc[q], a.bias[ex]);
-                if (choice > __int_as_float(0xFF800000)) key[q] = pack_key(choice, ex);  // > -inf: not NaN
-            }
-        }
-        int my_i = 0;
-        float my_w = 0.f;  // lane j < top_k: pick j and its weight
-        for (int j = 0; j < top_k; ++j) {
-            long long best = KEY_NONE;
-#pragma unroll
-            for (int q = 0; q < EPL; ++q) best = key[q] > best ? key[q] : best;
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) {
-                const long long other = __shfl_xor_sync(0xFFFFFFFFu, best, o);
-                best = other > best ? other : best;
-            }
-            const int id = 0x7FFFFFFF - (int)(best & 0x7FFFFFFF);
-            float w = 0.f;
-#pragma unroll
-            for (int q = 0; q < EPL; ++q)
-                if (lane + 32 * q == id) {
-                    w = sc[q];
-                    key[q] = KEY_NONE;
-                }
-            w = __shfl_sync(0xFFFFFFFFu, w, id & 31);
-            if (lane == j) {
-                my_i = id;
-                my_w = w;
-            }
-        }
-        if (a.norm) {  // Triton's tl.sum over the BKK padded slots: butterfly from BKK / 2 down
-            int bkk = 2;
-            while (bkk < top_k) bkk <<= 1;
-            float v = my_w;
-            for (int o = bkk >> 1; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
-            asm("div.full.f32 %0, %1, %2;" : "=f"(my_w) : "f"(my_w), "f"(__fadd_rn(v, 1e-20f)));
-        }
-        my_w = __fmul_rn(a.scaling, my_w);
-        if (lane < top_k) {
-            s_pick[tok * top_k + lane] = my_i;
-            if (writer) {
-                a.topk_idx[tok * top_k + lane] = my_i;
-                a.topk_w[tok * top_k + lane] = my_w;
-            }
-        }
-    }
-    __syncthreads();
-    // lists in slot order: a slot's place is the number of earlier slots routed to its expert
-    for (int s = threadIdx.x; s < t * top_k; s += blockDim.x) {
-        const int ex = s_pick[s], le = ex - a.e_start;
-        if (le < 0 || le >= e_local) continue;
-        int pos = 0;
-        for (int q = 0; q < s; ++q) pos += s_pick[q] == ex;
-        s_lists[le * t + pos] = s;
-        if (writer) a.lists[le * t + pos] = s;
-        atomicAdd(s_cnt + le, 1);
-    }
-    __syncthreads();
-    if (writer)
-        for (int e = threadIdx.x; e < e_local; e += blockDim.x) a.counts[e] = s_cnt[e];
-    if (a.su != nullptr)  // the shared expert's activation, spread over the grid
-        for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < t * a.i_sh; q += gridDim.x * blockDim.x) {
-            const int tok = q / a.i_sh, c = q - tok * a.i_sh;
-            const float* su = a.su + (long)tok * a.stride_su;
-            a.sh[(long)tok * a.stride_h + c] = silu_mul_bf16(su[c], su[a.i_sh + c]);
-        }
-}
-
 // Programmatic dependent launch (launch_v3.py launches with it on sm_90+): wait until the predecessor grid has
 // completed and its memory is visible, before reading anything, then let this kernel's dependents launch.
 // Without the launch attribute the wait returns at once.
@@ -604,26 +465,6 @@ extern "C" __global__ void kdtree_moe_v3_takes_prefetch_arg() {}
         pdl_prologue();                                                                                        \
         gate_up<NT, P, 16>(w13, s13, x, counts, lists, h, t, top_k, e_local, c_real, n_groups, n_pairs, inter, pf); \
     }
-// gate_up with the routing inside (route_cta first): no route kernel in front.  Shared memory: gate_up's, then
-// s_lists [e_local, t] and s_pick [t * top_k] (launch_v3.route_gate_up_smem).
-#define ROUTE_GATE_UP(NAME, NT, P, W, MINB)                                                                      \
-    extern "C" __global__ void __launch_bounds__(W * 32, MINB) NAME(                                            \
-        const uint4* w13, const uint2* s13, const uint4* x, int* counts, int* lists, u16* h, int t, int top_k,   \
-        int e_local, int c_real, int n_groups, int n_pairs, int inter, int pf, const float* logits, int stride_l, \
-        const float* bias, int e, int e_start, float scaling, int norm, int* topk_idx, float* topk_w,           \
-        const float* su, int stride_su, u16* sh, int stride_h, int i_sh) {                                    \
-        pdl_prologue();                                                                                        \
-        extern __shared__ __align__(16) unsigned char smem[];                                                  \
-        constexpr int TT = 8 * NT;                                                                             \
-        const int slots = t * top_k, max_ent = (e_local < slots ? e_local : slots) + (slots + TT - 1) / TT;    \
-        int* s_cnt = gate_up_counts<NT, W>(smem);                                                               \
-        int* s_lists = s_cnt + e_local + max_ent;                                                              \
-        const RouteArgs ra{logits, bias, topk_idx, topk_w, counts, lists, su, sh, stride_l, e, e_start, norm,  \
-                           stride_su, stride_h, i_sh, scaling};                                                \
-        route_cta(ra, t, top_k, e_local, s_cnt, s_lists, s_lists + e_local * t);                               \
-        gate_up<NT, P, W, true>(w13, s13, x, counts, s_lists, h, t, top_k, e_local, c_real, n_groups, n_pairs,  \
-                                inter, pf);                                                                    \
-    }
 #define DOWN(NT, P, MINB)                                                                                       \
     extern "C" __global__ void __launch_bounds__(THREADS, MINB) kdtree_moe_v3_down_nt##NT##_p##P(            \
         const uint4* w2, const uint2* s2, const uint4* h, const float* topk_w, const int* counts,             \
@@ -638,13 +479,5 @@ GATE_UP(1, 7, 2) GATE_UP(1, 4, 2) GATE_UP(1, 2, 2) GATE_UP(1, 1, 2)
 GATE_UP(2, 4, 2) GATE_UP(2, 2, 2) GATE_UP(2, 1, 2)
 GATE_UP(4, 2, 1) GATE_UP(4, 1, 1)
 GATE_UP_W16(1, 7)
-ROUTE_GATE_UP(kdtree_moe_v3_route_gate_up_nt1_p7, 1, 7, 8, 2)
-ROUTE_GATE_UP(kdtree_moe_v3_route_gate_up_nt1_p4, 1, 4, 8, 2)
-ROUTE_GATE_UP(kdtree_moe_v3_route_gate_up_nt1_p2, 1, 2, 8, 2)
-ROUTE_GATE_UP(kdtree_moe_v3_route_gate_up_nt1_p1, 1, 1, 8, 2)
-ROUTE_GATE_UP(kdtree_moe_v3_route_gate_up_nt2_p4, 2, 4, 8, 2)
-ROUTE_GATE_UP(kdtree_moe_v3_route_gate_up_nt2_p2, 2, 2, 8, 2)
-ROUTE_GATE_UP(kdtree_moe_v3_route_gate_up_nt2_p1, 2, 1, 8, 2)
-ROUTE_GATE_UP(kdtree_moe_v3_route_gate_up_w16_nt1_p7, 1, 7, 16, 1)
 DOWN(1, 8, 2)
 DOWN(2, 4, 2)
