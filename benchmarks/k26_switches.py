@@ -9,7 +9,8 @@ default (DEFAULT_ON), which are set again after the run):
   moe_pf    KDTREE_MOE_PREFETCH: the MoE's L2 prefetch of its experts (read by launch_v3 at each call)
   gemm_pf   KDTREE_GEMM_PREFETCH: each layer's post-attention weights into L2 before its attention
   attn_pf   KDTREE_ATTN_PREFETCH: the attention's first cache tiles into L2 before its PDL wait
-  skinny_pf with skinny: each GEMM CTA's weights into L2 before its PDL wait (plugins/skinny_gemm/launch.PREFETCH)
+  skinny_pf with skinny: every GEMM CTA's weights into L2 before its PDL wait (not named: launch.PREFETCH's default,
+            the plans that split k only)
 
     python3 benchmarks/k26_switches.py --out DIR [--settings base,skinny,moe_pf,gemm_pf,attn_pf,...]
         [--context 4096] [--budget 16[,15,...]] [--iters 10] [--layers N] [--source tiny-kimi --tp 1 --context 512]
@@ -56,7 +57,7 @@ def _set_gemm_pf(on: bool) -> None:
 
 def _set_skinny_pf(on: bool) -> None:
     from plugins.skinny_gemm import launch
-    launch.PREFETCH = on
+    launch.PREFETCH = True if on else None
 
 
 def _set_attn_pf(on: bool) -> None:

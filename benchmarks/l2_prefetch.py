@@ -35,7 +35,10 @@ def main() -> None:
     from cuda.bindings import driver as cu
 
     from plugins.l2_prefetch.launch import prefetch_l2, spin
+    from runtime.model import layers
     from runtime.model.layers import linear
+
+    layers.SKINNY_GEMM = False  # cuBLAS's GEMMs, as the results are labelled (the one-token default is skinny_gemm)
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)

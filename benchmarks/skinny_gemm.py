@@ -4,8 +4,9 @@ GEMMs at 45 % of their roofline, benchmarks/results/k26-rank.json).
 Per shape and token count t, each way is a CUDA graph of one call per weight copy (copies >= 256 MB: every call
 reads its weights from HBM, as in a round), median replay / calls:
   cublas      runtime.model.layers.linear with the switch off (F.linear, or aten::mm.dtype for fp32 outputs)
-  skinny      kdtree::skinny_gemm's kernel with its plan (launch.plan)
-  skinny_pf   the same with pf = 1 (each CTA prefetches its weights into L2 before its PDL wait)
+  skinny      kdtree::skinny_gemm's kernel with its plan (launch.plan), pf = 0
+  skinny_pf   the same with pf = 1 (each CTA prefetches its weights into L2 before its PDL wait; the op's default
+              where the plan splits k: launch.PREFETCH)
   sweep       (unless --quick) other warps / k splits / blocks in flight, the best reported with its config
 Every skinny result is checked against the fp32-accumulated product first (bf16 rounding, or 1e-5 for fp32).
 Prints a table; writes OUT/skinny-gemm.json.
@@ -80,7 +81,7 @@ def main() -> None:
                 return time_us(lambda: [fn(w) for w in ws], graph=True) / copies
 
             us = {"cublas": run(lambda w: layers.linear(x, w, out_dtype=od)),
-                  "skinny": run(lambda w: skinny_gemm_cuda(x, w, None, f32)),
+                  "skinny": run(lambda w: skinny_gemm_cuda(x, w, None, f32, pf=False)),
                   "skinny_pf": run(lambda w: skinny_gemm_cuda(x, w, None, f32, pf=True))}
             best = None
             if not a.quick:

@@ -49,6 +49,34 @@ def test_plan_depends_on_t_only_through_the_token_tiles():
     assert token_tiles(MAX_TOKENS) == 4
 
 
+def test_default_prefetch_only_where_k_is_split(monkeypatch):
+    """launch.PREFETCH None: the L2 prefetch where the plan splits k (router, q_b), not for one split per group."""
+    from plugins.skinny_gemm import launch
+
+    monkeypatch.setattr(launch, "PREFETCH", None)
+    assert launch.prefetch_for(plan(1, 896, 7168, True, False, 132))  # router + shared gate_up, KS 4
+    assert launch.prefetch_for(plan(1, 1536, 1536, False, False, 132))  # q_b, KS 2
+    assert not launch.prefetch_for(plan(1, 2112, 7168, False, False, 132))  # qkv_a, KS 1
+    monkeypatch.setattr(launch, "PREFETCH", False)
+    assert not launch.prefetch_for(plan(1, 896, 7168, True, False, 132))
+
+
+def test_layers_send_only_one_token_gemms_of_at_most_the_size_limit(monkeypatch):
+    """runtime.model.layers' default: one token and <= SKINNY_MAX_WEIGHT_BYTES of weights go to the kernel (where it
+    won), more tokens or the dense MLP's bigger weights stay cuBLAS's (_skinny answers None)."""
+    from runtime.model import layers
+
+    seen = []
+    monkeypatch.setattr(layers, "skinny_supports", lambda *a: seen.append(a[0].shape) or True)
+    monkeypatch.setattr(layers, "skinny_gemm", lambda x, w, c, f32: torch.zeros(x.shape[0], w.shape[0]))
+    w_small = torch.empty(2112, 64, dtype=torch.bfloat16)
+    assert layers._skinny(torch.ones(1, 64, dtype=torch.bfloat16), w_small, None, torch.bfloat16) is not None
+    assert layers._skinny(torch.ones(2, 64, dtype=torch.bfloat16), w_small, None, torch.bfloat16) is None
+    w_big = torch.empty(layers.SKINNY_MAX_WEIGHT_BYTES // 2 // 64 + 16, 64, dtype=torch.bfloat16)
+    assert layers._skinny(torch.ones(1, 64, dtype=torch.bfloat16), w_big, None, torch.bfloat16) is None
+    assert seen == [(1, 64)]
+
+
 def _kernel_model(x: torch.Tensor, w: torch.Tensor, warps: int, splits: int) -> torch.Tensor:
     """skinny_gemm.cu's arithmetic on the CPU in fp64: per CTA (group, split), warp, block, k step and lane, the
     fragment registers it loads, the mma, the warp-order reduction, the split-order sum -> y [t, n]."""

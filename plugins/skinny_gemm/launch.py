@@ -31,9 +31,10 @@ WARPS_PER_SM = 16  # the plan's target of resident warps per SM (<= 128 register
 U_VARIANTS = {1: (8, 4), 2: (6, 4), 4: (4, 2)}
 PARTS_FLOATS = 1 << 20  # the per-device split-k workspace: partial tiles (4 MB) ...
 TICKETS = 4096  # ... and one ticket counter per row group (a plan with KS > 1 has fewer groups than SMs)
-# pf's default: each CTA L2-prefetches its weights before its PDL wait (benchmarks/skinny_gemm.py times both ways,
-# benchmarks/k26_switches.py's skinny_pf sets this in a round; off until they measure it)
-PREFETCH = False
+# pf's default: each CTA L2-prefetches its weights before its PDL wait.  None: where the plan splits k (KS > 1), the
+# shapes where it won on the H200 at t = 1 (benchmarks/results/skinny-gemm.json: router + shared gate_up 7.1 -> 6.6
+# µs, q_b 4.9 -> 4.6; it cost the KS = 1 shapes: qkv_a 10.9 -> 11.3, o_proj 6.7 -> 6.9); True / False: every plan
+PREFETCH: bool | None = None
 # weights larger than this stay cuBLAS's: the lm_head slice (294 MB at K2.6 TP8) already runs at 93 % of HBM there
 MAX_WEIGHT_BYTES = 128 << 20
 
@@ -80,6 +81,11 @@ def plan(t: int, n: int, k: int, out_f32: bool, add_c: bool, sms: int, u: int | 
         raise ValueError(f"skinny_gemm: {ks} k splits of {groups} row groups exceed the split workspace")
     name = f"kdtree_skinny_gemm_t{tt}_u{u}_" + ("f32" if out_f32 else "bf16_c" if add_c else "bf16")
     return Plan(name, w, ks, groups, (w * tt * 128 + 1) * 4)
+
+
+def prefetch_for(p: Plan) -> bool:
+    """Whether a launch of plan p prefetches its weights by default (PREFETCH)."""
+    return p.splits > 1 if PREFETCH is None else PREFETCH
 
 
 def supports(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, out_f32: bool) -> bool:
@@ -160,7 +166,7 @@ def _module(device: torch.device) -> _Module:
 def skinny_gemm_cuda(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, out_f32: bool, pf: bool | None = None,
                      u: int | None = None, warps: int | None = None, splits: int | None = None) -> torch.Tensor:
     """y [t, n] = x [t, k] . w [n, k]^T (+ c), fp32 accumulation, bf16 (or fp32 with out_f32) out; the inputs as
-    supports() takes them.  pf: L2-prefetch each CTA's weights first (before the PDL wait); None: PREFETCH."""
+    supports() takes them.  pf: L2-prefetch each CTA's weights first (before the PDL wait); None: PREFETCH's choice."""
     t, k = x.shape
     n = w.shape[0]
     y = torch.empty(t, n, dtype=torch.float32 if out_f32 else torch.bfloat16, device=x.device)
@@ -174,7 +180,7 @@ def skinny_gemm_cuda(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, o
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     args = (x.data_ptr(), w.data_ptr(), y.data_ptr(), c.data_ptr() if c is not None else 0, mod.parts.data_ptr(),
             mod.tickets.data_ptr(), t, n, k, x.stride(0), y.stride(0), c.stride(0) if c is not None else 0, p.splits,
-            int(PREFETCH if pf is None else pf))
+            int(prefetch_for(p) if pf is None else pf))
     types = (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32, i32)
     stream = cu.CUstream(torch.cuda.current_stream(x.device).cuda_stream)
     launch(cu, func, p.grid, 32 * p.warps, p.smem, stream, args, types, mod.pdl, f"skinny_gemm: launch {p.kernel}",
