@@ -17,7 +17,7 @@ __all__ = ["linear", "rms_norm", "swiglu_mlp"]
 
 # KDTREE_SKINNY_GEMM (on unless "0"): bf16 GEMMs on CUDA of at most SKINNY_MAX_TOKENS tokens and weights of at most
 # SKINNY_MAX_WEIGHT_BYTES go to plugins/skinny_gemm instead of cuBLAS: where it won on the H200
-# (benchmarks/results/skinny_gemm.json: at t = 1 qkv_a 10.9 vs 13.3 µs, q_b 4.9 vs 6.6, o_proj 6.7 vs 6.9, router +
+# (benchmarks/results/skinny-gemm.json: at t = 1 qkv_a 10.9 vs 13.3 µs, q_b 4.9 vs 6.6, o_proj 6.7 vs 6.9, router +
 # shared gate_up 7.1 vs 9.0, shared down 3.2 vs 3.9; it lost at t = 16 / 17 on most shapes and at t = 1 on the dense
 # MLP's 33 and 66 MB; results/k26-switches.json: the K2.6 AR step -6 %, DDTree rounds +4-10 % with every t <= 32)
 SKINNY_GEMM = env_flag("KDTREE_SKINNY_GEMM", True)
