@@ -6,9 +6,9 @@ t in {1, 8, 16, 17, 33, 64, 256, 512}, EP8 rank (48 whole experts x 2048) at t i
 tokens share experts) and "uniform" routing.  Roofline bytes: the touched experts' packed weights + scales
 + x, y, logits (benchmarks/moe_w4a16.py's count; v3's layout holds the same bytes per expert).  Both kernel
 paths are timed as CUDA graph replays (scratch from a MoEWorkspace allocated once), the peer eagerly.
-v3 is timed three times: as it runs by default, with its L2 prefetch of the expert weights (v3_pf,
-KDTREE_MOE_PREFETCH=1), and with the 8-warp gate_up where the default takes the 16-warp one (v3_w8: t = 1); at
-t = 8, 9, 16, 17, 33, 64 also with the other token tile (v3_nt{1,2,4}_us: launch_v3.token_tile's choice checked).
+v3 is timed three times: without its L2 prefetch of the expert weights (KDTREE_MOE_PREFETCH=0), with it (v3_pf,
+=1; the default from launch_v3.PREFETCH_MIN_TOKENS tokens), and with the 8-warp gate_up where the default takes
+the 16-warp one (v3_w8: t = 1); at t = 8, 9, 16, 17, 33, 64, 256, 512 also with the other token tile (v3_nt{1,2,4}_us: launch_v3.token_tile's choice checked).
 Before timing: v3 against the fp32 reference on the dequantised experts and against v2c at t = 16.
 Writes benchmarks/results/moe_w4a16_v3.json and moe_w4a16_v3.png (fraction of roofline against t).
 
@@ -102,9 +102,9 @@ def bench_shape(name: str, t: int, routing: str, ex: dict, e_start: int, dev, de
         row[f"{label}_us"], row[f"{label}_fraction"] = us, roof / us
     os.environ.pop(PREFETCH_ENV)
     launch_v3.USE_W16 = True
-    # the other token tile where the choice changes (launch_v3.token_tile: NT = 1 to t = 8, 2 to t = 33): is the
+    # the other token tile around the choice (launch_v3.token_tile: NT = 1 to t = 17, 2 to t = 64, then 4): is the
     # switch at the right t under tree routing, where most experts see a few of the tokens?
-    other = {8: 2, 9: 1, 16: 1, 17: 1, 33: 4, 64: 2}.get(t)
+    other = {8: 2, 9: 2, 16: 2, 17: 2, 33: 1, 64: 4, 256: 2, 512: 2}.get(t)
     if other is not None:
         call = lambda: moe_w4a16(x, logits, None, bias, *ex["frag"], K, 1, 1, True, SCALING, e_start,  # noqa: E731
                                  ws.buffer)

@@ -200,6 +200,14 @@ def test_every_variant_the_launcher_picks_is_compiled(tmp_path):
     assert all("cp.async.bulk.prefetch.L2.global" in b for b in bodies)
 
 
+def test_token_tiles_follow_the_measured_choice():
+    """launch_v3.token_tile: NT = 1 to a 16-node tree's 17 tokens, 2 to 64, 4 beyond (the H200 measurements in its
+    doc); down takes at most 2."""
+    from plugins.moe_w4a16.launch_v3 import down_tile, token_tile
+    assert [token_tile(t) for t in (1, 8, 9, 17, 18, 33, 64, 65, 512)] == [1, 1, 1, 1, 2, 2, 2, 4, 4]
+    assert [down_tile(nt) for nt in (1, 2, 4)] == [1, 2, 2]
+
+
 def test_the_16_warp_gate_up_takes_one_token_at_k26_only():
     """launch_v3.gate_up_w16: at t = 1 on the K2.6 TP8 rank (224 k groups, at most 9 x 16 items on 132 SMs) one
     16-warp CTA per SM; not at t = 2 (288 items), not for k groups 16 warps x 7 do not divide (the tiny models).
@@ -210,7 +218,8 @@ def test_the_16_warp_gate_up_takes_one_token_at_k26_only():
     assert gate_up_w16(token_tile(2), 224, items(2), 132) is None
     assert gate_up_w16(1, 8, 16, 132) is None and gate_up_w16(2, 224, 100, 132) is None
     assert gate_up_kernel(token_tile(1), 224, items(1), 132) == ("kdtree_moe_v3_gate_up_w16_nt1_p7", 16)
-    assert gate_up_kernel(token_tile(17), 224, items(17), 132) == ("kdtree_moe_v3_gate_up_nt2_p4", 8)
+    assert gate_up_kernel(token_tile(17), 224, items(17), 132) == ("kdtree_moe_v3_gate_up_nt1_p7", 8)
+    assert gate_up_kernel(token_tile(64), 224, items(64), 132) == ("kdtree_moe_v3_gate_up_nt2_p4", 8)
     assert gate_up_kernel(1, 8, 16, 132) == ("kdtree_moe_v3_gate_up_nt1_p1", 8)
 
 

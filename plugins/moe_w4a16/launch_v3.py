@@ -30,9 +30,12 @@ from plugins.moe_w4a16.workspace import MoEWorkspace
 
 SOURCE = Path(__file__).with_name("moe_v3.cu")
 # L2 prefetch of the expert weights inside gate_up / down (moe_v3.cu's `pf`): a hint, results are the same bits
-# either way.  Off until measured on the GPU (benchmarks/moe_w4a16_v3.py times both); KDTREE_MOE_PREFETCH=1 turns
-# it on (read at each call, so a benchmark can time both in one process).
+# either way.  KDTREE_MOE_PREFETCH unset: on from PREFETCH_MIN_TOKENS tokens, where it won on the H200
+# (benchmarks/results/moe_w4a16_v3.json, K2.6 TP8: t = 64 150.5 -> 139.1 µs, t = 512 529.6 -> 511.4; it lost below:
+# t = 1 28.9 -> 113.4, t = 9 66.1 -> 74.5, t = 17 57.6 -> 63.9); "1" / "0": always / never (read at each call, so a
+# benchmark can time both in one process).
 PREFETCH_ENV = "KDTREE_MOE_PREFETCH"
+PREFETCH_MIN_TOKENS = 64
 # ... and where a call has at most this many (token, expert) picks, the routing kernel prefetches the picked
 # experts' w13 and w2 as it picks them (t = 1 at top-8: 8 x 2.75 MB at K2.6 TP8, well inside the 50 MB L2)
 ROUTE_PREFETCH_SLOTS = 8
@@ -42,10 +45,11 @@ MAX_TOKENS = 4096  # per launch: the entry list of 4096 tokens x top-8 fits in s
 
 def token_tile(t: int) -> int:
     """NT: n tiles of 8 token slots per gate_up tile, from t (tree routing sends most tokens to a few experts).
-    A DDTree round verifies budget + 1 tokens, and most of its experts see a few of them: NT = 2 up to a 32-node
-    tree's t = 33 (the NT = 4 kernel holds 188 registers, one CTA per SM, and multiplies 32 token columns per
-    weight tile; the K2.6 rank's verify time rose 1.9 ms from budget 8 to 16, where t = 17 switched to it)."""
-    return 1 if t <= 8 else 2 if t <= 33 else 4
+    A DDTree round verifies budget + 1 tokens, and most of its experts see a few of them, so small tiles win: on the
+    H200 under tree routing (benchmarks/results/moe_w4a16_v3.json, K2.6 TP8, the same bits either way) NT = 1 beat
+    NT = 2 at t = 9 (57.9 against 66.1 µs) and t = 17 (51.6 against 57.6), NT = 2 beat NT = 4 at t = 64 (105.6
+    against 150.5).  Untried beyond: NT = 4 above 64 tokens."""
+    return 1 if t <= 17 else 2 if t <= 64 else 4
 
 
 def down_tile(nt: int) -> int:
@@ -259,7 +263,7 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
     ws = MoEWorkspace.carve(workspace, t, top_k, e_local, d, i, x.dtype,
                             launch_plan(t, top_k, e_local, d, i, x.device).splits)
     mod = kernels(x.device)  # before the route kernel: a failure here leaves counts zero
-    prefetch = env_flag(PREFETCH_ENV, False)
+    prefetch = env_flag(PREFETCH_ENV, t >= PREFETCH_MIN_TOKENS)
     sms = device_facts(x.device).sms
     i32, ptr = ctypes.c_int, ctypes.c_void_p
     # the prefetch argument, where the cubin takes one
