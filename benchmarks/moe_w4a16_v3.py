@@ -214,7 +214,8 @@ def main() -> None:
     plot(rows, Path(path).with_suffix(".png"))
     print(f"wrote {path}")
     print_table(rows, ["shape", "routing", "experts_touched", "roofline_us", "v3_us", "v3_fraction", "v3_pf_us",
-                       "v3_pf_fraction", "v3_pf_kernels_us", "v3_w8_us", "v2c_us", "v2c_fraction", "bf16_grouped_mm_us"])
+                       "v3_pf_fraction", "v3_pf_kernels_us", "v3_w8_us", "v2c_us", "v2c_fraction",
+                       "bf16_grouped_mm_us"])
 
 
 if __name__ == "__main__":
