@@ -95,8 +95,8 @@ def test_switches_ab_on_artifact(k26_art, tmp_path, monkeypatch):
     from runtime.model import layers
 
     monkeypatch.setattr(sys, "argv", ["k26_switches", "--source", str(k26_art), "--settings",
-                                      "base,skinny+skinny_wide+moe_pf+gemm_pf+attn_pf", "--context", "256", "--budget", "8",
-                                      "--iters", "2", "--out", str(tmp_path)])
+                                      "base,skinny+skinny_wide+moe_pf+gemm_pf+attn_pf", "--context", "256",
+                                      "--budget", "8", "--iters", "2", "--out", str(tmp_path)])
     ks.main()
     rows = json.loads((tmp_path / "k26-switches.json").read_text())["rows"]
     assert [r["setting"] for r in rows] == ["base", "skinny+skinny_wide+moe_pf+gemm_pf+attn_pf"]
