@@ -53,7 +53,7 @@ KDTREE_LAUNCHES = {
     "tree_build": 8,  # lse partials, 4 radix passes, gather, sort, tree (plugins/tree_build/topk_kernel.py)
     "kv_commit": 2,  # copy rows, advance lens (plugins/kv_commit/kernel.py; 1 with advance=False)
     "drafter_attention": 2,  # split + combine (plugins/drafter_attention/kernel.py; 1 with one split)
-    "skinny_gemm": 1,  # one kernel (plugins/skinny_gemm/launch.py; KDTREE_SKINNY_GEMM=1 only)
+    "skinny_gemm": 1,  # one kernel (plugins/skinny_gemm/launch.py; one-token GEMMs, runtime/model/layers.py)
 }
 
 
