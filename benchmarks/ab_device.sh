@@ -23,7 +23,7 @@ if [[ $what != switches ]]; then
     bash benchmarks/device_run.sh tests >"$R/tests.log" 2>&1 || status=1
   tail -15 "$R/tests.log"
 fi
-settings=${SETTINGS:-skinny,base,skinny+skinny_pf,skinny+attn_pf,skinny+moe_pf,skinny+gemm_pf}  # skinny: the defaults
+settings=${SETTINGS:-skinny,base,skinny+skinny_late,skinny+skinny_pf,skinny+attn_pf,skinny+gemm_pf}  # skinny: the defaults
 src=(--budget "${BUDGETS:-15,16}" --settings "$settings")
 [[ ${SOURCE:-} == tiny-kimi ]] && src+=(--source tiny-kimi --tp 1 --context 512)
 if [[ $what != tests ]]; then

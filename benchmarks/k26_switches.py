@@ -9,6 +9,7 @@ default (DEFAULT_ON), which are set again after the run):
   moe_pf    KDTREE_MOE_PREFETCH=1: the MoE's L2 prefetch of its experts at every t (not named: from 64 tokens)
   gemm_pf   KDTREE_GEMM_PREFETCH: each layer's post-attention weights into L2 before its attention
   attn_pf   KDTREE_ATTN_PREFETCH: the attention's first cache tiles into L2 before its PDL wait
+  skinny_late with skinny: the next kernel launches after the GEMM's k loops (plugins/skinny_gemm/launch.LATE_TRIGGER)
   skinny_pf with skinny: every GEMM CTA's weights into L2 before its PDL wait (not named: launch.PREFETCH's default,
             the plans that split k only)
 
@@ -63,13 +64,19 @@ def _set_skinny_pf(on: bool) -> None:
     launch.PREFETCH = True if on else None
 
 
+def _set_skinny_late(on: bool) -> None:
+    from plugins.skinny_gemm import launch
+    launch.LATE_TRIGGER = on
+
+
 def _set_attn_pf(on: bool) -> None:
     from plugins.tree_verify_mla import launcher
     launcher.CACHE_PREFETCH = on
 
 
 SWITCHES = {"skinny": _set_skinny, "moe_pf": _set_moe_pf, "gemm_pf": _set_gemm_pf,  # see the module doc
-            "attn_pf": _set_attn_pf, "skinny_pf": _set_skinny_pf, "skinny_wide": _set_skinny_wide}
+            "attn_pf": _set_attn_pf, "skinny_pf": _set_skinny_pf, "skinny_wide": _set_skinny_wide,
+            "skinny_late": _set_skinny_late}
 
 
 DEFAULT_ON = frozenset({"skinny"})  # the runtime's defaults among SWITCHES

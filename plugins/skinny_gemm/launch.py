@@ -35,6 +35,10 @@ TICKETS = 4096  # ... and one ticket counter per row group (a plan with KS > 1 h
 # shapes where it won on the H200 at t = 1 (benchmarks/results/skinny-gemm.json: router + shared gate_up 7.1 -> 6.6
 # µs, q_b 4.9 -> 4.6; it cost the KS = 1 shapes: qkv_a 10.9 -> 11.3, o_proj 6.7 -> 6.9); True / False: every plan
 PREFETCH: bool | None = None
+# the next kernel launches (PDL) once every CTA has finished its k loop, not once every CTA has passed its wait: its
+# early CTAs, waiting, would hold SM slots a second wave of this kernel needs (k26_ablate measured the AR step 132 µs
+# slower without the norm kernels between the GEMMs; unmeasured: benchmarks/k26_switches.py's skinny_late)
+LATE_TRIGGER = False
 # weights larger than this stay cuBLAS's: the lm_head slice (294 MB at K2.6 TP8) already runs at 93 % of HBM there
 MAX_WEIGHT_BYTES = 128 << 20
 
@@ -180,7 +184,7 @@ def skinny_gemm_cuda(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, o
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     args = (x.data_ptr(), w.data_ptr(), y.data_ptr(), c.data_ptr() if c is not None else 0, mod.parts.data_ptr(),
             mod.tickets.data_ptr(), t, n, k, x.stride(0), y.stride(0), c.stride(0) if c is not None else 0, p.splits,
-            int(prefetch_for(p) if pf is None else pf))
+            int(prefetch_for(p) if pf is None else pf) | (2 if LATE_TRIGGER else 0))  # skinny_gemm.cu's FLAG_*
     types = (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32, i32)
     stream = cu.CUstream(torch.cuda.current_stream(x.device).cuda_stream)
     launch(cu, func, p.grid, 32 * p.warps, p.smem, stream, args, types, mod.pdl, f"skinny_gemm: launch {p.kernel}",

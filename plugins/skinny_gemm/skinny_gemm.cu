@@ -16,8 +16,10 @@
 // other tokens, and an AR step and a tree round compute the same bits for the same row.
 //
 // PDL (sm_90+; launched with programmatic stream serialization): the weights never change during a round, so
-// their L2 prefetch (pf = 1) goes out before the wait for the predecessor grid; x, c, y and the workspace are
-// touched only after it.
+// their L2 prefetch (flags & FLAG_PREFETCH) goes out before the wait for the predecessor grid; x, c, y and the
+// workspace are touched only after it.  The next kernel may launch once every CTA has passed the wait, or, with
+// FLAG_LATE_TRIGGER, once every CTA has finished its k loop (its waiting CTAs then do not take SM slots from this
+// kernel's later CTAs).
 //
 // No headers: NVRTC compiles this file as it stands (bf16 through PTX on raw 32-bit registers).
 
@@ -67,9 +69,18 @@ __device__ __forceinline__ void l2_prefetch(const void* p, u32 bytes) {
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// Lets the next kernel of the stream launch (its CTAs then wait at their own pdl_wait, holding their SM slots).
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
+
+#define FLAG_PREFETCH 1  // flags: this CTA's weights into L2 before the wait
+#define FLAG_LATE_TRIGGER 2  // flags: the dependents launch after this CTA's k loop, not at its start
 
 __device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -101,7 +112,7 @@ __device__ __forceinline__ int frag_index(int tok, int row) {
 template <int TT, int U, bool OUT_F32, bool ADD_C>
 __device__ __forceinline__ void skinny(const u16* __restrict__ x, const u16* __restrict__ w, void* __restrict__ y,
                                        const u16* __restrict__ c, float* __restrict__ parts, int* __restrict__ tickets,
-                                       int t, int n, int k, int ldx, int ldy, int ldc, int ks, int pf) {
+                                       int t, int n, int k, int ldx, int ldy, int ldc, int ks, int flags) {
     extern __shared__ float red[];  // [W warps][TT][4][32] accumulators in fragment order, then the ticket
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int g = lane >> 2, q = lane & 3;
@@ -110,7 +121,7 @@ __device__ __forceinline__ void skinny(const u16* __restrict__ x, const u16* __r
     const int per = (nkb + ks - 1) / ks;
     const int kb_lo = imin(nkb, (int)blockIdx.y * per), kb_hi = imin(nkb, kb_lo + per);  // may be empty
 
-    if (pf) {  // this CTA's weights into L2 at once (rows r0.. of its k range), before the wait: they never change
+    if (flags & FLAG_PREFETCH) {  // this CTA's weights (rows r0.. of its k range) into L2 before the wait: constant
         const char* base = reinterpret_cast<const char*>(w + (u64)r0 * k + (u64)kb_lo * 32);
         const u32 span = (u32)(kb_hi - kb_lo) * 64u;  // bytes of one row's range
         for (u32 i = threadIdx.x; i < (u32)rows * ((span + PF_CHUNK - 1) / PF_CHUNK); i += blockDim.x) {
@@ -120,6 +131,7 @@ __device__ __forceinline__ void skinny(const u16* __restrict__ x, const u16* __r
         }
     }
     pdl_wait();
+    if (!(flags & FLAG_LATE_TRIGGER)) pdl_trigger();
 
     // rows past n (the last group) read row n - 1 and are never stored; token columns past t read token 0 and are
     // never stored (an mma column depends on its own B column only)
@@ -163,6 +175,7 @@ __device__ __forceinline__ void skinny(const u16* __restrict__ x, const u16* __r
             }
         }
     }
+    if (flags & FLAG_LATE_TRIGGER) pdl_trigger();  // the weights are read: the next kernel may take the SM slots
 
 #pragma unroll
     for (int j = 0; j < TT; ++j)
@@ -214,8 +227,8 @@ __device__ __forceinline__ void skinny(const u16* __restrict__ x, const u16* __r
 #define SKINNY(TT, U, NAME, OUT_F32, ADD_C)                                                                        \
     extern "C" __global__ void __launch_bounds__(512) kdtree_skinny_gemm_t##TT##_u##U##_##NAME(                    \
         const u16* x, const u16* w, void* y, const u16* c, float* parts, int* tickets, int t, int n, int k,          \
-        int ldx, int ldy, int ldc, int ks, int pf) {                                                               \
-        skinny<TT, U, OUT_F32, ADD_C>(x, w, y, c, parts, tickets, t, n, k, ldx, ldy, ldc, ks, pf);                  \
+        int ldx, int ldy, int ldc, int ks, int flags) {                                                            \
+        skinny<TT, U, OUT_F32, ADD_C>(x, w, y, c, parts, tickets, t, n, k, ldx, ldy, ldc, ks, flags);               \
     }
 
 #define OUTS(TT, U) SKINNY(TT, U, bf16, false, false) SKINNY(TT, U, bf16_c, false, true) SKINNY(TT, U, f32, true, false)
