@@ -6,10 +6,11 @@ runs and waits inside (griddepcontrol.wait), so its profiled duration includes t
 step add up to more than the step.  The step's drop when a class is removed is what the class costs the round,
 launch gaps and overlaps included.
 
-Classes (the target's forward only; the drafter and the speculative ops are never touched):
+Classes (the target's forward; the speculative ops are never touched, the drafter only where it calls the same
+functions: under "gemm" its MLP GEMMs (layers.swiglu_mlp) and its logits (the target's lm_head) go too):
   attention  kdtree::tree_verify_mla (split + combine kernels): no-op, its output keeps the workspace's values
   mla_glue   the latent norms + rope, the q and v absorptions (layer_fusion's three MLA kernels): zeros stand in
-  norms      add_rms_norm after attention and after the MLP (2 per layer): the residual passes unchanged
+  norms      the target's add_rms_norm after attention and after the MLP (2 per layer): the residual passes unchanged
   moe        the routed experts (route, gate_up, down, combine + shared down): the MoE input stands in for its output
   gemm       every dense GEMM of the target (cuBLAS or skinny_gemm; lm_head included): zeros stand in
 
