@@ -3,8 +3,8 @@
 # them, then the K2.6 rank's AR step and DDTree rounds under each switch setting (one load,
 # benchmarks/k26_switches.py), then the quick kernel benchmarks of the MoE and the few-token GEMM with what is left.
 #   bash benchmarks/ab_device.sh [all|tests|switches]   (device tool, repo root as cwd; results under $OUT)
-# k26_switches takes ~1 min per setting after a ~15 s load: with the tests first, about five settings fit one call,
-# so `tests` (tests + kernel benchmarks) and `switches` (every setting) can go in two calls back to back.
+# k26_switches takes ~15 s per setting after a ~10 s load (H200, 2026-12-05): `all` fits the six default settings;
+# `tests` (tests + kernel benchmarks) and `switches` (every setting) can also go in two calls back to back.
 # Env: BUDGET_S (default 585) for the whole call; SETTINGS / BUDGETS passed to k26_switches; SOURCE=tiny-kimi times
 # the tiny model's step instead (tp 1, context 512: issue 16's figure).
 set -uo pipefail

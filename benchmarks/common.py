@@ -6,6 +6,7 @@ Ceilings were measured on the lent H200 (DESIGN.md "Measured on an H200"): a dev
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 from pathlib import Path
@@ -81,3 +82,30 @@ def print_table(rows: list[dict[str, Any]], cols: list[str]) -> None:
     print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
     for row in cells:
         print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+
+
+def add_rank_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options of a benchmark that loads one K2.6 TP rank once (runtime/bench_rank.load_rank_models) and times
+    its captured steps: --out, --source, --tp, --context, --iters, --layers."""
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--source", default="kimi-k2.6", help="a preset (tiny-kimi with --tp 1 --context 512: the tiny "
+                    "model's step) or a synthetic artifact")
+    ap.add_argument("--tp", type=int, default=8)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--layers", type=int, default=None)
+
+
+def parse_combinations(text: str, known, flag: str, what: str, named: dict[str, frozenset[str]]
+                       ) -> list[tuple[str, frozenset[str]]]:
+    """"a,b+c" -> [("a", {"a"}), ("b+c", {"b", "c"})]: comma-separated settings, each a "+"-joined set of `known`
+    names or one of `named` (a whole name standing for its set, e.g. "base": none).  An unknown part is a ValueError
+    naming the flag, the part and the known names."""
+    out = []
+    for name in text.split(","):
+        parts = named[name] if name in named else frozenset(name.split("+"))
+        unknown = sorted(parts - set(known))
+        if unknown or not name:
+            raise ValueError(f"{flag}: unknown {what} {unknown or [name]} (known: {', '.join([*named, *known])})")
+        out.append((name, parts))
+    return out

@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import print_table, write_result  # noqa: E402
+from benchmarks.common import add_rank_arguments, parse_combinations, print_table, write_result  # noqa: E402
 
 _ZEROS: dict[tuple, object] = {}  # (shape, dtype, device) -> a zero tensor reused by every stand-in call
 
@@ -83,27 +83,14 @@ def ablated(names: frozenset[str]):
 def parse_ablations(text: str) -> list[tuple[str, frozenset[str]]]:
     """"none,attention,moe+gemm" -> [("none", {}), ("attention", {...}), ("moe+gemm", {...})]; an unknown class
     is a ValueError naming it and the known ones."""
-    out = []
-    for name in text.split(","):
-        parts = frozenset() if name == "none" else frozenset(name.split("+"))
-        unknown = sorted(parts - set(CLASSES))
-        if unknown or not name:
-            raise ValueError(f"--ablate: unknown class {unknown or [name]} (known: none, {', '.join(CLASSES)})")
-        out.append((name, parts))
-    return out
+    return parse_combinations(text, CLASSES, "--ablate", "class", {"none": frozenset()})
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--source", default="kimi-k2.6", help="a preset (tiny-kimi with --tp 1 --context 512) or a "
-                    "synthetic artifact")
-    ap.add_argument("--tp", type=int, default=8)
+    add_rank_arguments(ap)
     ap.add_argument("--ablate", default="none," + ",".join(CLASSES))
-    ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--budget", type=int, default=16)
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--layers", type=int, default=None)
     a = ap.parse_args()
     settings = parse_ablations(a.ablate)
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import print_table, write_result  # noqa: E402
+from benchmarks.common import add_rank_arguments, parse_combinations, print_table, write_result  # noqa: E402
 
 
 def _set_skinny(on: bool) -> None:
@@ -35,16 +35,11 @@ def _set_skinny(on: bool) -> None:
     layers.SKINNY_GEMM = on
 
 
-_SKINNY_LIMITS: list[tuple[int, int]] = []  # layers' defaults, read before the first change, restored when not named
-
-
 def _set_skinny_wide(on: bool) -> None:
     from plugins.skinny_gemm import launch
     from runtime.model import layers
-    if not _SKINNY_LIMITS:
-        _SKINNY_LIMITS.append((layers.SKINNY_MAX_TOKENS, layers.SKINNY_MAX_WEIGHT_BYTES))
     layers.SKINNY_MAX_TOKENS, layers.SKINNY_MAX_WEIGHT_BYTES = (launch.MAX_TOKENS, launch.MAX_WEIGHT_BYTES) if on \
-        else _SKINNY_LIMITS[0]
+        else layers.SKINNY_LIMITS
 
 
 def _set_moe_pf(on: bool) -> None:
@@ -85,15 +80,7 @@ DEFAULT_ON = frozenset({"skinny"})  # the runtime's defaults among SWITCHES
 def parse_settings(text: str) -> list[tuple[str, frozenset[str]]]:
     """"base,skinny+moe_pf" -> [("base", {}), ("skinny+moe_pf", {"skinny", "moe_pf"})]; an unknown switch is a
     ValueError naming it and the known ones."""
-    out = []
-    for name in text.split(","):
-        parts = frozenset() if name == "base" else DEFAULT_ON if name == "default" else frozenset(name.split("+"))
-        unknown = sorted(parts - set(SWITCHES))
-        if unknown or not name:
-            raise ValueError(f"--settings: unknown switch {unknown or [name]} (known: base, default, "
-                             f"{', '.join(SWITCHES)})")
-        out.append((name, parts))
-    return out
+    return parse_combinations(text, SWITCHES, "--settings", "switch", {"base": frozenset(), "default": DEFAULT_ON})
 
 
 def apply(on: frozenset[str]) -> None:
@@ -115,17 +102,11 @@ def _write(rows: list[dict], a, budgets: list[int], layers: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--source", default="kimi-k2.6", help="a preset (tiny-kimi with --tp 1 --context 512: the tiny "
-                    "model's step) or a synthetic artifact")
-    ap.add_argument("--tp", type=int, default=8)
+    add_rank_arguments(ap)
     ap.add_argument("--settings", default="base,skinny,skinny+skinny_wide,skinny+skinny_pf,moe_pf,gemm_pf,attn_pf,"
                                           "skinny+skinny_pf+moe_pf+attn_pf")
-    ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--budget", default="16", help="DDTree budgets, comma-separated (15,16: T(16) against T(17), "
                     "whether buckets of 2^k - 1 nodes save the padding of 2^k + 1 tokens)")
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--layers", type=int, default=None)
     a = ap.parse_args()
     settings = parse_settings(a.settings)
     budgets = [int(b) for b in a.budget.split(",")]

@@ -202,13 +202,6 @@ struct Ring {
 // ---------------------------------------------------------------------------------------------------------
 // gate_up: item = (entry, row pair); the CTA's W warps split the item's k groups (warp w: groups w + W m)
 // ---------------------------------------------------------------------------------------------------------
-// gate_up's shared memory: s_red [2][W][2][NT][4][32] fp32 | s_h [8 NT][16] bf16 | s_ws [W] | s_cnt [e_local] |
-// s_ent [entries] int32; this returns s_cnt
-template <int NT, int W>
-__device__ __forceinline__ int* gate_up_counts(unsigned char* smem) {
-    return reinterpret_cast<int*>(smem + 2 * W * (2 * NT * 4 * 32) * 4 + 8 * NT * 16 * 2) + W;
-}
-
 template <int NT, int P, int W>
 __device__ void gate_up(const uint4* __restrict__ w13, const uint2* __restrict__ s13, const uint4* __restrict__ x,
                         const int* __restrict__ counts, const int* __restrict__ lists, u16* __restrict__ h,
@@ -218,8 +211,8 @@ __device__ void gate_up(const uint4* __restrict__ w13, const uint2* __restrict__
     constexpr int RED = 2 * NT * 4 * 32;  // floats one warp leaves per item
     float* s_red = reinterpret_cast<float*>(smem);                  // [2 parity][W][2 m][NT][4][32]
     u16* s_h = reinterpret_cast<u16*>(s_red + 2 * W * RED);         // [TT tokens][16 rows] bf16
-    int* s_cnt = gate_up_counts<NT, W>(smem);
-    int* s_ws = s_cnt - W;
+    int* s_ws = reinterpret_cast<int*>(s_h + TT * 16);
+    int* s_cnt = s_ws + W;
     int* s_ent = s_cnt + e_local;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, u = lane & 3;
 
