@@ -8,13 +8,15 @@ The cache key covers the kernel source, the Triton version, the GPU target and t
 made by one process on one machine is valid for any process with the same Triton and GPU arch.
 
 Build (on a machine with a CUDA device, `kdtree build --warm`, the CLI default): the staged artifact is
-decoded in subprocesses (runtime/warm_kernels.py), one per mode (AR, chain and DDTree at every --budgets value; graphs on, the
-runtime's default dtype), over prompt lengths that cover Triton's integer buckets (== 1, % 16 == 0, other)
-and the prefill chunks, with TRITON_CACHE_DIR on a scratch folder; `pack` then copies that cache into
+decoded in subprocesses (runtime/warm_kernels.py), one per mode (AR, chain, DDTree at every --budgets value and
+every bucket of budget auto; graphs on, the runtime's default dtype), over prompt lengths that cover Triton's
+integer buckets (== 1, % 16 == 0, other) and the prefill chunks, with TRITON_CACHE_DIR on a scratch folder; then
+DDTree with budget auto alone, which measures its cost curve on the idle GPU and stores it in ART/autotune/ (so
+`kdtree run` neither compiles nor times anything).  `pack` then copies that cache into
 ART/kernels/triton-<arch>/<key>/ with group files naming their children relative to the folder.  The files
 are listed in the manifest's `files` (sha256, size) like every other, and manifest["triton_cache"] records
-{warmed, dir, arch, triton, entries, cases, seconds}, or {warmed: false, reason} where nothing was warmed
-(no CUDA device, --no-warm, a checkpoint built by the runtime).
+{warmed, dir, arch, triton, entries, cases, cost_curves, seconds}, or {warmed: false, reason} where nothing was
+warmed (no CUDA device, --no-warm, a checkpoint built by the runtime).
 
 Run (runtime/load/kernel_cache.py): on a GPU of the same arch with the same Triton, `unpack` copies the
 entries the user's Triton cache lacks into it (group files rewritten to the destination's paths); the
@@ -43,6 +45,9 @@ PROMPT_LENGTHS = (1, 2, 3, 5, 8, 11, 16, 17, 24, 32, 33, 47)
 NEW_TOKENS = 40
 SAMPLED_LENGTHS = (1, 11)  # also decoded at temperature SAMPLED_T (the sampling kernels)
 SAMPLED_T = 0.8
+# the buckets of `--budget auto` (runtime/decode/budget.default_buckets(AUTO_MAX_BUDGET) of runtime/decode/params;
+# a test keeps the two equal: this layer does not import the runtime)
+AUTO_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 UNWARMED = ("built without a CUDA device, with --no-warm, with --tp > 1 (the warm-up decodes one rank), for tensorrt, "
             "synthetic, or by the runtime from a checkpoint")
 
@@ -135,11 +140,16 @@ def unpack(src: Path, triton_dir: Path) -> dict:
 # ---- the warm-up (build side, on a CUDA device)
 
 def warm_cases(budgets: tuple[int, ...], has_drafter: bool) -> list[dict]:
-    """One case per subprocess: a decoding mode the runtime can be asked for."""
+    """One case per subprocess: a decoding mode the runtime can be asked for.  With a drafter the last case is
+    DDTree with budget auto, `kdtree run`'s default on CUDA: its graphs hold every bucket of AUTO_BUCKETS, and
+    it measures the cost curve it then stores in ART/autotune/ (runtime/decode/autotune.py), so warm() runs it
+    alone after the others, on an idle GPU; a fixed-budget case per bucket before it compiles the buckets'
+    kernels in parallel."""
     cases = [{"spec": "none", "budget": 16}]
     if has_drafter:
         cases.append({"spec": "chain", "budget": 16})
-        cases += [{"spec": "ddtree", "budget": b} for b in budgets]
+        cases += [{"spec": "ddtree", "budget": b} for b in sorted(set(budgets) | set(AUTO_BUCKETS))]
+        cases.append({"spec": "ddtree", "budget": "auto"})
     return cases
 
 
@@ -169,9 +179,12 @@ def warm(stage: Path, manifest: dict, budgets: tuple[int, ...], progress: bool =
                        case["spec"], "--budget", str(case["budget"])]
                 return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=repo, check=False)
 
-            # one process per mode, in parallel: Triton compiles on one core per process
-            with ThreadPoolExecutor(len(cases)) as pool:
-                results = list(pool.map(one, cases))
+            # one process per mode, in parallel (Triton compiles on one core per process); budget auto after
+            # them, alone, so that the cost curve it measures is not shared with the others' launches
+            parallel = [c for c in cases if c["budget"] != "auto"]
+            with ThreadPoolExecutor(len(parallel)) as pool:
+                results = list(pool.map(one, parallel))
+            results += [one(c) for c in cases[len(parallel):]]  # warm_cases puts auto last
             for case, res in zip(cases, results):
                 if res.returncode:
                     last = (res.stderr.strip().splitlines() or ["(no output)"])[-1]
@@ -183,5 +196,6 @@ def warm(stage: Path, manifest: dict, budgets: tuple[int, ...], progress: bool =
         shutil.rmtree(stage / ".verified", ignore_errors=True)
     record = {"warmed": True, "dir": rel, "arch": arch, "triton": triton.__version__, "entries": entries,
               "cases": cases, "prompt_lengths": list(PROMPT_LENGTHS), "new_tokens": NEW_TOKENS,
+              "cost_curves": sorted(p.relative_to(stage).as_posix() for p in stage.glob("autotune/*/*.json")),
               "seconds": round(time.perf_counter() - t0, 1)}
     return record, stage / rel

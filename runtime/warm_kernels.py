@@ -1,6 +1,7 @@
 """Subprocess of `kdtree build --warm` (build_pipeline/kernel_cache.warm): decode an artifact on CUDA in one
 mode over the warm-up prompts, so that Triton compiles every kernel variant that mode launches into
-TRITON_CACHE_DIR (set by the caller).  Graphs on and the runtime's default dtype, as `kdtree run`."""
+TRITON_CACHE_DIR (set by the caller); with budget auto the session also measures its cost curve and stores it in
+ART/autotune/.  Graphs on and the runtime's default dtype, as `kdtree run`."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--art", required=True)
     ap.add_argument("--spec", required=True)
-    ap.add_argument("--budget", type=int, required=True)
+    ap.add_argument("--budget", required=True, help="an integer, or auto (every bucket; stores the cost curve)")
     a = ap.parse_args()
-    eng = Engine.load(a.art, device="cuda", spec=a.spec, budget=a.budget, graphs=True)
+    budget = int(a.budget) if a.budget.isdigit() else a.budget
+    eng = Engine.load(a.art, device="cuda", spec=a.spec, budget=budget, graphs=True)
     gen = torch.Generator().manual_seed(0)
     for n in PROMPT_LENGTHS:
         ids = torch.randint(0, eng.cfg.vocab_size, (n,), generator=gen).tolist()

@@ -157,3 +157,19 @@ def test_cpu_build_warms_nothing(tiny, tmp_path, monkeypatch):
     again = build(model, archs=(), progress=False, warm=False)
     assert again.cache_hit and again.manifest["key"] == first.manifest["key"]
     assert first.summary()["triton_cache"]["warmed"] is False
+
+
+def test_warm_cases_cover_budget_auto():
+    """The warm-up decodes `kdtree run`'s CUDA default (budget auto) last, after a fixed-budget case per bucket of
+    it, so the buckets' kernels compile in parallel and the cost curve is timed alone; its buckets are the
+    runtime's."""
+    from build_pipeline.kernel_cache import AUTO_BUCKETS, warm_cases
+    from runtime.decode.budget import default_buckets
+    from runtime.decode.params import AUTO_MAX_BUDGET
+
+    assert AUTO_BUCKETS == default_buckets(AUTO_MAX_BUDGET)
+    cases = warm_cases((16, 48), has_drafter=True)
+    assert cases[-1] == {"spec": "ddtree", "budget": "auto"}
+    assert [c["budget"] for c in cases if c["spec"] == "ddtree"][:-1] == sorted({48, *AUTO_BUCKETS})
+    assert [c["spec"] for c in cases[:2]] == ["none", "chain"]
+    assert warm_cases((16,), has_drafter=False) == [{"spec": "none", "budget": 16}]

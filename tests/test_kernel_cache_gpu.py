@@ -1,11 +1,14 @@
 """GPU: an artifact built with the Triton warm-up decodes in a fresh process without compiling anything.
 
-The tiny INT4 kimi_k25 model with a drafter is built with warm=True (or KDTREE_WARMED_ART names one) (build_pipeline/kernel_cache.py); a
-fresh process with an empty TRITON_CACHE_DIR (this file run as a script, `--probe ART`) loads it on CUDA and
-decodes AR and DDTree with graphs on, counting Triton compiles through triton.knobs.compilation.listener
-(cache hits are reported to it too), C launcher builds through triton.runtime.build._build, and Dynamo /
-Inductor compiles through torch._dynamo's counters.  The same probe on a copy whose manifest names another
-arch takes the JIT path: it must warn, compile (so the counters are seen to count) and give the same tokens.
+The tiny INT4 kimi_k25 model with a drafter is built for this GPU's arch with warm=True (or KDTREE_WARMED_ART
+names one) (build_pipeline/kernel_cache.py); a fresh process with an empty TRITON_CACHE_DIR (this file run as a
+script, `--probe ART`) loads it on CUDA and decodes AR and DDTree (budget 16, and auto: `kdtree run`'s default on
+CUDA) with graphs on, counting Triton compiles through triton.knobs.compilation.listener (cache hits are reported
+to it too), C launcher builds through triton.runtime.build._build, Dynamo / Inductor compiles through
+torch._dynamo's counters and CUDA C cubins compiled at run through plugins/common/cubin.COMPILED (they must come
+from the artifact's kernels/); budget auto must find the cost curve the warm-up stored in ART/autotune.  The same
+probe on a copy whose manifest names another arch takes the JIT path: it must warn, compile (so the counters are
+seen to count) and give the same tokens.
 
 Writes $KDTREE_RESULTS_DIR/kernel-cache-device-test.json when that is set.
 """
@@ -38,6 +41,7 @@ def warmed(tiny, tmp_path_factory):
     builds one with `kdtree build` and hands it over, to stay within one device call)."""
     from build_pipeline.build import build
     from build_pipeline.tiny_drafter import make_tiny_drafter
+    from plugins.common.device import arch_of
 
     given = os.environ.get("KDTREE_WARMED_ART")
     if given:
@@ -47,7 +51,8 @@ def warmed(tiny, tmp_path_factory):
     model = tiny.get("kimi", int4=True, kimi25=True)
     drafter = make_tiny_drafter(model, root / "drafter")
     t0 = time.perf_counter()
-    res = build(model, out=root / "art", drafter_dir=drafter, archs="none", budgets=(BUDGET,), progress=False,
+    arch = arch_of(torch.cuda.get_device_capability())  # the CUDA C kernels' cubins in the artifact too
+    res = build(model, out=root / "art", drafter_dir=drafter, archs=arch, budgets=(BUDGET,), progress=False,
                 warm=True)
     REPORT["build_s"] = round(time.perf_counter() - t0, 1)
     REPORT["triton_cache"] = res.manifest["triton_cache"]
@@ -78,6 +83,8 @@ def test_warm_artifact_compiles_nothing(warmed, tmp_path):
     assert hot["compiles"] == [], f"Triton compiled {len(hot['compiles'])} kernels: {hot['compiles'][:5]}"
     assert hot["launcher_builds"] == 0
     assert hot["dynamo_frames"] == 0 and hot["inductor"] == 0
+    assert hot["cubin_compiles"] == [], f"CUDA C compiled at run: {hot['cubin_compiles']}"
+    assert hot["auto_curve"].startswith("stored"), f"budget auto measured its cost curve: {hot['auto_curve']}"
     assert {p: p.stat().st_mtime_ns for p in (warmed / rec["dir"]).rglob("*")} == before  # only read
 
     # the JIT path: a copy whose kernels are for another arch warns, compiles, and decodes the same tokens
@@ -103,7 +110,8 @@ def _write_report() -> None:
 
 
 def _probe_main(art: str) -> None:
-    """Load ART on CUDA and decode AR and DDTree (graphs on) with every compile counted; one JSON line."""
+    """Load ART on CUDA and decode AR and DDTree (budget 16 and auto; graphs on) with every compile counted; one
+    JSON line."""
     import triton
     import triton.runtime.build as triton_build
 
@@ -133,10 +141,13 @@ def _probe_main(art: str) -> None:
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, eng.cfg.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
     tokens = {}
-    for spec in ("none", "ddtree"):
-        e = eng.configure(spec=spec)
-        tokens[spec] = [list(e.generate_ids(p, NEW, 0.0, seed=0)) for p in prompts]
+    for spec, budget in (("none", None), ("ddtree", None), ("ddtree", "auto")):
+        e = eng.configure(spec=spec, budget=budget)
+        tokens[spec if budget is None else f"{spec}-{budget}"] = [list(e.generate_ids(p, NEW, 0.0, seed=0))
+                                                                  for p in prompts]
     torch.cuda.synchronize()
+    auto_curve = str(e.last_stats.get("budget_curve"))  # "stored: ART/autotune/...": the build's warm-up measured it
+    from plugins.common.cubin import COMPILED
     dynamo = "torch._dynamo" in sys.modules
     frames = inductor = 0
     if dynamo:
@@ -144,6 +155,7 @@ def _probe_main(art: str) -> None:
         frames = sum(counters["frames"].values()) if "frames" in counters else 0
         inductor = sum(counters["inductor"].values()) if "inductor" in counters else 0
     print(json.dumps({"tokens": tokens, "compiles": compiles, "hits": hits[0], "launcher_builds": launcher_builds[0],
+                      "cubin_compiles": COMPILED, "auto_curve": auto_curve,
                       "dynamo_imported": dynamo, "dynamo_frames": frames, "inductor": inductor,
                       "load_s": round(load_s, 2), "total_s": round(time.perf_counter() - t0, 2)}))
 

@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 _KERNEL_DIRS: list[Path] = []
+COMPILED: list[str] = []  # "<source> for <arch>" of each cubin this process compiled (tests assert none)
 
 
 class CubinUnavailable(RuntimeError):
@@ -59,6 +60,7 @@ def cubin(source: Path, arch: str, cache: Path) -> tuple[bytes, str]:
         with os.fdopen(fd, "wb") as f:
             f.write(out)
         os.replace(tmp, cached)
+        COMPILED.append(f"{source.name} for {arch}")
         return out, f"compiled by {compile_with.__name__.strip('_')} into {cached}"
     raise CubinUnavailable(f"{source.name} for {arch}: " + "; ".join(errors))
 
