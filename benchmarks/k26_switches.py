@@ -6,7 +6,7 @@ Switches (each off unless named in a setting, whatever its default; "base" names
 default (DEFAULT_ON), which are set again after the run):
   skinny    KDTREE_SKINNY_GEMM (on by default): one-token GEMMs on plugins/skinny_gemm (runtime.model.layers)
   skinny_wide with skinny: every GEMM of up to 32 tokens and 128 MB (layers.SKINNY_MAX_TOKENS / _WEIGHT_BYTES)
-  moe_pf    KDTREE_MOE_PREFETCH=1: the MoE's L2 prefetch of its experts at every t (not named: from 64 tokens)
+  moe_pf    KDTREE_MOE_PREFETCH=1: the MoE's L2 prefetch of its experts at every t (not named: off)
   gemm_pf   KDTREE_GEMM_PREFETCH: each layer's post-attention weights into L2 before its attention
   attn_pf   KDTREE_ATTN_PREFETCH: the attention's first cache tiles into L2 before its PDL wait
   skinny_late with skinny: the next kernel launches after the GEMM's k loops (plugins/skinny_gemm/launch.LATE_TRIGGER)
@@ -45,7 +45,7 @@ def _set_skinny_wide(on: bool) -> None:
 def _set_moe_pf(on: bool) -> None:
     if on:
         os.environ["KDTREE_MOE_PREFETCH"] = "1"
-    else:  # the default: from launch_v3.PREFETCH_MIN_TOKENS tokens (off for the AR step and DDTree rounds <= 63)
+    else:  # the default: off
         os.environ.pop("KDTREE_MOE_PREFETCH", None)
 
 

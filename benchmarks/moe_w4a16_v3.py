@@ -6,10 +6,10 @@ t in {1, 8, 16, 17, 33, 64, 256, 512}, EP8 rank (48 whole experts x 2048) at t i
 tokens share experts) and "uniform" routing.  Roofline bytes: the touched experts' packed weights + scales
 + x, y, logits (benchmarks/moe_w4a16.py's count; v3's layout holds the same bytes per expert).  Both kernel
 paths are timed as CUDA graph replays (scratch from a MoEWorkspace allocated once), the peer eagerly.
-v3 is timed four times: without its L2 prefetch of the expert weights (KDTREE_MOE_PREFETCH=0), with it (v3_pf,
-=1; the default from launch_v3.PREFETCH_MIN_TOKENS tokens; v3_pf_kernels: without the routing kernel's part of
-it), and with the 8-warp gate_up where the default takes the 16-warp one (v3_w8: t = 1); at t = 8, 9, 16, 17, 33,
-64, 256, 512 also with the other token tile (v3_nt{1,2,4}_us: launch_v3.token_tile's choice checked).
+v3 is timed three times: without its L2 prefetch of the expert weights (the default), with it (v3_pf,
+KDTREE_MOE_PREFETCH=1), and with the 8-warp gate_up where the default takes the 16-warp one (v3_w8: t = 1); at
+t = 8, 9, 16, 17, 33, 64, 256, 512 also with another token tile (v3_nt{1,2,4}_us: launch_v3.token_tile's choice
+checked).
 Before timing: v3 against the fp32 reference on the dequantised experts and against v2c at t = 16.
 Writes benchmarks/results/moe_w4a16_v3.json and moe_w4a16_v3.png (fraction of roofline against t).
 
@@ -93,24 +93,19 @@ def bench_shape(name: str, t: int, routing: str, ex: dict, e_start: int, dev, de
     row = {"shape": name, "t": t, "routing": routing, "experts_touched": n_touch, "bytes": nbytes,
            "roofline_us": roof}
     # v3_pf: v3 with its L2 prefetch of the expert weights (KDTREE_MOE_PREFETCH, read when the graph is captured);
-    # v3_pf_kernels: the same without the routing kernel's share of it (launch_v3.ROUTE_PREFETCH_SLOTS = 0: at t = 1
-    # one program prefetches the 8 picked experts' 22 MB, all through one SM); v3_w8: v3 with the 8-warp gate_up where
-    # the default takes the 16-warp one (launch_v3.gate_up_w16: t = 1)
-    slots = launch_v3.ROUTE_PREFETCH_SLOTS
-    for label, experts, pf, w16, route_pf in (
-            ("v3", ex["frag"], "0", True, slots), ("v3_pf", ex["frag"], "1", True, slots),
-            ("v3_pf_kernels", ex["frag"], "1", True, 0), ("v3_w8", ex["frag"], "0", False, slots),
-            ("v2c", ex["planar"], "0", True, slots)):
+    # v3_w8: v3 with the 8-warp gate_up where the default takes the 16-warp one (launch_v3.gate_up_w16: t = 1)
+    for label, experts, pf, w16 in (("v3", ex["frag"], "0", True), ("v3_pf", ex["frag"], "1", True),
+                                    ("v3_w8", ex["frag"], "0", False), ("v2c", ex["planar"], "0", True)):
         os.environ[PREFETCH_ENV] = pf
-        launch_v3.USE_W16, launch_v3.ROUTE_PREFETCH_SLOTS = w16, route_pf
+        launch_v3.USE_W16 = w16
         us = time_us(lambda: moe_w4a16(x, logits, None, bias, *experts, K, 1, 1, True, SCALING, e_start,  # noqa: B023
                                        ws.buffer), graph=True)
         row[f"{label}_us"], row[f"{label}_fraction"] = us, roof / us
     os.environ.pop(PREFETCH_ENV)
-    launch_v3.USE_W16, launch_v3.ROUTE_PREFETCH_SLOTS = True, slots
-    # the other token tile around the choice (launch_v3.token_tile: NT = 1 to t = 17, 2 to t = 64, then 4): is the
-    # switch at the right t under tree routing, where most experts see a few of the tokens?
-    other = {8: 2, 9: 2, 16: 2, 17: 2, 33: 1, 64: 4, 256: 2, 512: 2}.get(t)
+    launch_v3.USE_W16 = True
+    # another token tile than the choice (launch_v3.token_tile: NT = 1 to t = 17, then 2): is the switch at the right
+    # t under tree routing, where most experts see a few of the tokens, and does NT = 4 still lose at many tokens?
+    other = {8: 2, 9: 2, 16: 2, 17: 2, 33: 1, 64: 4, 256: 4, 512: 4}.get(t)
     if other is not None:
         call = lambda: moe_w4a16(x, logits, None, bias, *ex["frag"], K, 1, 1, True, SCALING, e_start,  # noqa: E731
                                  ws.buffer)

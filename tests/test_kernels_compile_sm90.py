@@ -1,7 +1,7 @@
 """The decode round's newer Triton kernels compile for sm_90 on this CPU machine (Triton's own ptxas), so a
 kernel that would not build fails here and not first on the GPU: the MLA absorption products, the rope tables,
 the round's emission, the older rope kernel that shares their rounding (_rotate), the MoE routing kernel with
-the shared expert's activation (and with its L2 prefetch of the picked experts), the MoE combine (and with the
+the shared expert's activation (with and without the list of active experts), the MoE combine (and with the
 shared expert's down projection), the TP greedy token's two kernels, the drafter's attention, K/V store and block,
 the residual norm, SiLU * up, the vocab-parallel embedding and one rank's first stage (the layer kernels with programmatic dependent
 launch, as sm_90 launches them), at the specialisations the runtime launches (bf16 K2.6 shapes at t = 1 .. 64,
@@ -103,12 +103,9 @@ def specialisations() -> list:
     t = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "idx_ptr": "*i32", "w_ptr": "*fp32", "counts_ptr": "*i32",
          "active_ptr": "*i32", "lists_ptr": "*i32", "scaling": "fp32", "su_ptr": "*fp32", "h_ptr": "*bf16"}
     c = dict(K=8, N_GROUP=1, TOPK_GROUP=1, NORM=True, BT=1, BE=512, BKK=8, BG=2, SHARED=True, BS=256, IEEE_EXP=True,
-             PREFETCH=False, NCH1=2, NCH2=2, PDL=True)
+             PDL=True)
     out.append(kernel("route_shared_bf16", route_kernel, t, c, 1))
-    # ... and prefetching the picked experts' weights into L2 (v3 with KDTREE_MOE_PREFETCH, one token)
-    t = t | {"pf1_ptr": "*i32", "pf2_ptr": "*i32"}
-    out.append(kernel("route_prefetch_bf16", route_kernel, t, c | dict(PREFETCH=True, NCH1=32, NCH2=16, ACTIVE=False),
-                      1))  # v3's form: no active-expert list
+    out.append(kernel("route_v3_bf16", route_kernel, t, c | dict(ACTIVE=False), 1))  # v3's form: no active list
     t = {"out_ptr": "*fp32", "idx_ptr": "*i32", "y_ptr": "*bf16", "counts_ptr": "*i32"}
     out.append(kernel("moe_combine_bf16", combine_kernel, t, dict(K=8, BD=1024, BC=512, PDL=True), 4))
     # ... with the shared expert's down projection (K2.6 TP8: i' 256; token tiles of 16 and 64)
@@ -156,8 +153,6 @@ def test_round_kernels_compile_for_sm90(tmp_path):
     assert len(recs) == 36
     for r in recs:
         assert (tmp_path / r["cubin"]).read_bytes()[:4] == b"\x7fELF", r
-        if r["name"] == "route_prefetch_bf16":  # the hint survived compilation
-            assert "cp.async.bulk.prefetch.L2.global" in (tmp_path / r["ptx"]).read_text()
         if r["name"] == "tree_verify_split_prefetch_bf16":  # the hint, and before the PDL wait
             ptx = (tmp_path / r["ptx"]).read_text()
             assert -1 < ptx.find("cp.async.bulk.prefetch.L2.global") < ptx.find("griddepcontrol.wait"), r["name"]

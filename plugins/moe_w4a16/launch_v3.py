@@ -30,15 +30,11 @@ from plugins.moe_w4a16.workspace import MoEWorkspace
 
 SOURCE = Path(__file__).with_name("moe_v3.cu")
 # L2 prefetch of the expert weights inside gate_up / down (moe_v3.cu's `pf`): a hint, results are the same bits
-# either way.  KDTREE_MOE_PREFETCH unset: on from PREFETCH_MIN_TOKENS tokens, where it won on the H200
-# (benchmarks/results/moe_w4a16_v3.json, K2.6 TP8: t = 64 150.5 -> 139.1 µs, t = 512 529.6 -> 511.4; it lost below:
-# t = 1 28.9 -> 113.4, t = 9 66.1 -> 74.5, t = 17 57.6 -> 63.9); "1" / "0": always / never (read at each call, so a
-# benchmark can time both in one process).
+# either way.  Off unless KDTREE_MOE_PREFETCH=1 (read at each call, so a benchmark can time both in one process): on
+# the H200 (benchmarks/results/moe_w4a16_v3.json, K2.6 TP8, tree routing) it won only with the NT = 4 tile (t = 512:
+# 529.7 -> 510.6 µs), which NT = 2 beats without it (472.8); with the tiles token_tile chooses it lost (t = 1 29.0
+# against 28.9, t = 9 64.7 / 58.0, t = 17 58.6 / 51.5, t = 64 114.8 / 105.5).
 PREFETCH_ENV = "KDTREE_MOE_PREFETCH"
-PREFETCH_MIN_TOKENS = 64
-# ... and where a call has at most this many (token, expert) picks, the routing kernel prefetches the picked
-# experts' w13 and w2 as it picks them (t = 1 at top-8: 8 x 2.75 MB at K2.6 TP8, well inside the 50 MB L2)
-ROUTE_PREFETCH_SLOTS = 8
 WARPS = 8  # moe_v3.cu's WARPS: every k group count is a multiple (k padded to 256)
 MAX_TOKENS = 4096  # per launch: the entry list of 4096 tokens x top-8 fits in shared memory
 
@@ -47,9 +43,10 @@ def token_tile(t: int) -> int:
     """NT: n tiles of 8 token slots per gate_up tile, from t (tree routing sends most tokens to a few experts).
     A DDTree round verifies budget + 1 tokens, and most of its experts see a few of them, so small tiles win: on the
     H200 under tree routing (benchmarks/results/moe_w4a16_v3.json, K2.6 TP8, the same bits either way) NT = 1 beat
-    NT = 2 at t = 9 (57.9 against 66.1 µs) and t = 17 (51.6 against 57.6), NT = 2 beat NT = 4 at t = 64 (105.6
-    against 150.5).  Untried beyond: NT = 4 above 64 tokens."""
-    return 1 if t <= 17 else 2 if t <= 64 else 4
+    NT = 2 at t = 9 (57.9 against 66.0 µs) and t = 17 (51.5 against 57.3), NT = 2 beat NT = 4 at t = 64 (105.5
+    against 139.4) and t = 512 (472.8 against 529.7).  NT = 4 stays for the benchmark's comparison
+    (TOKEN_TILE_OVERRIDE)."""
+    return 1 if t <= 17 else 2
 
 
 def down_tile(nt: int) -> int:
@@ -263,7 +260,7 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
     ws = MoEWorkspace.carve(workspace, t, top_k, e_local, d, i, x.dtype,
                             launch_plan(t, top_k, e_local, d, i, x.device).splits)
     mod = kernels(x.device)  # before the route kernel: a failure here leaves counts zero
-    prefetch = env_flag(PREFETCH_ENV, t >= PREFETCH_MIN_TOKENS)
+    prefetch = env_flag(PREFETCH_ENV, False)
     sms = device_facts(x.device).sms
     i32, ptr = ctypes.c_int, ctypes.c_void_p
     # the prefetch argument, where the cubin takes one
@@ -273,11 +270,9 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
     args = (w13.data_ptr(), w13_scale.data_ptr(), x.data_ptr(), ws.counts.data_ptr(), ws.lists.data_ptr(),
             ws.h.data_ptr(), t, top_k, e_local, d // GROUP, c1, pairs13, i, *pf[0])
     types = (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32, *pf[1])
-    # counts [e_local + 1] is zero here (MoEWorkspace.allocate zeroes it, every call's combine re-zeroes it); with
-    # prefetch and one token's worth of picks, the routing kernel also puts the picked experts' weights in flight
+    # counts [e_local + 1] is zero here (MoEWorkspace.allocate zeroes it, every call's combine re-zeroes it)
     launch_route(logits, bias, ws.topk_idx, ws.topk_w, ws.counts, ws.active, ws.lists, e_start, e_local, scaling,
-                 top_k, n_group, topk_group, norm_topk_prob, shared_gate_up, shared_h,
-                 (w13, w2) if prefetch and t * top_k <= ROUTE_PREFETCH_SLOTS else None, active_list=False)
+                 top_k, n_group, topk_group, norm_topk_prob, shared_gate_up, shared_h, active_list=False)
     name, warps = gate_up_kernel(nt, c1, n_items, sms)
     if warps == W16 and not (mod.prefetch_arg and _has(mod, name)):  # an older cubin: the 8-warp kernel
         name, warps = gate_up_variant(nt, c1), WARPS

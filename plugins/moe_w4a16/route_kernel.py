@@ -13,8 +13,6 @@ GEMMs compute each row independently, so the results do not depend on it.
 With SHARED the launch also forms the shared expert's activation, silu(gate) * up of each token (the router's
 GEMM also computes the shared expert's gate_up: runtime/model/moe.py), in programs of its own beside the routing
 ones (grid (t, 2)): one launch fewer per MoE layer, and nothing in front of the routing.
-With PREFETCH (v3 at a few tokens, KDTREE_MOE_PREFETCH=1) each program issues L2 bulk prefetches of its picked
-local experts' weights as soon as the picks are known, so the expert GEMMs that follow find them in L2.
 
 Workspace (int32, zeroed before the launch): counts [e_local + 1] (the last entry counts active
 experts), active [e_local], lists [e_local, t] holding slot ids s = token * K + j.
@@ -27,36 +25,19 @@ import triton
 import triton.language as tl
 
 from plugins.common.activation_kernel import silu_mul_rounded
-from plugins.common.device import device_facts
 from plugins.common.keys import pack, unpack
 from plugins.common.pdl import pdl_args, pdl_for, pdl_prologue
 
 KEY_NONE = tl.constexpr(-(2**63))  # below every packed key: a lane already picked, masked or outside the allowed groups
-PF_CHUNK_BYTES = 65536  # bytes per L2 bulk prefetch request (route_kernel's PREFETCH)
-PF_CHUNK = tl.constexpr(PF_CHUNK_BYTES)
-
-
-@triton.jit
-def _prefetch_experts(base_ptr, le, nbytes, ok, NCH: tl.constexpr):
-    """An L2 hint (sm_90's bulk prefetch, not waited for): the nbytes of each expert le [BT, BKK] where ok, at
-    base_ptr + le * nbytes, as NCH requests of PF_CHUNK bytes.  Nothing reads what it fetched."""
-    off = tl.arange(0, NCH).to(tl.int64) * PF_CHUNK  # [NCH]
-    ptrs = base_ptr.to(tl.pointer_type(tl.int8)) + le.to(tl.int64)[:, :, None] * nbytes + off[None, None, :]
-    size = tl.minimum(nbytes - off, PF_CHUNK).to(tl.int32)[None, None, :] + tl.zeros_like(le)[:, :, None]
-    flag = (ok[:, :, None] & (off < nbytes)[None, None, :]).to(tl.int32)  # [BT, BKK, NCH]
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
-        "=r,l,r,r", [ptrs, size, flag], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
 def route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, counts_ptr, active_ptr, lists_ptr,
                  T, E, stride_l, e_start, e_local, scaling, su_ptr, h_ptr, I_SH, stride_su, stride_h,
-                 pf1_ptr, pf2_ptr, PF1_BYTES, PF2_BYTES,
                  K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr,
                  BT: tl.constexpr, BE: tl.constexpr, BKK: tl.constexpr, BG: tl.constexpr,
-                 SHARED: tl.constexpr, BS: tl.constexpr, IEEE_EXP: tl.constexpr, PREFETCH: tl.constexpr,
-                 NCH1: tl.constexpr, NCH2: tl.constexpr, PDL: tl.constexpr, ACTIVE: tl.constexpr = True):
+                 SHARED: tl.constexpr, BS: tl.constexpr, IEEE_EXP: tl.constexpr, PDL: tl.constexpr,
+                 ACTIVE: tl.constexpr = True):
     pdl_prologue(PDL)
     NEG = float("-inf")
     pid = tl.program_id(0)
@@ -117,12 +98,6 @@ def route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, counts_ptr, active_ptr, l
             # its unbiased score, taken from the row in registers (one term: the sum is exact)
             sel_w = tl.where(rk[None, :] == j, tl.sum(tl.where(hit, scores, 0.0), axis=1)[:, None], sel_w)
         kmask = tmask[:, None] & (rk[None, :] < K)  # [BT, BKK]
-        if PREFETCH:  # the picked local experts' weights in flight now, while the routing finishes (an L2 hint)
-            lp = sel_i - e_start
-            here = kmask & (lp >= 0) & (lp < e_local)
-            lp = tl.where(here, lp, 0)
-            _prefetch_experts(pf1_ptr, lp, PF1_BYTES, here, NCH1)
-            _prefetch_experts(pf2_ptr, lp, PF2_BYTES, here, NCH2)
         sel_w = tl.where(kmask, sel_w, 0.0)
         if NORM:
             sel_w = sel_w / (tl.sum(sel_w, axis=1)[:, None] + 1e-20)
@@ -147,28 +122,23 @@ def launch_route(logits: torch.Tensor, bias: torch.Tensor, topk_idx: torch.Tenso
                  counts: torch.Tensor, active: torch.Tensor, lists: torch.Tensor, e_start: int, e_local: int,
                  scaling: float, top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool,
                  shared_gate_up: torch.Tensor | None = None, shared_h: torch.Tensor | None = None,
-                 prefetch: tuple[torch.Tensor, torch.Tensor] | None = None, active_list: bool = True) -> None:
+                 active_list: bool = True) -> None:
     """route_kernel over logits [t, e] (rows may be strided): one token per one-warp program, each pick a
     warp-shuffle reduction.  With shared_gate_up [t, 2i] (unit stride along 2i) and shared_h [t, i] (x's
     dtype), one more program per token writes shared_h = silu(gate) * up (plugins/common/activation_kernel.py).
-    prefetch (w13, w2): contiguous expert weights [e_local, ...] whose picked experts the kernel puts in flight
-    into L2 as soon as it has picked them (sm_90+ CUDA only; a hint, ignored elsewhere).  active_list False: no
+    active_list False: no
     list of active experts (active and counts[e_local] untouched; one dependent atomic fewer), for v3, which walks
     the counts."""
     t, e = logits.shape
     shared = shared_h is not None
     i_sh = shared_h.shape[1] if shared else 0
-    pf = prefetch is not None and logits.is_cuda and device_facts(logits.device).capability[0] >= 9
-    w1, w2 = prefetch if pf else (logits, logits)
-    b1, b2 = (w.numel() * w.element_size() // w.shape[0] for w in (w1, w2)) if pf else (0, 0)
     route_kernel[(t, 2 if shared else 1)](
         logits, bias, topk_idx, topk_w, counts, active, lists, t, e, logits.stride(0), e_start, e_local,
         float(scaling), shared_gate_up if shared else logits, shared_h if shared else logits, i_sh,
-        shared_gate_up.stride(0) if shared else 0, shared_h.stride(0) if shared else 0, w1, w2, b1, b2, K=top_k,
+        shared_gate_up.stride(0) if shared else 0, shared_h.stride(0) if shared else 0, K=top_k,
         N_GROUP=n_group, TOPK_GROUP=topk_group, NORM=bool(norm_topk_prob), BT=1, BE=next_pow2(e),
         BKK=next_pow2(top_k), BG=next_pow2(n_group), SHARED=shared, BS=min(1024, next_pow2(max(i_sh, 1))),
-        IEEE_EXP=logits.is_cuda, PREFETCH=pf, NCH1=next_pow2(-(-b1 // PF_CHUNK_BYTES)),
-        NCH2=next_pow2(-(-b2 // PF_CHUNK_BYTES)), num_warps=1, ACTIVE=active_list, **pdl_args(pdl_for(logits)))
+        IEEE_EXP=logits.is_cuda, num_warps=1, ACTIVE=active_list, **pdl_args(pdl_for(logits)))
 
 
 def next_pow2(n: int) -> int:
