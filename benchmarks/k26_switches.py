@@ -12,6 +12,8 @@ default (DEFAULT_ON), which are set again after the run):
   skinny_late with skinny: the next kernel launches after the GEMM's k loops (plugins/skinny_gemm/launch.LATE_TRIGGER)
   skinny_pf with skinny: every GEMM CTA's weights into L2 before its PDL wait (not named: launch.PREFETCH's default,
             the plans that split k only)
+  moe_w16   the MoE's 16-warp gate_up where it applies (on by default; plugins/moe_w4a16/launch_v3.USE_W16)
+  moe_early the MoE's down kernel loads its weights before its PDL wait (launch_v3.DOWN_EARLY)
 
     python3 benchmarks/k26_switches.py --out DIR [--settings base,skinny,moe_pf,gemm_pf,attn_pf,...]
         [--context 4096] [--budget 16[,15,...]] [--iters 10] [--layers N] [--source tiny-kimi --tp 1 --context 512]
@@ -64,6 +66,16 @@ def _set_skinny_late(on: bool) -> None:
     launch.LATE_TRIGGER = on
 
 
+def _set_moe_w16(on: bool) -> None:
+    from plugins.moe_w4a16 import launch_v3
+    launch_v3.USE_W16 = on
+
+
+def _set_moe_early(on: bool) -> None:
+    from plugins.moe_w4a16 import launch_v3
+    launch_v3.DOWN_EARLY = on
+
+
 def _set_attn_pf(on: bool) -> None:
     from plugins.tree_verify_mla import launcher
     launcher.CACHE_PREFETCH = on
@@ -71,10 +83,10 @@ def _set_attn_pf(on: bool) -> None:
 
 SWITCHES = {"skinny": _set_skinny, "moe_pf": _set_moe_pf, "gemm_pf": _set_gemm_pf,  # see the module doc
             "attn_pf": _set_attn_pf, "skinny_pf": _set_skinny_pf, "skinny_wide": _set_skinny_wide,
-            "skinny_late": _set_skinny_late}
+            "skinny_late": _set_skinny_late, "moe_w16": _set_moe_w16, "moe_early": _set_moe_early}
 
 
-DEFAULT_ON = frozenset({"skinny"})  # the runtime's defaults among SWITCHES
+DEFAULT_ON = frozenset({"skinny", "moe_w16"})  # the runtime's defaults among SWITCHES
 
 
 def parse_settings(text: str) -> list[tuple[str, frozenset[str]]]:

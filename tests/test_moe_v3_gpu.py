@@ -70,6 +70,11 @@ def _case(t, e, d, i, k, n_group, topk_group, e_start, e_local, seed, dev) -> di
         same_prefetched = bool(torch.equal(y, call()))
     finally:
         os.environ.pop(PREFETCH_ENV)
+    launch_v3.DOWN_EARLY = True  # down's weights before its PDL wait (moe_v3.cu PF_EARLY): only loads move
+    try:
+        same_early = bool(torch.equal(y, call()))
+    finally:
+        launch_v3.DOWN_EARLY = False
     launch_v3.USE_W16 = False  # the 8-warp gate_up where the default takes the 16-warp one (t = 1 at K2.6)
     try:
         y8 = call()
@@ -90,7 +95,7 @@ def _case(t, e, d, i, k, n_group, topk_group, e_start, e_local, seed, dev) -> di
         down_rel = ((y2.float() - want).norm() / want.norm().clamp_min(1e-20)).item()
     return {"t": t, "e": e, "d": d, "i": i, "k": k, "n_group": n_group, "topk_group": topk_group,
             "e_start": e_start, "e_local": e_local, "seed": seed, "rel": rel, "w8_rel": rel8, "deterministic": same,
-            "prefetch_equal": same_prefetched, "shared_down_rel": down_rel,
+            "prefetch_equal": same_prefetched, "early_equal": same_early, "shared_down_rel": down_rel,
             "finite": bool(torch.isfinite(y).all()),
             "counts_rezeroed": carved is None or not carved.counts.any().item(),
             # layer_fusion's silu_mul kernel bit for bit (the same Triton function, plugins/common/activation_kernel)
@@ -126,7 +131,7 @@ def test_v3_matches_reference_on_random_and_k26_shapes():
         results.append(_case(*c, dev=dev) | {"big": j >= n})
     bad = [r for r in results if not (r["finite"] and max(r["rel"], r["w8_rel"]) < 2e-2 and r["deterministic"]
                                       and r["counts_rezeroed"]
-                                      and r["shared_equal"] and r["prefetch_equal"]
+                                      and r["shared_equal"] and r["prefetch_equal"] and r["early_equal"]
                                       and r["shared_down_rel"] < 1e-2)]
     summary = {"op": "moe_w4a16 v3", "checked": len(results), "failed": len(bad), "tolerance_rel": 2e-2,
                "max_rel": max(r["rel"] for r in results), "failures": bad[:20], "cases": results}

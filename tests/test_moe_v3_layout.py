@@ -167,6 +167,7 @@ def test_every_variant_the_launcher_picks_is_compiled(tmp_path):
     from plugins.common.cubin import _nvcc
     from plugins.moe_w4a16.launch_v3 import (
         DOWN_P,
+        EARLY_MARKER,
         GATE_UP_P,
         PDL_MARKER,
         PREFETCH_MARKER,
@@ -190,12 +191,19 @@ def test_every_variant_the_launcher_picks_is_compiled(tmp_path):
         assert not missing, (arch, missing)
         assert PDL_MARKER in data  # the launcher's sign that these kernels wait (PDL)
         assert PREFETCH_MARKER in data  # ... and take the L2 prefetch argument
+        assert EARLY_MARKER in data  # ... and down its PF_EARLY bit
     # programmatic dependent launch: every kernel waits for its predecessor grid before reading anything
     ptx = tmp_path / "moe_v3.ptx"
     subprocess.run([shutil.which("nvcc"), "-ptx", "-arch=sm_90", "-std=c++17", "-o", str(ptx), str(SOURCE)], check=True)
-    markers = (PDL_MARKER.decode(), PREFETCH_MARKER.decode())
+    markers = (PDL_MARKER.decode(), PREFETCH_MARKER.decode(), EARLY_MARKER.decode())
     bodies = [b for b in ptx.read_text().split(".entry ")[1:] if not b.startswith(markers)]
     assert len(bodies) >= len(names) and all("griddepcontrol.wait" in b for b in bodies)
+    # gate_up waits first; so does down unless PF_EARLY (then its weight loads go before the wait; only the
+    # route kernel's outputs, read through L2, and the weights are read there)
+    for b in bodies:
+        first_load = min(b.find(op) for op in ("ld.global", "ld.volatile") if op in b)
+        if "gate_up" in b.split("(")[0]:
+            assert b.find("griddepcontrol.wait") < first_load
     # and every kernel can put its weights in flight with the bulk L2 prefetch (taken when pf is set)
     assert all("cp.async.bulk.prefetch.L2.global" in b for b in bodies)
 

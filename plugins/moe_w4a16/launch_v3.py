@@ -35,6 +35,11 @@ SOURCE = Path(__file__).with_name("moe_v3.cu")
 # 529.7 -> 510.6 µs), which NT = 2 beats without it (472.8); with the tiles token_tile chooses it lost (t = 1 29.0
 # against 28.9, t = 9 64.7 / 58.0, t = 17 58.6 / 51.5, t = 64 114.8 / 105.5).
 PREFETCH_ENV = "KDTREE_MOE_PREFETCH"
+# down's weights before its PDL wait (moe_v3.cu's PF_EARLY): the entry list and the first P groups of weights and
+# scales (a whole item at TP8) load while gate_up runs, only the token loads wait for it.  The same bits either way
+# (tests/test_moe_v3_gpu.py).  Off until measured (benchmarks/moe_w4a16_v3.py v3_early, k26_switches moe_early):
+# at t = 1 the 16-warp gate_up fills every SM's registers, so down's CTAs can start early only beside the 8-warp one.
+DOWN_EARLY = False
 WARPS = 8  # moe_v3.cu's WARPS: every k group count is a multiple (k padded to 256)
 MAX_TOKENS = 4096  # per launch: the entry list of 4096 tokens x top-8 fits in shared memory
 
@@ -116,6 +121,7 @@ class _Module:
     index: int  # the CUDA device's
     pdl: bool = False  # ask for programmatic dependent launch (sm_90+; plugins/common/driver.launch remembers a refusal)
     prefetch_arg: bool = False  # the kernels take `pf` (a cubin built from an older source does not)
+    down_early: bool = False  # down reads PF_EARLY in `pf` (EARLY_MARKER)
 
 
 _MODULES: dict[int, _Module] = {}
@@ -123,6 +129,8 @@ _MODULES: dict[int, _Module] = {}
 
 PDL_MARKER = b"kdtree_moe_v3_waits_for_predecessor"  # in moe_v3.cu: its kernels start with the PDL wait
 PREFETCH_MARKER = b"kdtree_moe_v3_takes_prefetch_arg"  # in moe_v3.cu: its kernels take `pf` last
+EARLY_MARKER = b"kdtree_moe_v3_down_takes_early"  # in moe_v3.cu: down reads the PF_EARLY bit of `pf`
+PF_L2, PF_EARLY = 1, 2  # moe_v3.cu's bits of `pf`
 
 
 def _ok(cu, res, what: str):
@@ -139,7 +147,8 @@ def kernels(device: torch.device) -> _Module:
         waits = cu.cuModuleGetFunction(module, PDL_MARKER)[0] == cu.CUresult.CUDA_SUCCESS  # an older cubin: no
         pdl = waits and USE_PDL and device_facts(device).capability[0] >= 9
         takes_pf = cu.cuModuleGetFunction(module, PREFETCH_MARKER)[0] == cu.CUresult.CUDA_SUCCESS
-        mod = _MODULES[index] = _Module(cu, module, {}, {}, where, index, pdl, takes_pf)
+        early = cu.cuModuleGetFunction(module, EARLY_MARKER)[0] == cu.CUresult.CUDA_SUCCESS
+        mod = _MODULES[index] = _Module(cu, module, {}, {}, where, index, pdl, takes_pf, early)
     return mod
 
 
@@ -263,8 +272,9 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
     prefetch = env_flag(PREFETCH_ENV, False)
     sms = device_facts(x.device).sms
     i32, ptr = ctypes.c_int, ctypes.c_void_p
-    # the prefetch argument, where the cubin takes one
-    pf = ((int(prefetch),), (i32,)) if mod.prefetch_arg else ((), ())
+    # the flags argument, where the cubin takes one: gate_up's, and down's with its early weights
+    pf = ((PF_L2 * prefetch,), (i32,)) if mod.prefetch_arg else ((), ())
+    pf_down = ((PF_L2 * prefetch | PF_EARLY * (DOWN_EARLY and mod.down_early),), (i32,)) if mod.prefetch_arg else pf
     nt = TOKEN_TILE_OVERRIDE or token_tile(t)
     n_items = max_entries(t, top_k, e_local, nt) * pairs13
     args = (w13.data_ptr(), w13_scale.data_ptr(), x.data_ptr(), ws.counts.data_ptr(), ws.lists.data_ptr(),
@@ -284,8 +294,8 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
     smem = down_smem(t, top_k, e_local, nt2)
     _launch(mod, f"kdtree_moe_v3_down_nt{nt2}_p{DOWN_P[nt2]}", min(cdiv(n_items, WARPS), 2 * sms), smem,
             (w2.data_ptr(), w2_scale.data_ptr(), ws.h.data_ptr(), ws.topk_w.data_ptr(), ws.counts.data_ptr(),
-             ws.lists.data_ptr(), ws.out.data_ptr(), t, e_local, i // GROUP, c2, pairs2, d, *pf[0]),
-            (ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, *pf[1]))
+             ws.lists.data_ptr(), ws.out.data_ptr(), t, e_local, i // GROUP, c2, pairs2, d, *pf_down[0]),
+            (ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, *pf_down[1]))
     launch_combine(ws.out, ws.topk_idx, y, ws.counts, e_start, e_local, top_k, mod.pdl and not pdl_refused(mod.index),
                    shared_h, shared_down)
     return y

@@ -62,6 +62,21 @@ __device__ __forceinline__ void warp_prefetch(const void* p, unsigned int bytes,
         l2_prefetch(reinterpret_cast<const char*>(p) + off, bytes - off < PF_CHUNK ? bytes - off : PF_CHUNK);
 }
 
+// Programmatic dependent launch (launch_v3.py launches with it on sm_90+): wait until the predecessor grid has
+// completed and its memory is visible, before reading anything, then let this kernel's dependents launch.
+// Without the launch attribute the wait returns at once.
+__device__ __forceinline__ void pdl_prologue() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// The kernels' last argument `pf`, bit flags (0: neither):
+#define PF_L2 1     // gate_up prefetches each item's weights into L2 as it starts it, down each warp's next item
+#define PF_EARLY 2  // down only, under PDL: the route kernel's outputs and the first weights before the wait
+                    // (see down); without it down waits first, like every other kernel
+
 // A register r of a fragment word: nibbles r and r + 4 -> bf16 pair (q_lo, q_hi), q = stored - 8, exact.
 __device__ __forceinline__ u32 dequant_pair(u32 w) {
     u32 biased, q;
@@ -129,6 +144,12 @@ __device__ __forceinline__ int ld_count(const int* p) {
     return r;
 }
 
+__device__ __forceinline__ float ld_cg_f32(const float* p) {
+    float r;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
+    return r;
+}
+
 // Not inlined: its registers then stay out of the callers' allocation (inlined, ptxas spilled 8-20 bytes in
 // gate_up nt1_p7 / nt2_p4 / w16 and both down kernels; as a call, none of them spills).
 template <int W>
@@ -192,8 +213,14 @@ struct Ring {
 
     // group c of the current item (c: the warp's k group index within the row pair's groups)
     __device__ __forceinline__ void load(int k, int c, int c_real) {
+        load_weights(k, c);
+        load_tokens(k, c, c_real);
+    }
+    __device__ __forceinline__ void load_weights(int k, int c) {
         w[k] = ld_weights(pw + (long)c * 32);
         s[k] = ld_scales(ps + (long)c * 8);
+    }
+    __device__ __forceinline__ void load_tokens(int k, int c, int c_real) {
 #pragma unroll
         for (int j = 0; j < NT; ++j) x[k][j] = (px[j] != nullptr && c < c_real) ? ld_tokens(px[j] + 4 * c) : make_uint4(0, 0, 0, 0);
     }
@@ -232,7 +259,7 @@ __device__ void gate_up(const uint4* __restrict__ w13, const uint2* __restrict__
         ring.pw = w13 + blk * 32 + lane;
         ring.ps = s13 + blk * 8 + g;
         ring.chunk = 0;
-        if (pf && warp == W - 1) {  // the item's weights (n_groups * 512 B) and scales, all in flight at once
+        if ((pf & PF_L2) && warp == W - 1) {  // the item's weights (n_groups * 512 B) and scales, all in flight at once
             warp_prefetch(w13 + blk * 32, n_groups * 512u, lane);
             if (lane == 31) l2_prefetch(s13 + blk * 8, n_groups * 64u);
         }
@@ -327,6 +354,13 @@ __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2,
     int* s_ent = s_cnt + e_local;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, u = lane & 3;
     u16* stage = s_o + warp * TT * 32;
+    // PF_EARLY: down's predecessor is gate_up, whose h only the token loads read; counts, lists and topk_w come from
+    // the route kernel before it, which completed before gate_up's wait returned, and gate_up lets this grid launch
+    // only after that wait (pdl_prologue in every CTA), so they are final whenever this grid runs (read through L2,
+    // .cg).  The entry list and the ring's first P groups of weights and scales (a whole item at TP8) are then
+    // loaded while gate_up still runs, and only the token loads follow the wait.
+    const bool early = (pf & PF_EARLY) != 0;
+    if (!early) pdl_prologue();
 
     const int n_ent = build_entries<WARPS>(counts, e_local, TT, s_cnt, s_ent, s_ws);
     const int n_work = n_ent * n_pairs;
@@ -334,7 +368,7 @@ __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2,
     const int chunks = n_groups / P;  // chunks per item (P divides n_groups: a multiple of 8)
     const int mine = gw < n_work ? (n_work - 1 - gw) / n_warps + 1 : 0;
     const int total = mine * chunks;
-    if (total == 0) return;  // uniform over the warp; no CTA barrier follows
+    if (total == 0) return;  // uniform over the warp; no CTA barrier follows (nothing read or written after the wait)
     const int h_row = c_real * 4;  // uint4 per h row (i / 8)
 
     Ring<NT, P> ring;
@@ -345,7 +379,7 @@ __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2,
         ring.pw = w2 + blk * 32 + lane;
         ring.ps = s2 + blk * 8 + g;
         ring.chunk = 0;
-        if (pf && wi + n_warps < n_work) {  // the warp's next item in flight while this one streams through the ring
+        if ((pf & PF_L2) && wi + n_warps < n_work) {  // the warp's next item in flight while this one streams
             const int nx = wi + n_warps, nent = s_ent[nx / n_pairs];
             const long nblk = ((long)(nent >> 16) * n_pairs + nx % n_pairs) * n_groups;
             if (lane == 0) l2_prefetch(w2 + nblk * 32, n_groups * 512u);
@@ -354,7 +388,7 @@ __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2,
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
             const int pos = tile * TT + 8 * j + g;
-            ring.px[j] = pos < s_cnt[e] ? h + (long)lists[(long)e * t + pos] * h_row + u : nullptr;
+            ring.px[j] = pos < s_cnt[e] ? h + (long)ld_count(lists + (long)e * t + pos) * h_row + u : nullptr;
         }
     };
     auto l_next = [&]() {
@@ -367,7 +401,10 @@ __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2,
     };
     l_setup(l_wi);
 #pragma unroll
-    for (int k = 0; k < P; ++k) ring.load(k, k, c_real);
+    for (int k = 0; k < P; ++k) ring.load_weights(k, k);
+    if (early) pdl_prologue();  // gate_up's h is complete and visible from here
+#pragma unroll
+    for (int k = 0; k < P; ++k) ring.load_tokens(k, k, c_real);
     l_next();
 
     int c_wi = gw, c_chunk = 0;
@@ -378,8 +415,8 @@ __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2,
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
             const int pos = tile * TT + 8 * j + g;
-            my_slot[j] = pos < s_cnt[e] ? lists[(long)e * t + pos] : -1;
-            my_w[j] = my_slot[j] >= 0 ? topk_w[my_slot[j]] : 0.f;
+            my_slot[j] = pos < s_cnt[e] ? ld_count(lists + (long)e * t + pos) : -1;
+            my_w[j] = my_slot[j] >= 0 ? ld_cg_f32(topk_w + my_slot[j]) : 0.f;
         }
     };
     prefetch_slots(c_wi);
@@ -425,21 +462,14 @@ __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2,
     }
 }
 
-// Programmatic dependent launch (launch_v3.py launches with it on sm_90+): wait until the predecessor grid has
-// completed and its memory is visible, before reading anything, then let this kernel's dependents launch.
-// Without the launch attribute the wait returns at once.
-__device__ __forceinline__ void pdl_prologue() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
 // Never launched: its presence in a cubin tells launch_v3.py the kernels above wait (a cubin built from an older
 // source, e.g. an artifact's, does not hold it and is launched without PDL).
 extern "C" __global__ void kdtree_moe_v3_waits_for_predecessor() {}
-// Never launched: the kernels take the prefetch argument `pf` last (0: none; 1: gate_up prefetches each item's
-// weights into L2 as it starts it, down each warp's next item).  A cubin without it takes no such argument.
+// Never launched: the kernels take the flags argument `pf` last (PF_L2, PF_EARLY).  A cubin without it takes no
+// such argument.
 extern "C" __global__ void kdtree_moe_v3_takes_prefetch_arg() {}
+// Never launched: down reads PF_EARLY in `pf` (an older cubin would take any nonzero pf as PF_L2).
+extern "C" __global__ void kdtree_moe_v3_down_takes_early() {}
 
 #define GATE_UP(NT, P, MINB)                                                                                    \
     extern "C" __global__ void __launch_bounds__(THREADS, MINB) kdtree_moe_v3_gate_up_nt##NT##_p##P(         \
@@ -462,7 +492,6 @@ extern "C" __global__ void kdtree_moe_v3_takes_prefetch_arg() {}
     extern "C" __global__ void __launch_bounds__(THREADS, MINB) kdtree_moe_v3_down_nt##NT##_p##P(            \
         const uint4* w2, const uint2* s2, const uint4* h, const float* topk_w, const int* counts,             \
         const int* lists, u16* out, int t, int e_local, int c_real, int n_groups, int n_pairs, int d, int pf) {\
-        pdl_prologue();                                                                                        \
         down<NT, P>(w2, s2, h, topk_w, counts, lists, out, t, e_local, c_real, n_groups, n_pairs, d, pf);     \
     }
 
