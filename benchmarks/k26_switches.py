@@ -13,7 +13,7 @@ default (DEFAULT_ON), which are set again after the run):
   skinny_pf with skinny: every GEMM CTA's weights into L2 before its PDL wait (not named: launch.PREFETCH's default,
             the plans that split k only)
   moe_w16   the MoE's 16-warp gate_up where it applies (on by default; plugins/moe_w4a16/launch_v3.USE_W16)
-  moe_early the MoE's down kernel loads its weights before its PDL wait (launch_v3.DOWN_EARLY)
+  moe_early the MoE's down kernel loads its weights before its PDL wait (launch_v3.EARLY_WEIGHTS)
 
     python3 benchmarks/k26_switches.py --out DIR [--settings base,skinny,moe_pf,gemm_pf,attn_pf,...]
         [--context 4096] [--budget 16[,15,...]] [--iters 10] [--layers N] [--source tiny-kimi --tp 1 --context 512]
@@ -73,7 +73,7 @@ def _set_moe_w16(on: bool) -> None:
 
 def _set_moe_early(on: bool) -> None:
     from plugins.moe_w4a16 import launch_v3
-    launch_v3.DOWN_EARLY = on
+    launch_v3.EARLY_WEIGHTS = on
 
 
 def _set_attn_pf(on: bool) -> None:

@@ -8,7 +8,7 @@ tokens share experts) and "uniform" routing.  Roofline bytes: the touched expert
 paths are timed as CUDA graph replays (scratch from a MoEWorkspace allocated once), the peer eagerly.
 v3 is timed five times: with the defaults, with its L2 prefetch of the expert weights (v3_pf,
 KDTREE_MOE_PREFETCH=1), with the 8-warp gate_up where the default takes the 16-warp one (v3_w8: t = 1), and with
-down's weights loaded before its PDL wait (v3_early, v3_early_w8 with the 8-warp gate_up: launch_v3.DOWN_EARLY); at
+down's weights loaded before its PDL wait (v3_early, v3_early_w8 with the 8-warp gate_up: launch_v3.EARLY_WEIGHTS); at
 t = 8, 9, 16, 17, 33, 64, 256, 512 also with another token tile (v3_nt{1,2,4}_us: launch_v3.token_tile's choice
 checked).
 Before timing: v3 against the fp32 reference on the dequantised experts and against v2c at t = 16.
@@ -95,19 +95,19 @@ def bench_shape(name: str, t: int, routing: str, ex: dict, e_start: int, dev, de
            "roofline_us": roof}
     # v3_pf: v3 with its L2 prefetch of the expert weights (KDTREE_MOE_PREFETCH, read when the graph is captured);
     # v3_w8: v3 with the 8-warp gate_up where the default takes the 16-warp one (launch_v3.gate_up_w16: t = 1);
-    # v3_early(_w8): down's weights loaded before its PDL wait (launch_v3.DOWN_EARLY), with the 16- / 8-warp gate_up
-    w16_default, early_default = launch_v3.USE_W16, launch_v3.DOWN_EARLY
+    # v3_early(_w8): down's weights loaded before its PDL wait (launch_v3.EARLY_WEIGHTS), with the 16- / 8-warp gate_up
+    w16_default, early_default = launch_v3.USE_W16, launch_v3.EARLY_WEIGHTS
     for label, experts, pf, w16, early in (
             ("v3", ex["frag"], "0", w16_default, early_default), ("v3_pf", ex["frag"], "1", w16_default, early_default),
             ("v3_w8", ex["frag"], "0", False, False), ("v3_early", ex["frag"], "0", True, True),
             ("v3_early_w8", ex["frag"], "0", False, True), ("v2c", ex["planar"], "0", True, False)):
         os.environ[PREFETCH_ENV] = pf
-        launch_v3.USE_W16, launch_v3.DOWN_EARLY = w16, early
+        launch_v3.USE_W16, launch_v3.EARLY_WEIGHTS = w16, early
         us = time_us(lambda: moe_w4a16(x, logits, None, bias, *experts, K, 1, 1, True, SCALING, e_start,  # noqa: B023
                                        ws.buffer), graph=True)
         row[f"{label}_us"], row[f"{label}_fraction"] = us, roof / us
     os.environ.pop(PREFETCH_ENV)
-    launch_v3.USE_W16, launch_v3.DOWN_EARLY = w16_default, early_default
+    launch_v3.USE_W16, launch_v3.EARLY_WEIGHTS = w16_default, early_default
     # another token tile than the choice (launch_v3.token_tile: NT = 1 to t = 17, then 2): is the switch at the right
     # t under tree routing, where most experts see a few of the tokens, and does NT = 4 still lose at many tokens?
     other = {8: 2, 9: 2, 16: 2, 17: 2, 33: 1, 64: 4, 256: 4, 512: 4}.get(t)

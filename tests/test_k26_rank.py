@@ -105,7 +105,7 @@ def test_switches_ab_on_artifact(k26_art, tmp_path, monkeypatch):
     for r in rows:
         assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("ar_step_us", "ddtree8_step_us", "ddtree8_drafter_us"))
     assert layers.SKINNY_GEMM and layers.SKINNY_MAX_TOKENS == 1  # the defaults again
-    assert launch_v3.USE_W16 and not launch_v3.DOWN_EARLY
+    assert launch_v3.USE_W16 and not launch_v3.EARLY_WEIGHTS
 
 
 def test_router_bf16_gate_matches_fp64():

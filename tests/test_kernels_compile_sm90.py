@@ -111,8 +111,10 @@ def specialisations() -> list:
     # ... with the shared expert's down projection (K2.6 TP8: i' 256; token tiles of 16 and 64)
     t = t | {"h_ptr": "*bf16", "w_ptr": "*bf16"}
     for bt in (16, 64):
-        c = dict(K=8, BT=bt, BD=64, BI=128, N_KI=2, BC=512, DOT_PREC="tf32", PDL=True)
+        c = dict(K=8, BT=bt, BD=64, BI=128, N_KI=2, BC=512, DOT_PREC="tf32", PDL=True, EARLY=False)
         out.append(kernel(f"moe_combine_shared_bf16_bt{bt}", combine_shared_kernel, t, c, 4))
+    # ... with the shared product before the PDL wait (launch_v3.EARLY_WEIGHTS)
+    out.append(kernel("moe_combine_shared_early_bf16_bt16", combine_shared_kernel, t, c | dict(BT=16, EARLY=True), 4))
     # the TP greedy token: each rank's (max, index) pairs, then the pick across ranks
     out.append(kernel("vocab_argmax_local", vocab_argmax_local_kernel, {"x_ptr": "*fp32", "pair_ptr": "*fp64"},
                       dict(BLOCK_V=4096, PDL=True), 8))
@@ -150,9 +152,12 @@ def test_round_kernels_compile_for_sm90(tmp_path):
                           text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     recs = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(recs) == 36
+    assert len(recs) == 37
     for r in recs:
         assert (tmp_path / r["cubin"]).read_bytes()[:4] == b"\x7fELF", r
+        if r["name"] == "moe_combine_shared_early_bf16_bt16":  # the shared weight loads before the PDL wait
+            ptx = (tmp_path / r["ptx"]).read_text()
+            assert -1 < ptx.find("ld.global") < ptx.find("griddepcontrol.wait"), r["name"]
         if r["name"] == "tree_verify_split_prefetch_bf16":  # the hint, and before the PDL wait
             ptx = (tmp_path / r["ptx"]).read_text()
             assert -1 < ptx.find("cp.async.bulk.prefetch.L2.global") < ptx.find("griddepcontrol.wait"), r["name"]

@@ -70,11 +70,11 @@ def _case(t, e, d, i, k, n_group, topk_group, e_start, e_local, seed, dev) -> di
         same_prefetched = bool(torch.equal(y, call()))
     finally:
         os.environ.pop(PREFETCH_ENV)
-    launch_v3.DOWN_EARLY = True  # down's weights before its PDL wait (moe_v3.cu PF_EARLY): only loads move
+    launch_v3.EARLY_WEIGHTS = True  # down's weights before its PDL wait (moe_v3.cu PF_EARLY): only loads move
     try:
         same_early = bool(torch.equal(y, call()))
     finally:
-        launch_v3.DOWN_EARLY = False
+        launch_v3.EARLY_WEIGHTS = False
     launch_v3.USE_W16 = False  # the 8-warp gate_up where the default takes the 16-warp one (t = 1 at K2.6)
     try:
         y8 = call()

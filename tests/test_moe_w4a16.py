@@ -225,6 +225,16 @@ def _interp_case(t, e, d, i, k, n_group, topk_group, e_start, e_local, int4, dty
         want = shared_down_reference(y.clone(), shared_h, down).double()
         res["shared_down_rel"] = ((y2.double() - want).norm() / want.norm()).item()
         res["shared_down_moved"] = ((want - y.double()).norm() / want.norm()).item()  # the shared part is not ~0
+        # the combine with its shared product before the PDL wait (EARLY): the same bits, counts re-zeroed
+        from plugins.moe_w4a16.launch import launch_combine
+        outs = torch.randn(t * k, d, generator=g).to(dtype)  # [t * k, d] the down kernel's weighted rows
+        counts = torch.ones(e_local + 1, dtype=torch.int32)
+        ys = []
+        for early in (False, True):
+            ys.append(torch.empty(t, d, dtype=dtype))
+            launch_combine(outs, idx.to(torch.int32).reshape(-1), ys[-1], counts, e_start, e_local, k, False, shared_h,
+                           down, early=early)
+        res["combine_early_equal"] = torch.equal(*ys) and not counts.any().item()
     # the routing kernel without the active-expert list (v3's form): the same picks, weights, counts and lists
     from plugins.moe_w4a16.route_kernel import launch_route
     routed = []
@@ -284,6 +294,7 @@ def test_triton_interpreter_matches_reference(interp_results, case):
     if case in SHARED_DOWN_CASES:  # the combine's shared down projection: the GEMM-with-beta-1 reference
         assert r["shared_down_rel"] < (1e-6 if r["dtype"] == "torch.float32" else 2e-2), r
         assert r["shared_down_moved"] > 1e-2, r
+        assert r["combine_early_equal"], r
 
 
 # ---------------------------------------------------------------- GPU

@@ -262,20 +262,42 @@ def combine_kernel(out_ptr, idx_ptr, y_ptr, counts_ptr, D, e_start, e_local, K: 
 
 
 @triton.jit
+def _shared_down_tile(h_ptr, w_ptr, rt, rd, tmask, dmask, I, stride_h, BT: tl.constexpr, BD: tl.constexpr,
+                      BI: tl.constexpr, N_KI: tl.constexpr, DOT_PREC: tl.constexpr):
+    """h [rt, I] . w [rd, I]^T in fp32: [BT, BD].  h is read through L2 (.cg): the route kernel writes it."""
+    shared = tl.zeros([BT, BD], tl.float32)
+    ri = tl.arange(0, BI)
+    for kb in range(N_KI):  # constexpr trip count (the interpreter cannot range over a runtime int)
+        ik = kb * BI + ri  # [BI]
+        imask = ik < I
+        hk = tl.load(h_ptr + rt[:, None] * stride_h + ik[None, :], mask=tmask[:, None] & imask[None, :], other=0.0,
+                     cache_modifier=".cg")
+        wk = tl.load(w_ptr + rd[:, None] * I + ik[None, :], mask=dmask[:, None] & imask[None, :], other=0.0)
+        shared = _dot(hk, tl.trans(wk), shared, DOT_PREC)  # [BT, BI] . [BI, BD]
+    return shared
+
+
+@triton.jit
 def combine_shared_kernel(out_ptr, idx_ptr, y_ptr, counts_ptr, h_ptr, w_ptr, T, D, I, stride_h, e_start, e_local,
                           K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BI: tl.constexpr, N_KI: tl.constexpr,
-                          BC: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
+                          BC: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr = False):
     """combine_kernel with the shared expert's down projection folded in: for the tile of BT tokens and BD columns,
     y = round(round(sum of the local slots of out, fp32, slot order) + h [t, I] . w [D, I]^T in fp32): the routed
     output rounded as combine_kernel returns it, then the GEMM with beta = 1 (reference.shared_down_reference).
-    Grid (cdiv(T, BT), cdiv(D, BD)); program (0, 0) re-zeroes counts as combine_kernel does."""
+    Grid (cdiv(T, BT), cdiv(D, BD)); program (0, 0) re-zeroes counts as combine_kernel does.
+    EARLY: the shared product before the PDL wait, so its weight stream overlaps the down kernel's tail.  h is the
+    route kernel's output, three launches back: every kernel between lets its dependents launch only after its own
+    wait, so the route kernel has completed whenever this grid runs.  Only out (the down kernel's) and the counts
+    zeroing wait.  The same arithmetic either way."""
+    rt = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)  # [BT] tokens
+    rd = tl.program_id(1) * BD + tl.arange(0, BD)  # [BD] columns
+    tmask, dmask = rt < T, rd < D
+    if EARLY:
+        shared = _shared_down_tile(h_ptr, w_ptr, rt, rd, tmask, dmask, I, stride_h, BT, BD, BI, N_KI, DOT_PREC)
     pdl_prologue(PDL)  # counts are zeroed below: after the down kernel, its last reader, completed
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         rc = tl.arange(0, BC)
         tl.store(counts_ptr + rc, tl.zeros([BC], tl.int32), mask=rc < e_local + 1)
-    rt = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)  # [BT] tokens
-    rd = tl.program_id(1) * BD + tl.arange(0, BD)  # [BD] columns
-    tmask, dmask = rt < T, rd < D
     acc = tl.zeros([BT, BD], tl.float32)
     for j in tl.static_range(K):
         le = tl.load(idx_ptr + rt * K + j, mask=tmask, other=-1) - e_start  # [BT] local expert of slot j
@@ -283,14 +305,7 @@ def combine_shared_kernel(out_ptr, idx_ptr, y_ptr, counts_ptr, h_ptr, w_ptr, T, 
         v = tl.load(out_ptr + (rt * K + j)[:, None] * D + rd[None, :], mask=ok[:, None] & dmask[None, :], other=0.0)
         acc += v.to(tl.float32)
     routed = acc.to(y_ptr.dtype.element_ty).to(tl.float32)  # [BT, BD] the routed output, rounded
-    shared = tl.zeros([BT, BD], tl.float32)
-    ri = tl.arange(0, BI)
-    for kb in range(N_KI):  # constexpr trip count (the interpreter cannot range over a runtime int)
-        ik = kb * BI + ri  # [BI]
-        imask = ik < I
-        hk = tl.load(h_ptr + rt[:, None] * stride_h + ik[None, :], mask=tmask[:, None] & imask[None, :], other=0.0)
-        wk = tl.load(w_ptr + rd[:, None] * I + ik[None, :], mask=dmask[:, None] & imask[None, :], other=0.0)
-        shared = _dot(hk, tl.trans(wk), shared, DOT_PREC)  # [BT, BI] . [BI, BD]
+    if not EARLY:
+        shared = _shared_down_tile(h_ptr, w_ptr, rt, rd, tmask, dmask, I, stride_h, BT, BD, BI, N_KI, DOT_PREC)
     tl.store(y_ptr + rt[:, None] * D + rd[None, :], (routed + shared).to(y_ptr.dtype.element_ty),
              mask=tmask[:, None] & dmask[None, :])
-

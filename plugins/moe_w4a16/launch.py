@@ -132,10 +132,11 @@ def moe_w4a16_triton(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
 
 def launch_combine(out: torch.Tensor, topk_idx: torch.Tensor, y: torch.Tensor, counts: torch.Tensor, e_start: int,
                    e_local: int, top_k: int, pdl: bool, shared_h: torch.Tensor | None = None,
-                   shared_down: torch.Tensor | None = None, bd: int = 1024) -> None:
+                   shared_down: torch.Tensor | None = None, bd: int = 1024, early: bool = False) -> None:
     """The op's last launch: y [t, d] = the sum of each token's local slots of out [t * top_k, d] (and, with
     shared_down [d, i'], + shared_h [t, i'] . shared_down^T in the same kernel); re-zeroes counts for the next call.
-    bd: columns per program of the plain combine."""
+    bd: columns per program of the plain combine.  early (with shared_down): the shared product before the
+    PDL wait (combine_shared_kernel's EARLY)."""
     t, d = y.shape
     if shared_down is None:
         bd = min(bd, next_pow2(d))
@@ -150,7 +151,7 @@ def launch_combine(out: torch.Tensor, topk_idx: torch.Tensor, y: torch.Tensor, c
     combine_shared_kernel[(cdiv(t, bt), cdiv(d, bd))](
         out, topk_idx, y, counts, shared_h, shared_down, t, d, i, shared_h.stride(0), e_start, e_local, K=top_k,
         BT=bt, BD=bd, BI=bi, N_KI=cdiv(i, bi), BC=next_pow2(e_local + 1), DOT_PREC=prec, num_warps=4,
-        **pdl_args(pdl))
+        EARLY=early, **pdl_args(pdl))
 
 
 def _scale_strides(s: torch.Tensor, int4: bool) -> tuple[int, int, int]:

@@ -35,11 +35,13 @@ SOURCE = Path(__file__).with_name("moe_v3.cu")
 # 529.7 -> 510.6 µs), which NT = 2 beats without it (472.8); with the tiles token_tile chooses it lost (t = 1 29.0
 # against 28.9, t = 9 64.7 / 58.0, t = 17 58.6 / 51.5, t = 64 114.8 / 105.5).
 PREFETCH_ENV = "KDTREE_MOE_PREFETCH"
-# down's weights before its PDL wait (moe_v3.cu's PF_EARLY): the entry list and the first P groups of weights and
-# scales (a whole item at TP8) load while gate_up runs, only the token loads wait for it.  The same bits either way
-# (tests/test_moe_v3_gpu.py).  Off until measured (benchmarks/moe_w4a16_v3.py v3_early, k26_switches moe_early):
-# at t = 1 the 16-warp gate_up fills every SM's registers, so down's CTAs can start early only beside the 8-warp one.
-DOWN_EARLY = False
+# Weights before the PDL wait (moe_v3.cu's PF_EARLY, combine_shared_kernel's EARLY): down's entry list and first P
+# groups of weights and scales (a whole item at TP8) load while gate_up runs, only its token loads wait for it; the
+# combine forms the shared expert's down product (h is the route kernel's) before waiting for down.  The same bits
+# either way (tests/test_moe_v3_gpu.py).  Off until measured (benchmarks/moe_w4a16_v3.py v3_early, k26_switches
+# moe_early): at t = 1 the 16-warp gate_up fills every SM's registers, so down's CTAs can start early only beside
+# the 8-warp one.
+EARLY_WEIGHTS = False
 WARPS = 8  # moe_v3.cu's WARPS: every k group count is a multiple (k padded to 256)
 MAX_TOKENS = 4096  # per launch: the entry list of 4096 tokens x top-8 fits in shared memory
 
@@ -274,7 +276,7 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
     i32, ptr = ctypes.c_int, ctypes.c_void_p
     # the flags argument, where the cubin takes one: gate_up's, and down's with its early weights
     pf = ((PF_L2 * prefetch,), (i32,)) if mod.prefetch_arg else ((), ())
-    pf_down = ((PF_L2 * prefetch | PF_EARLY * (DOWN_EARLY and mod.down_early),), (i32,)) if mod.prefetch_arg else pf
+    pf_down = ((PF_L2 * prefetch | PF_EARLY * (EARLY_WEIGHTS and mod.down_early),), (i32,)) if mod.prefetch_arg else pf
     nt = TOKEN_TILE_OVERRIDE or token_tile(t)
     n_items = max_entries(t, top_k, e_local, nt) * pairs13
     args = (w13.data_ptr(), w13_scale.data_ptr(), x.data_ptr(), ws.counts.data_ptr(), ws.lists.data_ptr(),
@@ -297,5 +299,5 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
              ws.lists.data_ptr(), ws.out.data_ptr(), t, e_local, i // GROUP, c2, pairs2, d, *pf_down[0]),
             (ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, *pf_down[1]))
     launch_combine(ws.out, ws.topk_idx, y, ws.counts, e_start, e_local, top_k, mod.pdl and not pdl_refused(mod.index),
-                   shared_h, shared_down)
+                   shared_h, shared_down, early=EARLY_WEIGHTS)
     return y
