@@ -15,7 +15,7 @@ DDTree with budget auto alone, which measures its cost curve on the idle GPU and
 `kdtree run` neither compiles nor times anything).  `pack` then copies that cache into
 ART/kernels/triton-<arch>/<key>/ with group files naming their children relative to the folder.  The files
 are listed in the manifest's `files` (sha256, size) like every other, and manifest["triton_cache"] records
-{warmed, dir, arch, triton, entries, cases, cost_curves, seconds}, or {warmed: false, reason} where nothing was
+{warmed, dir, arch, triton, entries, cases (with each one's seconds), cost_curves, seconds}, or {warmed: false, reason} where nothing was
 warmed (no CUDA device, --no-warm, a checkpoint built by the runtime).
 
 Run (runtime/load/kernel_cache.py): on a GPU of the same arch with the same Triton, `unpack` copies the
@@ -177,7 +177,10 @@ def warm(stage: Path, manifest: dict, budgets: tuple[int, ...], progress: bool =
             def one(case: dict) -> subprocess.CompletedProcess:
                 cmd = [sys.executable, "-m", "runtime.warm_kernels", "--art", str(stage), "--spec",
                        case["spec"], "--budget", str(case["budget"])]
-                return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=repo, check=False)
+                t1 = time.perf_counter()
+                res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=repo, check=False)
+                case["seconds"] = round(time.perf_counter() - t1, 1)  # the record's: where the warm-up's time goes
+                return res
 
             # one process per mode, in parallel (Triton compiles on one core per process); budget auto after
             # them, alone, so that the cost curve it measures is not shared with the others' launches
