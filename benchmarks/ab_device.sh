@@ -3,7 +3,7 @@
 # them, then the K2.6 rank's AR step and DDTree rounds under each switch setting (one load,
 # benchmarks/k26_switches.py), then the quick kernel benchmarks of the MoE and the few-token GEMM with what is left.
 #   bash benchmarks/ab_device.sh [all|tests|switches]   (device tool, repo root as cwd; results under $OUT)
-# k26_switches takes ~15 s per setting after a ~10 s load (H200, 2026-12-05): `all` fits the five default settings;
+# k26_switches takes ~15 s per setting after a ~10 s load (H200, 2026-12-05): `all` fits the six default settings;
 # `tests` (tests + kernel benchmarks) and `switches` (every setting) can also go in two calls back to back.
 # Env: BUDGET_S (default 585) for the whole call; SETTINGS / BUDGETS passed to k26_switches; SOURCE=tiny-kimi times
 # the tiny model's step instead (tp 1, context 512: issue 16's figure).
@@ -23,7 +23,7 @@ if [[ $what != switches ]]; then
     bash benchmarks/device_run.sh tests >"$R/tests.log" 2>&1 || status=1
   tail -15 "$R/tests.log"
 fi
-settings=${SETTINGS:-default,skinny+moe_w16+moe_early,skinny+moe_early,skinny,skinny+moe_w16+skinny_late}
+settings=${SETTINGS:-default,skinny+moe_w16+moe_early,skinny+moe_early,skinny,skinny+moe_w16+skinny_early,skinny+moe_early+skinny_early}
 src=(--budget "${BUDGETS:-15,16}" --settings "$settings")
 [[ ${SOURCE:-} == tiny-kimi ]] && src+=(--source tiny-kimi --tp 1 --context 512)
 if [[ $what != tests ]]; then

@@ -12,6 +12,7 @@ default (DEFAULT_ON), which are set again after the run):
   skinny_late with skinny: the next kernel launches after the GEMM's k loops (plugins/skinny_gemm/launch.LATE_TRIGGER)
   skinny_pf with skinny: every GEMM CTA's weights into L2 before its PDL wait (not named: launch.PREFETCH's default,
             the plans that split k only)
+  skinny_early with skinny: each warp's first weights loaded before the PDL wait (skinny_gemm/launch.EARLY_WEIGHTS)
   moe_w16   the MoE's 16-warp gate_up where it applies (on by default; plugins/moe_w4a16/launch_v3.USE_W16)
   moe_early the MoE's down kernel loads its weights before its PDL wait (launch_v3.EARLY_WEIGHTS)
 
@@ -66,6 +67,11 @@ def _set_skinny_late(on: bool) -> None:
     launch.LATE_TRIGGER = on
 
 
+def _set_skinny_early(on: bool) -> None:
+    from plugins.skinny_gemm import launch
+    launch.EARLY_WEIGHTS = on
+
+
 def _set_moe_w16(on: bool) -> None:
     from plugins.moe_w4a16 import launch_v3
     launch_v3.USE_W16 = on
@@ -83,7 +89,8 @@ def _set_attn_pf(on: bool) -> None:
 
 SWITCHES = {"skinny": _set_skinny, "moe_pf": _set_moe_pf, "gemm_pf": _set_gemm_pf,  # see the module doc
             "attn_pf": _set_attn_pf, "skinny_pf": _set_skinny_pf, "skinny_wide": _set_skinny_wide,
-            "skinny_late": _set_skinny_late, "moe_w16": _set_moe_w16, "moe_early": _set_moe_early}
+            "skinny_late": _set_skinny_late, "moe_w16": _set_moe_w16, "moe_early": _set_moe_early,
+            "skinny_early": _set_skinny_early}
 
 
 DEFAULT_ON = frozenset({"skinny", "moe_w16"})  # the runtime's defaults among SWITCHES

@@ -184,7 +184,8 @@ def test_kernel_matches_the_reference_on_fresh_random_cases():
 @GPU
 def test_a_token_row_does_not_depend_on_the_batch_and_graphs_replay_it():
     """Row i of a 17-token call is the bits of the 1-token call on that row (AR vs tree rounds), prefetch or not,
-    also from a replayed CUDA graph."""
+    early weights or not, also from a replayed CUDA graph."""
+    from plugins.skinny_gemm import launch
     from plugins.skinny_gemm.launch import skinny_gemm_cuda
     dev = torch.device("cuda")
     torch.manual_seed(3)
@@ -194,6 +195,12 @@ def test_a_token_row_does_not_depend_on_the_batch_and_graphs_replay_it():
         many = skinny_gemm_cuda(x, w, None, True)
         for i in (0, 5, 16):
             assert torch.equal(skinny_gemm_cuda(x[i:i + 1], w, None, True, pf=True)[0], many[i])
+        launch.EARLY_WEIGHTS = True  # the first weights loaded before the PDL wait: only loads move, the same bits
+        try:
+            assert torch.equal(skinny_gemm_cuda(x, w, None, True), many)
+            assert torch.equal(skinny_gemm_cuda(x[:1], w, None, True)[0], many[0])
+        finally:
+            launch.EARLY_WEIGHTS = False
         s = torch.cuda.Stream()
         with torch.cuda.stream(s):
             skinny_gemm_cuda(x, w, None, False)

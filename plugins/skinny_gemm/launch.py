@@ -39,6 +39,12 @@ PREFETCH: bool | None = None
 # early CTAs, waiting, would hold SM slots a second wave of this kernel needs (k26_ablate measured the AR step 132 µs
 # slower without the norm kernels between the GEMMs; unmeasured: benchmarks/k26_switches.py's skinny_late)
 LATE_TRIGGER = False
+# each warp's first U blocks of weights are loaded into registers before the PDL wait, so their DRAM latency overlaps
+# the predecessor's tail (the L2 prefetch of a CTA's whole range, PREFETCH, lost 2 % of the AR step: it re-reads
+# every byte from L2 and streams beside the predecessor; these loads are the ones the k loop consumes).  Same bits.
+# Off until measured (benchmarks/k26_switches.py skinny_early, benchmarks/skinny_gemm.py); an older cubin ignores it
+EARLY_WEIGHTS = False
+FLAG_PREFETCH, FLAG_LATE_TRIGGER, FLAG_EARLY_WEIGHTS = 1, 2, 4  # skinny_gemm.cu's flags
 # weights larger than this stay cuBLAS's: the lm_head slice (294 MB at K2.6 TP8) already runs at 93 % of HBM there
 MAX_WEIGHT_BYTES = 128 << 20
 
@@ -184,7 +190,8 @@ def skinny_gemm_cuda(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, o
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     args = (x.data_ptr(), w.data_ptr(), y.data_ptr(), c.data_ptr() if c is not None else 0, mod.parts.data_ptr(),
             mod.tickets.data_ptr(), t, n, k, x.stride(0), y.stride(0), c.stride(0) if c is not None else 0, p.splits,
-            int(prefetch_for(p) if pf is None else pf) | (2 if LATE_TRIGGER else 0))  # skinny_gemm.cu's FLAG_*
+            FLAG_PREFETCH * bool(prefetch_for(p) if pf is None else pf) | FLAG_LATE_TRIGGER * LATE_TRIGGER
+            | FLAG_EARLY_WEIGHTS * EARLY_WEIGHTS)
     types = (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32, i32)
     stream = cu.CUstream(torch.cuda.current_stream(x.device).cuda_stream)
     launch(cu, func, p.grid, 32 * p.warps, p.smem, stream, args, types, mod.pdl, f"skinny_gemm: launch {p.kernel}",

@@ -16,8 +16,9 @@
 // other tokens, and an AR step and a tree round compute the same bits for the same row.
 //
 // PDL (sm_90+; launched with programmatic stream serialization): the weights never change during a round, so
-// their L2 prefetch (flags & FLAG_PREFETCH) goes out before the wait for the predecessor grid; x, c, y and the
-// workspace are touched only after it.  The next kernel may launch once every CTA has passed the wait, or, with
+// their L2 prefetch (flags & FLAG_PREFETCH) or each warp's first U blocks of them into registers
+// (FLAG_EARLY_WEIGHTS) go out before the wait for the predecessor grid; x, c, y and the workspace are touched only
+// after it.  The next kernel may launch once every CTA has passed the wait, or, with
 // FLAG_LATE_TRIGGER, once every CTA has finished its k loop (its waiting CTAs then do not take SM slots from this
 // kernel's later CTAs).
 //
@@ -81,6 +82,7 @@ __device__ __forceinline__ void pdl_trigger() {
 
 #define FLAG_PREFETCH 1  // flags: this CTA's weights into L2 before the wait
 #define FLAG_LATE_TRIGGER 2  // flags: the dependents launch after this CTA's k loop, not at its start
+#define FLAG_EARLY_WEIGHTS 4  // flags: each warp's first U blocks of weights loaded into registers before the wait
 
 __device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -130,13 +132,28 @@ __device__ __forceinline__ void skinny(const u16* __restrict__ x, const u16* __r
                 l2_prefetch(base + (u64)row * k * 2 + off, span - off < PF_CHUNK ? span - off : PF_CHUNK);
         }
     }
-    pdl_wait();
-    if (!(flags & FLAG_LATE_TRIGGER)) pdl_trigger();
-
     // rows past n (the last group) read row n - 1 and are never stored; token columns past t read token 0 and are
     // never stored (an mma column depends on its own B column only)
     const uint4* wa = reinterpret_cast<const uint4*>(w + (u64)imin(r0 + g, n - 1) * k) + q;
     const uint4* wb = reinterpret_cast<const uint4*>(w + (u64)imin(r0 + g + 8, n - 1) * k) + q;
+    uint4 a[U], b[U], xv[U][TT];
+    auto load_weights = [&](int kb0) {  // U blocks from kb0 (warp-uniform conditions)
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int kb = kb0 + u * warps;
+            if (kb < kb_hi) {
+                a[u] = ld_stream(wa + kb * 4);
+                b[u] = ld_stream(wb + kb * 4);
+            }
+        }
+    };
+    // FLAG_EARLY_WEIGHTS: the first blocks' weights (constant) go out before the wait, so their DRAM latency
+    // overlaps the predecessor's tail; x, c, y and the workspace are touched only after it
+    const bool early = (flags & FLAG_EARLY_WEIGHTS) != 0;
+    if (early) load_weights(kb_lo + warp);
+    pdl_wait();
+    if (!(flags & FLAG_LATE_TRIGGER)) pdl_trigger();
+
     const uint4* xr[TT];
 #pragma unroll
     for (int j = 0; j < TT; ++j) {
@@ -150,13 +167,11 @@ __device__ __forceinline__ void skinny(const u16* __restrict__ x, const u16* __r
         for (int i = 0; i < 4; ++i) acc[j][i] = 0.f;
 
     for (int kb0 = kb_lo + warp; kb0 < kb_hi; kb0 += U * warps) {
-        uint4 a[U], b[U], xv[U][TT];
+        if (!early || kb0 != kb_lo + warp) load_weights(kb0);  // all loads of U blocks first, then the math
 #pragma unroll
-        for (int u = 0; u < U; ++u) {  // all loads of U blocks first (warp-uniform condition), then the math
+        for (int u = 0; u < U; ++u) {
             const int kb = kb0 + u * warps;
             if (kb < kb_hi) {
-                a[u] = ld_stream(wa + kb * 4);
-                b[u] = ld_stream(wb + kb * 4);
 #pragma unroll
                 for (int j = 0; j < TT; ++j) xv[u][j] = ld_tokens(xr[j] + kb * 4);
             }
