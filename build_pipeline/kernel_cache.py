@@ -15,8 +15,8 @@ DDTree with budget auto alone, which measures its cost curve on the idle GPU and
 `kdtree run` neither compiles nor times anything).  `pack` then copies that cache into
 ART/kernels/triton-<arch>/<key>/ with group files naming their children relative to the folder.  The files
 are listed in the manifest's `files` (sha256, size) like every other, and manifest["triton_cache"] records
-{warmed, dir, arch, triton, entries, cases (with each one's seconds), cost_curves, seconds}, or {warmed: false, reason} where nothing was
-warmed (no CUDA device, --no-warm, a checkpoint built by the runtime).
+{warmed, dir, arch, triton, entries, cases (with each one's seconds), cost_curves, seconds}, or {warmed: false,
+reason} where nothing was warmed (no CUDA device, --no-warm, a checkpoint built by the runtime).
 
 Run (runtime/load/kernel_cache.py): on a GPU of the same arch with the same Triton, `unpack` copies the
 entries the user's Triton cache lacks into it (group files rewritten to the destination's paths); the
