@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Nsight Compute stall breakdown of the v3 kernels (TP8 tree routing, one call per t): where the warps wait.
+# Nsight Compute stall breakdown of the v3 op's kernels (route, gate_up, down, combine; TP8 tree routing, one call
+# per t): where the warps wait, and each kernel's duration alone (ncu serializes them: no PDL overlap).
 # Usage (device tool): bash benchmarks/moe_v3_ncu.sh [t ...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +19,7 @@ for t in [int(a) for a in sys.argv[1:]]:
 torch.cuda.synchronize()
 PY
 stalls=$(for s in long_scoreboard short_scoreboard math_pipe_throttle wait barrier mio_throttle lg_throttle not_selected selected dispatch_stall no_instruction tex_throttle branch_resolving drain imc_miss misc; do printf "smsp__average_warps_issue_stalled_%s_per_issue_active.ratio," $s; done)
-timeout 300 ncu --clock-control none -k regex:kdtree_moe_v3 \
+timeout 300 ncu --clock-control none -k regex:"kdtree_moe_v3|route_kernel|combine" \
   --metrics ${stalls}gpu__time_duration.sum,dram__bytes_read.sum,lts__t_bytes.sum,l1tex__t_bytes.sum,smsp__inst_executed.sum,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active \
-  python3 /tmp/v3_calls.py $ts 2>&1 | grep -E "kdtree_moe|stalled|duration|bytes|inst_executed|warps_active|issue_active" \
+  python3 /tmp/v3_calls.py $ts 2>&1 | grep -E "kdtree_moe|route_kernel|combine|stalled|duration|bytes|inst_executed|warps_active|issue_active" \
   | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//; s/ +/ /g'
