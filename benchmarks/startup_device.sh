@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Issue 16's cold-start check in one device call (< 7 min): build the tiny artifact with the Triton warm-up,
+# Issue 16's cold-start check in one device call (< 10 min): build the tiny artifact with the Triton warm-up,
 # time `kdtree run`'s first token (benchmarks/startup.py), then run the GPU test of the shipped kernels on it.
-# The build gets 240 s; the timing and the test share what is left of BUDGET_S (400 s).
+# The build gets 240 s (H200, 2026-12-05: 185 s, of which the warm-up with budget auto's buckets 139 s); the timing
+# (~40 s) and the test (~150 s: it also takes the JIT path once) share what is left of BUDGET_S (560 s).
 #   PYTHONPATH=. bash benchmarks/startup_device.sh      (device tool, repo root as cwd; results in $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +28,7 @@ else
 fi
 echo "build: $((SECONDS - t0)) s; $(python3 -c "import json,sys; t = json.load(open(sys.argv[1]))['triton_cache']; print({k: t.get(k) for k in ('warmed', 'arch', 'triton', 'entries', 'seconds', 'reason')})" \
   "$OUT/build.json" 2>/dev/null)"
-left() { local l=$(( ${BUDGET_S:-400} - SECONDS )); echo $(( l < $1 ? (l > 10 ? l : 10) : $1 )); }
+left() { local l=$(( ${BUDGET_S:-560} - SECONDS )); echo $(( l < $1 ? (l > 10 ? l : 10) : $1 )); }
 [[ -f $W/art/manifest.json ]] || { echo "no artifact: startup not measured"; exit 1; }
 echo "=== kdtree run: first token (first / cold / warm page cache, empty TRITON_CACHE_DIR each)"
 timeout "$(left 150)" python3 benchmarks/startup.py --art "$W/art" --out "$OUT" ${PROFILE:+--profile} 2>&1 | tee "$OUT/startup.log" | tail -8
