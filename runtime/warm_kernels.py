@@ -19,8 +19,7 @@ def main() -> None:
     ap.add_argument("--spec", required=True)
     ap.add_argument("--budget", required=True, help="an integer, or auto (every bucket; stores the cost curve)")
     a = ap.parse_args()
-    budget = int(a.budget) if a.budget.isdigit() else a.budget
-    eng = Engine.load(a.art, device="cuda", spec=a.spec, budget=budget, graphs=True)
+    eng = Engine.load(a.art, device="cuda", spec=a.spec, budget=a.budget, graphs=True)  # "16" or "auto" (parse_budget)
     gen = torch.Generator().manual_seed(0)
     for n in PROMPT_LENGTHS:
         ids = torch.randint(0, eng.cfg.vocab_size, (n,), generator=gen).tolist()

@@ -200,10 +200,8 @@ def test_every_variant_the_launcher_picks_is_compiled(tmp_path):
     assert len(bodies) >= len(names) and all("griddepcontrol.wait" in b for b in bodies)
     # gate_up waits first; so does down unless PF_EARLY (then its weight loads go before the wait; only the
     # route kernel's outputs, read through L2, and the weights are read there)
-    for b in bodies:
-        first_load = min(b.find(op) for op in ("ld.global", "ld.volatile") if op in b)
-        if "gate_up" in b.split("(")[0]:
-            assert b.find("griddepcontrol.wait") < first_load
+    for b in (b for b in bodies if "gate_up" in b.split("(")[0]):
+        assert b.find("griddepcontrol.wait") < min(b.find(op) for op in ("ld.global", "ld.volatile") if op in b)
     # and every kernel can put its weights in flight with the bulk L2 prefetch (taken when pf is set)
     assert all("cp.async.bulk.prefetch.L2.global" in b for b in bodies)
 
