@@ -7,6 +7,8 @@ reads its weights from HBM, as in a round), median replay / calls:
   skinny      kdtree::skinny_gemm's kernel with its plan (launch.plan), pf = 0
   skinny_pf   the same with pf = 1 (each CTA prefetches its weights into L2 before its PDL wait; the op's default
               where the plan splits k: launch.PREFETCH)
+  skinny_rg1  (t > 8) the plan with one row group per CTA forced (launch.ROW_GROUP_PAIRS off), pf = 0
+  skinny_tt4  (t 17..24) the plan before three-tile variants: 4 token tiles, one row group (run as 25 tokens), pf = 0
   sweep       (unless --quick) other warps / k splits / blocks in flight, the best reported with its config
 Every skinny result is checked against the fp32-accumulated product first (bf16 rounding, or 1e-5 for fp32).
 Prints a table; writes OUT/skinny-gemm.json.
@@ -32,15 +34,18 @@ SHAPES = {"qkv_a": (2112, 7168, "bf16"), "q_b": (1536, 1536, "bf16"), "o_proj": 
 
 
 def _sweep(t: int, n: int, k: int, sms: int) -> list[dict]:
-    """Alternatives to the plan's (warps, splits, u): halved / doubled warps and splits, the shallower U."""
-    from plugins.skinny_gemm.launch import MAX_WARPS, U_VARIANTS, split_shape, token_tiles
+    """Alternatives to the plan's (warps, splits, u): halved / doubled warps and splits, the shallower U (of the
+    plan's row groups per CTA)."""
+    from plugins.skinny_gemm.launch import MAX_WARPS, U_VARIANTS, row_groups_per_cta, split_shape, token_tiles
     w, ks = split_shape(n, k, sms)
     out = []
     for ww in {max(1, w // 2), w, min(MAX_WARPS, w * 2)}:
         for kk in {max(1, ks // 2), ks, ks * 2, ks * 4}:
             if (ww, kk) != (w, ks) and k // 32 >= kk:
                 out.append({"warps": ww, "splits": kk})
-    out += [{"warps": w, "splits": ks, "u": u} for u in U_VARIANTS[token_tiles(t)][1:]]  # shallower register rings
+    rg = row_groups_per_cta(t, n, k, sms)
+    out += [{"warps": w, "splits": ks, "u": u, "row_groups": rg}
+            for u in U_VARIANTS[token_tiles(t), rg][1:]]  # shallower register rings
     return out
 
 
@@ -83,6 +88,11 @@ def main() -> None:
             us = {"cublas": run(lambda w: layers.linear(x, w, out_dtype=od)),
                   "skinny": run(lambda w: skinny_gemm_cuda(x, w, None, f32, pf=False)),
                   "skinny_pf": run(lambda w: skinny_gemm_cuda(x, w, None, f32, pf=True))}
+            if t > 8:
+                us["skinny_rg1"] = run(lambda w: skinny_gemm_cuda(x, w, None, f32, pf=False, row_groups=1))
+            if 17 <= t <= 24:
+                x25 = torch.cat([x, x[:25 - t]])  # [25, k]
+                us["skinny_tt4"] = run(lambda w: skinny_gemm_cuda(x25, w, None, f32, pf=False, row_groups=1))
             best = None
             if not a.quick:
                 for cfg in _sweep(t, n, k, sms):
@@ -97,7 +107,8 @@ def main() -> None:
             p = plan(t, n, k, f32, False, sms)
             roof = roofline_us(nbytes + t * k * 2 + t * n * (4 if f32 else 2))
             row = {"shape": name, "n": n, "k": k, "t": t, "out": out, "bytes": nbytes, "roofline_us": round(roof, 2),
-                   "plan": {"kernel": p.kernel, "warps": p.warps, "splits": p.splits, "ctas": p.groups * p.splits},
+                   "plan": {"kernel": p.kernel, "warps": p.warps, "splits": p.splits, "row_groups": p.row_groups,
+                            "ctas": p.grid[0] * p.grid[1]},
                    "rel_err": err, "copies": copies}
             for key, v in us.items():
                 row[f"{key}_us"], row[f"{key}_fraction"] = round(v, 2), round(roof / v, 3)
@@ -113,7 +124,8 @@ def main() -> None:
              "sms": sms}
     path = write_result("skinny-gemm", rows, extra, a.out)
     print(f"wrote {path}")
-    print_table(rows, ["shape", "t", "roofline_us", "cublas_us", "skinny_us", "skinny_pf_us", "sweep_best_us",
+    print_table(rows, ["shape", "t", "roofline_us", "cublas_us", "skinny_us", "skinny_pf_us", "skinny_rg1_us",
+                       "skinny_tt4_us", "sweep_best_us",
                        "cublas_fraction", "skinny_fraction", "skinny_pf_fraction", "speedup_vs_cublas"])
 
 

@@ -1,9 +1,10 @@
 """Launcher of skinny_gemm.cu: the plan (variant, warps W, k splits KS) and one launch through the driver API on torch's
 current stream (capturable in a CUDA graph; PDL on sm_90+).  See skinny_gemm.cu for the algorithm.
 
-The plan depends on (n, k, the device's SM count) for W and KS, and on t only for the token tiles TT: so the order in
-which an output element is summed does not depend on t, and a token's row is the same bits in an AR step and in a
-tree round.  The cubin comes from the artifact, the kdtree cache or NVRTC/nvcc (plugins/common/cubin.py).
+The plan depends on (n, k, the device's SM count) for W and KS, and on t only for the token tiles TT and the row
+groups per CTA RG (which change which CTA sums an element, not the order): so the order in which an output element
+is summed does not depend on t, and a token's row is the same bits in an AR step and in a tree round.  The cubin
+comes from the artifact, the kdtree cache or NVRTC/nvcc (plugins/common/cubin.py).
 """
 
 from __future__ import annotations
@@ -22,15 +23,24 @@ from plugins.common.pdl import USE_PDL
 
 SOURCE = Path(__file__).with_name("skinny_gemm.cu")
 MAX_TOKENS = 32  # TT = 4 tiles of 8 tokens: more tokens are cuBLAS's (compute starts to matter)
-ROWS = 16  # weight rows per CTA (mma's M)
+ROWS = 16  # weight rows of a row group (mma's M); a CTA takes RG row groups
 BLOCK_K = 32  # k columns per block (two mma k steps)
 MAX_WARPS = 16  # 512 threads per CTA (skinny_gemm.cu's launch bounds)
 WARPS_PER_SM = 16  # the plan's target of resident warps per SM (<= 128 registers each: a whole SM at 16)
-# blocks in flight per warp (1 KB of weights each), per token tile count: the compiled variants, the plan's first
-# (the deepest that fits 128 registers without spilling; benchmarks/skinny_gemm.py's sweep times the other)
-U_VARIANTS = {1: (8, 4), 2: (6, 4), 4: (4, 2)}
+# blocks in flight per warp (RG KB of weights each), per (token tiles TT, row groups per CTA RG): the compiled
+# variants, the plan's first (the deepest that fits 128 registers without spilling on sm_90, ptxas -v;
+# benchmarks/skinny_gemm.py's sweep times the other)
+U_VARIANTS = {(1, 1): (8, 4), (2, 1): (6, 4), (3, 1): (5, 3), (4, 1): (4, 2),
+              (2, 2): (4, 2), (3, 2): (3, 2), (4, 2): (2, 1)}
+# two row groups (32 weight rows) per CTA for t > 8: each warp loads a block's token columns once for both groups,
+# halving the x bytes every CTA reads from L2 (at t = 16 as many as the weights' bytes with one group).  The CTAs
+# halve too, so only where the 16-row plan's CTAs, halved, still cover every SM: below that the SMs left idle
+# cost more weight bandwidth than the x reads do (K2.6 TP8 on 132 SMs: o_proj, shared down and the dense MLP
+# pair their groups; qkv_a (66 CTAs), q_b (96) and the router (112) would not).  W and KS do not depend on it, so
+# neither does the sum order (the tests check it).  False: one row group per CTA everywhere.
+ROW_GROUP_PAIRS = True
 PARTS_FLOATS = 1 << 20  # the per-device split-k workspace: partial tiles (4 MB) ...
-TICKETS = 4096  # ... and one ticket counter per row group (a plan with KS > 1 has fewer groups than SMs)
+TICKETS = 4096  # ... and one ticket counter per CTA column (a plan with KS > 1 has fewer groups than SMs)
 # pf's default: each CTA L2-prefetches its weights before its PDL wait.  None: where the plan splits k (KS > 1), the
 # shapes where it won on the H200 at t = 1 (benchmarks/results/skinny-gemm.json: router + shared gate_up 7.1 -> 6.6
 # µs, q_b 4.9 -> 4.6; it cost the KS = 1 shapes: qkv_a 10.9 -> 11.3, o_proj 6.7 -> 6.9); True / False: every plan
@@ -53,17 +63,26 @@ MAX_WEIGHT_BYTES = 128 << 20
 class Plan:
     kernel: str  # skinny_gemm.cu's function name
     warps: int  # W: warps per CTA, splitting the CTA's k range
-    splits: int  # KS: CTAs per row group, splitting k
+    splits: int  # KS: CTAs per CTA column, splitting k
     groups: int  # row groups of 16 weight rows
     smem: int  # dynamic shared memory bytes
+    row_groups: int = 1  # RG: row groups per CTA (a CTA column covers 16 RG weight rows)
 
     @property
     def grid(self) -> tuple[int, int]:
-        return self.groups, self.splits
+        return -(-self.groups // self.row_groups), self.splits
 
 
 def token_tiles(t: int) -> int:
-    return 1 if t <= 8 else 2 if t <= 16 else 4
+    return 1 if t <= 8 else 2 if t <= 16 else 3 if t <= 24 else 4
+
+
+def row_groups_per_cta(t: int, n: int, k: int, sms: int) -> int:
+    """RG: 2 for t > 8 where the plan's CTAs with two row groups each, ceil(groups / 2) x KS, still cover the SMs
+    (ROW_GROUP_PAIRS on), else 1.  KS stays the 16-row plan's (split_shape): RG never changes W or KS."""
+    groups = -(-n // ROWS)
+    _, ks = split_shape(n, k, sms)
+    return 2 if ROW_GROUP_PAIRS and t > 8 and -(-groups // 2) * ks >= sms else 1
 
 
 def split_shape(n: int, k: int, sms: int) -> tuple[int, int]:
@@ -81,16 +100,22 @@ def split_shape(n: int, k: int, sms: int) -> tuple[int, int]:
 
 
 def plan(t: int, n: int, k: int, out_f32: bool, add_c: bool, sms: int, u: int | None = None,
-         warps: int | None = None, splits: int | None = None) -> Plan:
-    """The launch for x [t, k] . w [n, k]^T; u / warps / splits override the choice (benchmark sweeps, tests)."""
+         warps: int | None = None, splits: int | None = None, row_groups: int | None = None) -> Plan:
+    """The launch for x [t, k] . w [n, k]^T; u / warps / splits / row_groups override the choice (benchmark sweeps,
+    tests)."""
     tt = token_tiles(t)
     w, ks = split_shape(n, k, sms)
-    w, ks, u = warps or w, splits or ks, u or U_VARIANTS[tt][0]
+    rg = row_groups or row_groups_per_cta(t, n, k, sms)
+    if (tt, rg) not in U_VARIANTS:
+        raise ValueError(f"skinny_gemm: no variant of {rg} row groups per CTA for {tt} token tiles (t = {t})")
+    w, ks, u = warps or w, splits or ks, u or U_VARIANTS[tt, rg][0]
     groups = -(-n // ROWS)
-    if ks > 1 and (groups > TICKETS or groups * ks * tt * 128 > PARTS_FLOATS):
-        raise ValueError(f"skinny_gemm: {ks} k splits of {groups} row groups exceed the split workspace")
-    name = f"kdtree_skinny_gemm_t{tt}_u{u}_" + ("f32" if out_f32 else "bf16_c" if add_c else "bf16")
-    return Plan(name, w, ks, groups, (w * tt * 128 + 1) * 4)
+    cols = -(-groups // rg)  # CTA columns: one ticket and KS partial tiles of RG x TT x 128 floats each
+    if ks > 1 and (cols > TICKETS or cols * ks * rg * tt * 128 > PARTS_FLOATS):
+        raise ValueError(f"skinny_gemm: {ks} k splits of {cols} CTA columns exceed the split workspace")
+    out = "f32" if out_f32 else "bf16_c" if add_c else "bf16"
+    name = f"kdtree_skinny_gemm_t{tt}{'_r2' if rg == 2 else ''}_u{u}_{out}"  # RG = 1: the names before RG
+    return Plan(name, w, ks, groups, (w * rg * tt * 128 + 1) * 4, rg)
 
 
 def prefetch_for(p: Plan) -> bool:
@@ -174,19 +199,29 @@ def _module(device: torch.device) -> _Module:
 
 
 def skinny_gemm_cuda(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, out_f32: bool, pf: bool | None = None,
-                     u: int | None = None, warps: int | None = None, splits: int | None = None) -> torch.Tensor:
+                     u: int | None = None, warps: int | None = None, splits: int | None = None,
+                     row_groups: int | None = None) -> torch.Tensor:
     """y [t, n] = x [t, k] . w [n, k]^T (+ c), fp32 accumulation, bf16 (or fp32 with out_f32) out; the inputs as
-    supports() takes them.  pf: L2-prefetch each CTA's weights first (before the PDL wait); None: PREFETCH's choice."""
+    supports() takes them.  pf: L2-prefetch each CTA's weights first (before the PDL wait); None: PREFETCH's choice.
+    u / warps / splits / row_groups: plan()'s overrides."""
     t, k = x.shape
     n = w.shape[0]
     y = torch.empty(t, n, dtype=torch.float32 if out_f32 else torch.bfloat16, device=x.device)
-    p = plan(t, n, k, out_f32, c is not None, device_facts(x.device).sms, u, warps, splits)
+    p = plan(t, n, k, out_f32, c is not None, device_facts(x.device).sms, u, warps, splits, row_groups)
     mod = _module(x.device)
     cu = mod.cu
     func = mod.funcs.get(p.kernel)
     if func is None:
-        func = mod.funcs[p.kernel] = checked(cu, cu.cuModuleGetFunction(mod.module, p.kernel.encode()),
-                                             f"skinny_gemm: cuModuleGetFunction {p.kernel}")
+        func = checked(cu, cu.cuModuleGetFunction(mod.module, p.kernel.encode()),
+                       f"skinny_gemm: cuModuleGetFunction {p.kernel}")
+        # a plan's dynamic shared memory reaches 64 KB (W = 16, RG = 2, TT = 4: forced, the default pairs groups
+        # only at W <= 8): set the kernel's ceiling once to the most any plan of it asks
+        most = (MAX_WARPS * p.row_groups * token_tiles(t) * 128 + 1) * 4
+        if most > 48 << 10:
+            checked(cu, cu.cuFuncSetAttribute(
+                func, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, most),
+                f"skinny_gemm: cuFuncSetAttribute {p.kernel}")
+        mod.funcs[p.kernel] = func
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     args = (x.data_ptr(), w.data_ptr(), y.data_ptr(), c.data_ptr() if c is not None else 0, mod.parts.data_ptr(),
             mod.tickets.data_ptr(), t, n, k, x.stride(0), y.stride(0), c.stride(0) if c is not None else 0, p.splits,

@@ -3,17 +3,19 @@
 // once and are bound by the bytes of the weights (K2.6 TP8, per layer: qkv_a 30 MB, o_proj 15 MB, router + shared
 // gate_up 13 MB, q_b 4.7 MB; cuBLAS reads them at 17-55 % of HBM's rate, benchmarks/results/dense_gemm.json).
 //
-// Work.  A row group is 16 consecutive weight rows (contiguous bytes of w).  CTA (g, s) takes row group g and the
-// s-th of KS equal ranges of k's 32-column blocks; its W warps split that range (warp i takes blocks i, i + W,
-// ...).  Per block a lane loads 16 bytes of two rows (g, g + 8 of the group) and 16 bytes of each of its token
-// columns straight from global memory into registers, U blocks ahead of the math, and multiplies them on
+// Work.  A row group is 16 consecutive weight rows (contiguous bytes of w).  CTA (c, s) takes the RG row groups
+// RG c .. RG c + RG - 1 (RG = 1, or 2 for t > 8: 32 consecutive rows) and the s-th of KS equal ranges of k's
+// 32-column blocks; its W warps split that range (warp i takes blocks i, i + W, ...).  Per block a lane loads 16
+// bytes of two rows (g, g + 8) of each row group and 16 bytes of each of its token columns (once, for every row
+// group) straight from global memory into registers, U blocks ahead of the math, and multiplies them on
 // mma.sync m16n8k16: the weights are A (16 rows), the tokens B (8 per tile, TT tiles).  Inside a block the k
 // order is permuted the same way for A and B (a lane's 8 contiguous columns feed its fragment registers of two k
 // steps), which leaves every dot product unchanged.  The CTA's warps are then summed through shared memory in
-// warp order; with KS > 1 each CTA stores that partial tile, and the last CTA of the group to finish (a ticket
-// counter) sums the KS partials in split order and writes y.  So the sum order of an output element depends on
-// (n, k, W, KS) only (launch.py picks W and KS from n and k): a token's result does not depend on t or on the
-// other tokens, and an AR step and a tree round compute the same bits for the same row.
+// warp order; with KS > 1 each CTA stores that partial tile, and the last CTA of the CTA column to finish (a
+// ticket counter) sums the KS partials in split order and writes y.  So the sum order of an output element depends
+// on (n, k, W, KS) only (launch.py picks W and KS from n and k), not on RG, TT or U: a token's result does not
+// depend on t or on the other tokens, and an AR step and a tree round compute the same bits for the same row.
+// RG = 2 halves the token bytes the CTAs read from L2 (n / 16 x t x k x 2 with RG = 1: at t = 16 the weights' size).
 //
 // PDL (sm_90+; launched with programmatic stream serialization): the weights never change during a round, so
 // their L2 prefetch (flags & FLAG_PREFETCH) or each warp's first U blocks of them into registers
@@ -111,14 +113,16 @@ __device__ __forceinline__ int frag_index(int tok, int row) {
     return ((tok >> 3) * 4 + i) * 32 + lane;
 }
 
-template <int TT, int U, bool OUT_F32, bool ADD_C>
+template <int TT, int RG, int U, bool OUT_F32, bool ADD_C>
 __device__ __forceinline__ void skinny(const u16* __restrict__ x, const u16* __restrict__ w, void* __restrict__ y,
                                        const u16* __restrict__ c, float* __restrict__ parts, int* __restrict__ tickets,
                                        int t, int n, int k, int ldx, int ldy, int ldc, int ks, int flags) {
-    extern __shared__ float red[];  // [W warps][TT][4][32] accumulators in fragment order, then the ticket
+    extern __shared__ float red[];  // [W warps][RG][TT][4][32] accumulators in fragment order, then the ticket
+    static_assert(RG == 1 || RG == 2, "one or two row groups per CTA");
+    constexpr int CTA_ROWS = 16 * RG;  // RG row groups of 16 consecutive weight rows
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int g = lane >> 2, q = lane & 3;
-    const int r0 = blockIdx.x * 16, rows = imin(16, n - r0);
+    const int r0 = blockIdx.x * CTA_ROWS, rows = imin(CTA_ROWS, n - r0);
     const int nkb = k >> 5;  // 32-column blocks of k
     const int per = (nkb + ks - 1) / ks;
     const int kb_lo = imin(nkb, (int)blockIdx.y * per), kb_hi = imin(nkb, kb_lo + per);  // may be empty
@@ -132,18 +136,25 @@ __device__ __forceinline__ void skinny(const u16* __restrict__ x, const u16* __r
                 l2_prefetch(base + (u64)row * k * 2 + off, span - off < PF_CHUNK ? span - off : PF_CHUNK);
         }
     }
-    // rows past n (the last group) read row n - 1 and are never stored; token columns past t read token 0 and are
+    // rows past n (the last CTA's) read row n - 1 and are never stored; token columns past t read token 0 and are
     // never stored (an mma column depends on its own B column only)
-    const uint4* wa = reinterpret_cast<const uint4*>(w + (u64)imin(r0 + g, n - 1) * k) + q;
-    const uint4* wb = reinterpret_cast<const uint4*>(w + (u64)imin(r0 + g + 8, n - 1) * k) + q;
-    uint4 a[U], b[U], xv[U][TT];
+    const uint4 *wa[RG], *wb[RG];  // rows g and g + 8 of each row group
+#pragma unroll
+    for (int h = 0; h < RG; ++h) {
+        wa[h] = reinterpret_cast<const uint4*>(w + (u64)imin(r0 + 16 * h + g, n - 1) * k) + q;
+        wb[h] = reinterpret_cast<const uint4*>(w + (u64)imin(r0 + 16 * h + g + 8, n - 1) * k) + q;
+    }
+    uint4 a[U][RG], b[U][RG], xv[U][TT];  // a block's weights of every row group, its token columns once
     auto load_weights = [&](int kb0) {  // U blocks from kb0 (warp-uniform conditions)
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int kb = kb0 + u * warps;
             if (kb < kb_hi) {
-                a[u] = ld_stream(wa + kb * 4);
-                b[u] = ld_stream(wb + kb * 4);
+#pragma unroll
+                for (int h = 0; h < RG; ++h) {
+                    a[u][h] = ld_stream(wa[h] + kb * 4);
+                    b[u][h] = ld_stream(wb[h] + kb * 4);
+                }
             }
         }
     };
@@ -160,12 +171,15 @@ __device__ __forceinline__ void skinny(const u16* __restrict__ x, const u16* __r
         const int tok = j * 8 + g;
         xr[j] = reinterpret_cast<const uint4*>(x + (u64)(tok < t ? tok : 0) * ldx) + q;
     }
-    float acc[TT][4];
+    float acc[RG][TT][4];
 #pragma unroll
-    for (int j = 0; j < TT; ++j)
+    for (int h = 0; h < RG; ++h)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) acc[j][i] = 0.f;
+        for (int j = 0; j < TT; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[h][j][i] = 0.f;
 
+    // every accumulator acc[h][j] takes its mma's in block order, whatever RG and TT: the same sums as RG = 1
     for (int kb0 = kb_lo + warp; kb0 < kb_hi; kb0 += U * warps) {
         if (!early || kb0 != kb_lo + warp) load_weights(kb0);  // all loads of U blocks first, then the math
 #pragma unroll
@@ -181,11 +195,14 @@ __device__ __forceinline__ void skinny(const u16* __restrict__ x, const u16* __r
             if (kb0 + u * warps < kb_hi) {
 #pragma unroll
                 for (int s = 0; s < 2; ++s) {  // k step s: columns 4s..4s+3 of each lane's 8
-                    const u32 a0 = word(a[u], 2 * s), a1 = word(b[u], 2 * s);
-                    const u32 a2 = word(a[u], 2 * s + 1), a3 = word(b[u], 2 * s + 1);
 #pragma unroll
-                    for (int j = 0; j < TT; ++j)
-                        mma_bf16(acc[j], a0, a1, a2, a3, word(xv[u][j], 2 * s), word(xv[u][j], 2 * s + 1));
+                    for (int h = 0; h < RG; ++h) {  // both row groups take the same token registers
+                        const u32 a0 = word(a[u][h], 2 * s), a1 = word(b[u][h], 2 * s);
+                        const u32 a2 = word(a[u][h], 2 * s + 1), a3 = word(b[u][h], 2 * s + 1);
+#pragma unroll
+                        for (int j = 0; j < TT; ++j)
+                            mma_bf16(acc[h][j], a0, a1, a2, a3, word(xv[u][j], 2 * s), word(xv[u][j], 2 * s + 1));
+                    }
                 }
             }
         }
@@ -193,12 +210,14 @@ __device__ __forceinline__ void skinny(const u16* __restrict__ x, const u16* __r
     if (flags & FLAG_LATE_TRIGGER) pdl_trigger();  // the weights are read: the next kernel may take the SM slots
 
 #pragma unroll
-    for (int j = 0; j < TT; ++j)
+    for (int h = 0; h < RG; ++h)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) red[((warp * TT + j) * 4 + i) * 32 + lane] = acc[j][i];
+        for (int j = 0; j < TT; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) red[(((warp * RG + h) * TT + j) * 4 + i) * 32 + lane] = acc[h][j][i];
     __syncthreads();
-    const int tile = TT * 128;
-    if (ks > 1) {  // store this split's tile, then the group's last CTA sums the splits in order
+    const int tile = RG * TT * 128;  // a CTA's outputs: row group h's fragments at h * TT * 128
+    if (ks > 1) {  // store this split's tile, then the CTA column's last CTA sums the splits in order
         float* mine = parts + ((u64)blockIdx.x * ks + blockIdx.y) * tile;
         for (int e = threadIdx.x; e < tile; e += blockDim.x) {
             float s = 0.f;
@@ -217,14 +236,16 @@ __device__ __forceinline__ void skinny(const u16* __restrict__ x, const u16* __r
         if (!*last) return;
         __threadfence();
     }
+    // element e: token e / CTA_ROWS, row e % CTA_ROWS (consecutive threads write consecutive rows of one token)
+    constexpr int ROW_BITS = RG == 2 ? 5 : 4;  // log2(CTA_ROWS): shifts, as the e >> 4 of RG = 1 always was
     for (int e = threadIdx.x; e < tile; e += blockDim.x) {
-        const int tok = e >> 4, row = e & 15;
+        const int tok = e >> ROW_BITS, row = e & (CTA_ROWS - 1);
         if (tok >= t || row >= rows) continue;
-        const int f = frag_index(tok, row);
+        const int f = (row >> 4) * TT * 128 + frag_index(tok, row & 15);
         float s = 0.f;
         if (ks > 1) {
-            const float* group = parts + (u64)blockIdx.x * ks * tile + f;
-            for (int v = 0; v < ks; ++v) s += ld_partial(group + (u64)v * tile);
+            const float* col_parts = parts + (u64)blockIdx.x * ks * tile + f;
+            for (int v = 0; v < ks; ++v) s += ld_partial(col_parts + (u64)v * tile);
         } else {
             for (int v = 0; v < warps; ++v) s += red[v * tile + f];
         }
@@ -237,14 +258,21 @@ __device__ __forceinline__ void skinny(const u16* __restrict__ x, const u16* __r
     }
 }
 
-// Variants (launch.py picks): TT token tiles of 8 (t <= 8, 16, 32), U blocks in flight per warp (1 KB each), bf16
-// or fp32 out, with or without c (bf16 out only).  Up to 512 threads (W = 16 warps) per CTA: <= 128 registers.
-#define SKINNY(TT, U, NAME, OUT_F32, ADD_C)                                                                        \
-    extern "C" __global__ void __launch_bounds__(512) kdtree_skinny_gemm_t##TT##_u##U##_##NAME(                    \
+// Variants (launch.py picks): TT token tiles of 8 (t <= 8, 16, 24, 32), RG row groups per CTA (1, or 2 for t > 8),
+// U blocks in flight per warp (RG KB of weights each), bf16 or fp32 out, with or without c (bf16 out only).  Up to
+// 512 threads (W = 16 warps) per CTA: <= 128 registers.  RG = 1 keeps the names it had: t<TT>_u<U>_<out>.
+#define SKINNY(TT, RG, U, TAG, NAME, OUT_F32, ADD_C)                                                               \
+    extern "C" __global__ void __launch_bounds__(512) kdtree_skinny_gemm_t##TT##TAG##_u##U##_##NAME(               \
         const u16* x, const u16* w, void* y, const u16* c, float* parts, int* tickets, int t, int n, int k,          \
         int ldx, int ldy, int ldc, int ks, int flags) {                                                            \
-        skinny<TT, U, OUT_F32, ADD_C>(x, w, y, c, parts, tickets, t, n, k, ldx, ldy, ldc, ks, flags);               \
+        skinny<TT, RG, U, OUT_F32, ADD_C>(x, w, y, c, parts, tickets, t, n, k, ldx, ldy, ldc, ks, flags);           \
     }
 
-#define OUTS(TT, U) SKINNY(TT, U, bf16, false, false) SKINNY(TT, U, bf16_c, false, true) SKINNY(TT, U, f32, true, false)
-OUTS(1, 8) OUTS(1, 4) OUTS(2, 6) OUTS(2, 4) OUTS(4, 4) OUTS(4, 2)  // launch.U_VARIANTS: <= 128 registers, no spill
+#define OUTS_RG(TT, RG, U, TAG)                                                                                    \
+    SKINNY(TT, RG, U, TAG, bf16, false, false) SKINNY(TT, RG, U, TAG, bf16_c, false, true)                        \
+    SKINNY(TT, RG, U, TAG, f32, true, false)
+#define OUTS(TT, U) OUTS_RG(TT, 1, U, )
+#define OUTS_R2(TT, U) OUTS_RG(TT, 2, U, _r2)
+// launch.U_VARIANTS: <= 128 registers, no spill (ptxas -v, sm_90)
+OUTS(1, 8) OUTS(1, 4) OUTS(2, 6) OUTS(2, 4) OUTS(3, 5) OUTS(3, 3) OUTS(4, 4) OUTS(4, 2)
+OUTS_R2(2, 4) OUTS_R2(2, 2) OUTS_R2(3, 3) OUTS_R2(3, 2) OUTS_R2(4, 2) OUTS_R2(4, 1)
