@@ -6,6 +6,8 @@ Switches (each off unless named in a setting, whatever its default; "base" names
 default (DEFAULT_ON), which are set again after the run):
   skinny    KDTREE_SKINNY_GEMM (on by default): one-token GEMMs on plugins/skinny_gemm (runtime.model.layers)
   skinny_wide with skinny: every GEMM of up to 32 tokens and 128 MB (layers.SKINNY_MAX_TOKENS / _WEIGHT_BYTES)
+  skinny_tree with skinny: GEMMs of up to 24 tokens (a DDTree-16 round's 17) within the default weight limit
+            (the attention's, the router's and the shared expert's: skinny_gemm's two row groups and three tiles)
   moe_pf    KDTREE_MOE_PREFETCH=1: the MoE's L2 prefetch of its experts at every t (not named: off)
   gemm_pf   KDTREE_GEMM_PREFETCH: each layer's post-attention weights into L2 before its attention
   attn_pf   KDTREE_ATTN_PREFETCH: the attention's first cache tiles into L2 before its PDL wait
@@ -43,6 +45,12 @@ def _set_skinny_wide(on: bool) -> None:
     from runtime.model import layers
     layers.SKINNY_MAX_TOKENS, layers.SKINNY_MAX_WEIGHT_BYTES = (launch.MAX_TOKENS, launch.MAX_WEIGHT_BYTES) if on \
         else layers.SKINNY_LIMITS
+
+
+def _set_skinny_tree(on: bool) -> None:  # applied after skinny_wide (SWITCHES' order): only ever widens
+    from runtime.model import layers
+    if on:
+        layers.SKINNY_MAX_TOKENS = max(layers.SKINNY_MAX_TOKENS, 24)
 
 
 def _set_moe_pf(on: bool) -> None:
@@ -90,7 +98,8 @@ def _set_attn_pf(on: bool) -> None:
 SWITCHES = {"skinny": _set_skinny, "moe_pf": _set_moe_pf, "gemm_pf": _set_gemm_pf,  # see the module doc
             "attn_pf": _set_attn_pf, "skinny_pf": _set_skinny_pf, "skinny_wide": _set_skinny_wide,
             "skinny_late": _set_skinny_late, "moe_w16": _set_moe_w16, "moe_early": _set_moe_early,
-            "skinny_early": _set_skinny_early}
+            "skinny_early": _set_skinny_early,
+            "skinny_tree": _set_skinny_tree}
 
 
 DEFAULT_ON = frozenset({"skinny", "moe_w16"})  # the runtime's defaults among SWITCHES

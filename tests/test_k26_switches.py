@@ -13,3 +13,18 @@ def test_switch_settings_parse_and_name_unknown_switches():
     assert parse_settings("default") == [("default", frozenset({"skinny", "moe_w16"}))]
     with pytest.raises(ValueError, match=r"unknown switch \['turbo'\]"):
         parse_settings("base,skinny+turbo")
+
+
+def test_skinny_tree_widens_the_token_limit_and_the_defaults_restore_it():
+    from benchmarks.k26_switches import DEFAULT_ON, apply
+    from runtime.model import layers
+
+    try:
+        apply(frozenset({"skinny", "skinny_tree"}))
+        assert layers.SKINNY_GEMM and layers.SKINNY_MAX_TOKENS == 24
+        assert layers.SKINNY_MAX_WEIGHT_BYTES == layers.SKINNY_LIMITS[1]  # the weight limit stays the default's
+        apply(frozenset({"skinny", "skinny_wide", "skinny_tree"}))
+        assert layers.SKINNY_MAX_TOKENS == 32  # skinny_tree never narrows skinny_wide's
+    finally:
+        apply(DEFAULT_ON)
+    assert (layers.SKINNY_MAX_TOKENS, layers.SKINNY_MAX_WEIGHT_BYTES) == layers.SKINNY_LIMITS
