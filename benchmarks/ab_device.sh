@@ -23,9 +23,8 @@ if [[ $what != switches ]]; then
     bash benchmarks/device_run.sh tests >"$R/tests.log" 2>&1 || status=1
   tail -15 "$R/tests.log"
 fi
-# default = skinny+moe_w16; moe_early with and without the 16-warp gate_up; skinny_early; skinny_tree
-defaults=default,skinny+moe_w16+moe_early,skinny+moe_early,skinny,skinny+moe_w16+skinny_early
-defaults+=,skinny+moe_early+skinny_early,skinny+moe_w16+skinny_tree
+# default = skinny+moe_early+skinny_early (the 8-warp gate_up); with the 16-warp one; each early switch alone; neither
+defaults=default,skinny+moe_early+skinny_early+moe_w16,skinny+moe_early,skinny+skinny_early,skinny,base
 settings=${SETTINGS:-$defaults}
 src=(--budget "${BUDGETS:-15,16}" --settings "$settings")
 [[ ${SOURCE:-} == tiny-kimi ]] && src+=(--source tiny-kimi --tp 1 --context 512)

@@ -14,9 +14,9 @@ default (DEFAULT_ON), which are set again after the run):
   skinny_late with skinny: the next kernel launches after the GEMM's k loops (plugins/skinny_gemm/launch.LATE_TRIGGER)
   skinny_pf with skinny: every GEMM CTA's weights into L2 before its PDL wait (not named: launch.PREFETCH's default,
             the plans that split k only)
-  skinny_early with skinny: each warp's first weights loaded before the PDL wait (skinny_gemm/launch.EARLY_WEIGHTS)
-  moe_w16   the MoE's 16-warp gate_up where it applies (on by default; plugins/moe_w4a16/launch_v3.USE_W16)
-  moe_early the MoE's down kernel loads its weights before its PDL wait (launch_v3.EARLY_WEIGHTS)
+  skinny_early with skinny: each warp's first weights before the PDL wait (skinny_gemm/launch.EARLY_WEIGHTS; default)
+  moe_w16   the MoE's 16-warp gate_up where it applies (plugins/moe_w4a16/launch_v3.USE_W16)
+  moe_early the MoE's down kernel loads its weights before its PDL wait (launch_v3.EARLY_WEIGHTS; on by default)
 
     python3 benchmarks/k26_switches.py --out DIR [--settings base,skinny,moe_pf,gemm_pf,attn_pf,...]
         [--context 4096] [--budget 16[,15,...]] [--iters 10] [--layers N] [--source tiny-kimi --tp 1 --context 512]
@@ -102,7 +102,7 @@ SWITCHES = {"skinny": _set_skinny, "moe_pf": _set_moe_pf, "gemm_pf": _set_gemm_p
             "skinny_tree": _set_skinny_tree}
 
 
-DEFAULT_ON = frozenset({"skinny", "moe_w16"})  # the runtime's defaults among SWITCHES
+DEFAULT_ON = frozenset({"skinny", "moe_early", "skinny_early"})  # the runtime's defaults among SWITCHES
 
 
 def parse_settings(text: str) -> list[tuple[str, frozenset[str]]]:

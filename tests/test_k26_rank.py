@@ -93,9 +93,10 @@ def test_switches_ab_on_artifact(k26_art, tmp_path, monkeypatch):
 
     import benchmarks.k26_switches as ks
     from plugins.moe_w4a16 import launch_v3
+    from plugins.skinny_gemm import launch as skinny_launch
     from runtime.model import layers
 
-    every = "skinny+skinny_wide+moe_pf+gemm_pf+attn_pf+moe_early"  # the 8-warp gate_up (moe_w16 not named)
+    every = "skinny+skinny_wide+moe_pf+gemm_pf+attn_pf+moe_w16"  # the MoE's and the GEMMs' weights after the wait
     monkeypatch.setattr(sys, "argv", ["k26_switches", "--source", str(k26_art), "--settings", f"base,{every}",
                                       "--context", "256",
                                       "--budget", "8", "--iters", "2", "--out", str(tmp_path)])
@@ -105,7 +106,7 @@ def test_switches_ab_on_artifact(k26_art, tmp_path, monkeypatch):
     for r in rows:
         assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("ar_step_us", "ddtree8_step_us", "ddtree8_drafter_us"))
     assert layers.SKINNY_GEMM and layers.SKINNY_MAX_TOKENS == 1  # the defaults again
-    assert launch_v3.USE_W16 and not launch_v3.EARLY_WEIGHTS
+    assert not launch_v3.USE_W16 and launch_v3.EARLY_WEIGHTS and skinny_launch.EARLY_WEIGHTS
 
 
 def test_router_bf16_gate_matches_fp64():

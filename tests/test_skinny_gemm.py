@@ -325,13 +325,14 @@ def test_a_token_row_does_not_depend_on_the_batch_and_graphs_replay_it():
             assert torch.equal(skinny_gemm_cuda(x[:9], w, None, True, row_groups=rg), many[:9])
         x32 = torch.cat([x, x[:15]])  # [32, k]: four tiles, rows 17.. repeat rows 0..
         assert torch.equal(skinny_gemm_cuda(x32, w, None, True, row_groups=2)[:17], many)
-        launch.EARLY_WEIGHTS = True  # the first weights loaded before the PDL wait: only loads move, the same bits
+        early = launch.EARLY_WEIGHTS
+        launch.EARLY_WEIGHTS = not early  # the first weights loaded before the PDL wait or after: the same bits
         try:
             assert torch.equal(skinny_gemm_cuda(x, w, None, True), many)
             assert torch.equal(skinny_gemm_cuda(x, w, None, True, row_groups=2), many)
             assert torch.equal(skinny_gemm_cuda(x[:1], w, None, True)[0], many[0])
         finally:
-            launch.EARLY_WEIGHTS = False
+            launch.EARLY_WEIGHTS = early
         launch.LATE_TRIGGER = True  # only the next kernel's launch moves
         try:
             assert torch.equal(skinny_gemm_cuda(x, w, None, True, row_groups=2), many)

@@ -38,10 +38,10 @@ PREFETCH_ENV = "KDTREE_MOE_PREFETCH"
 # Weights before the PDL wait (moe_v3.cu's PF_EARLY, combine_shared_kernel's EARLY): down's entry list and first P
 # groups of weights and scales (a whole item at TP8) load while gate_up runs, only its token loads wait for it; the
 # combine forms the shared expert's down product (h is the route kernel's) before waiting for down.  The same bits
-# either way (tests/test_moe_v3_gpu.py).  Off until measured (benchmarks/moe_w4a16_v3.py v3_early, k26_switches
-# moe_early): at t = 1 the 16-warp gate_up fills every SM's registers, so down's CTAs can start early only beside
-# the 8-warp one.
-EARLY_WEIGHTS = False
+# either way (tests/test_moe_v3_gpu.py).  On since measured (2026-12-05, H100, K2.6 TP8 rank at 40 layers,
+# benchmarks/results/k26-switches-h100.json): AR step -2.8 % with the 8-warp gate_up, -3.7 % with the 16-warp one,
+# DDTree-15 / 16 rounds -3.6 %; kernel alone at t = 1 32.0 -> 30.1 µs (moe_w4a16_v3-h100.json).
+EARLY_WEIGHTS = True
 WARPS = 8  # moe_v3.cu's WARPS: every k group count is a multiple (k padded to 256)
 MAX_TOKENS = 4096  # per launch: the entry list of 4096 tokens x top-8 fits in shared memory
 
@@ -65,7 +65,10 @@ GATE_UP_P = {1: (7, 4, 2, 1), 2: (4, 2, 1), 4: (2, 1)}  # ring depths compiled p
 GATE_UP_CTAS_PER_SM = {1: 2, 2: 2, 4: 1}
 W16 = 16  # warps of moe_v3.cu's gate_up_w16 variants: one 512-thread CTA per SM
 GATE_UP_W16_P = {1: 7}  # their (NT, ring depth)
-USE_W16 = True  # gate_up_w16 where it applies (benchmarks/moe_w4a16_v3.py times it against the 8-warp kernel)
+# gate_up_w16 where it applies (benchmarks/moe_w4a16_v3.py times it against the 8-warp kernel).  Off since the early
+# weights: the rank's best measured setting (k26-switches-h100.json: skinny + moe_early + skinny_early, AR -7.9 %)
+# takes the 8-warp gate_up, whose CTAs leave room for down's early CTAs (t = 1: early 30.1 µs with 8 warps, 30.6 with 16)
+USE_W16 = False
 # NT for every t (1, 2 or 4; down takes min(NT, 2)): the benchmark's other choice; None: token_tile(t)
 TOKEN_TILE_OVERRIDE: int | None = None
 DOWN_P = {1: 8, 2: 4}

@@ -52,8 +52,10 @@ LATE_TRIGGER = False
 # each warp's first U blocks of weights are loaded into registers before the PDL wait, so their DRAM latency overlaps
 # the predecessor's tail (the L2 prefetch of a CTA's whole range, PREFETCH, lost 2 % of the AR step: it re-reads
 # every byte from L2 and streams beside the predecessor; these loads are the ones the k loop consumes).  Same bits.
-# Off until measured (benchmarks/k26_switches.py skinny_early, benchmarks/skinny_gemm.py); an older cubin ignores it
-EARLY_WEIGHTS = False
+# On since measured (2026-12-05, H100, K2.6 TP8 rank at 40 layers, benchmarks/results/k26-switches-h100.json): AR
+# step -4.6 % with the 16-warp MoE gate_up, -5.3 % beside the MoE's early weights; DDTree rounds unchanged (their
+# GEMMs are cuBLAS's).  An older cubin ignores the flag
+EARLY_WEIGHTS = True
 FLAG_PREFETCH, FLAG_LATE_TRIGGER, FLAG_EARLY_WEIGHTS = 1, 2, 4  # skinny_gemm.cu's flags
 # weights larger than this stay cuBLAS's: the lm_head slice (294 MB at K2.6 TP8) already runs at 93 % of HBM there
 MAX_WEIGHT_BYTES = 128 << 20
