@@ -67,7 +67,8 @@ W16 = 16  # warps of moe_v3.cu's gate_up_w16 variants: one 512-thread CTA per SM
 GATE_UP_W16_P = {1: 7}  # their (NT, ring depth)
 # gate_up_w16 where it applies (benchmarks/moe_w4a16_v3.py times it against the 8-warp kernel).  Off since the early
 # weights: the rank's best measured setting (k26-switches-h100.json: skinny + moe_early + skinny_early, AR -7.9 %)
-# takes the 8-warp gate_up, whose CTAs leave room for down's early CTAs (t = 1: early 30.1 µs with 8 warps, 30.6 with 16)
+# takes the 8-warp gate_up, whose CTAs leave room for down's early CTAs (t = 1, early: 30.1 µs with 8 warps, 30.6
+# with 16)
 USE_W16 = False
 # NT for every t (1, 2 or 4; down takes min(NT, 2)): the benchmark's other choice; None: token_tile(t)
 TOKEN_TILE_OVERRIDE: int | None = None
