@@ -82,8 +82,11 @@ def token_tiles(t: int) -> int:
 def row_groups_per_cta(t: int, n: int, k: int, sms: int) -> int:
     """RG: 2 for t > 8 where the plan's CTAs with two row groups each, ceil(groups / 2) x KS, still cover the SMs
     (ROW_GROUP_PAIRS on), else 1.  KS stays the 16-row plan's (split_shape): RG never changes W or KS."""
-    groups = -(-n // ROWS)
-    _, ks = split_shape(n, k, sms)
+    return _row_groups(t, -(-n // ROWS), split_shape(n, k, sms)[1], sms)
+
+
+def _row_groups(t: int, groups: int, ks: int, sms: int) -> int:
+    """row_groups_per_cta's rule on the plan's 16-row group count and k splits."""
     return 2 if ROW_GROUP_PAIRS and t > 8 and -(-groups // 2) * ks >= sms else 1
 
 
@@ -105,13 +108,12 @@ def plan(t: int, n: int, k: int, out_f32: bool, add_c: bool, sms: int, u: int | 
          warps: int | None = None, splits: int | None = None, row_groups: int | None = None) -> Plan:
     """The launch for x [t, k] . w [n, k]^T; u / warps / splits / row_groups override the choice (benchmark sweeps,
     tests)."""
-    tt = token_tiles(t)
+    tt, groups = token_tiles(t), -(-n // ROWS)
     w, ks = split_shape(n, k, sms)
-    rg = row_groups or row_groups_per_cta(t, n, k, sms)
+    rg = row_groups or _row_groups(t, groups, ks, sms)
     if (tt, rg) not in U_VARIANTS:
         raise ValueError(f"skinny_gemm: no variant of {rg} row groups per CTA for {tt} token tiles (t = {t})")
     w, ks, u = warps or w, splits or ks, u or U_VARIANTS[tt, rg][0]
-    groups = -(-n // ROWS)
     cols = -(-groups // rg)  # CTA columns: one ticket and KS partial tiles of RG x TT x 128 floats each
     if ks > 1 and (cols > TICKETS or cols * ks * rg * tt * 128 > PARTS_FLOATS):
         raise ValueError(f"skinny_gemm: {ks} k splits of {cols} CTA columns exceed the split workspace")
