@@ -1,9 +1,9 @@
 """Launcher of moe_w4a16 v3: experts in fragment order (fragment_layout.py), the GEMMs in CUDA C (moe_v3.cu).
 
-route_kernel (Triton, as v2) -> gate_up (v3: h = silu(gate) * up per slot) -> down (v3: the weighted expert
-output per slot) -> combine_kernel (Triton, as v2: y[tok] = sum of its local slots, in slot order; it also
-re-zeroes the routing counts for the next call, so no memset precedes the route kernel).  Four launches, no
-host sync, capturable in a CUDA graph (the CUDA C kernels go through the driver API onto torch's current
+route_kernel (Triton, as v2; or moe_v3.cu's route: CUDA_ROUTE) -> gate_up (v3: h = silu(gate) * up per slot) -> down
+(v3: the weighted expert output per slot) -> combine_kernel (Triton, as v2: y[tok] = sum of its local slots, in slot
+order; it also re-zeroes the routing counts for the next call, so no memset precedes the route kernel).  Four
+launches, no host sync, capturable in a CUDA graph (the CUDA C kernels go through the driver API onto torch's current
 stream).  The cubin comes from the artifact, the kdtree cache or NVRTC/nvcc
 (plugins/common/cubin.py).  CUDA, bf16 tokens and bf16 scales only (the op falls back elsewhere).
 """
@@ -42,6 +42,13 @@ PREFETCH_ENV = "KDTREE_MOE_PREFETCH"
 # benchmarks/results/k26-switches-h100.json): AR step -2.8 % with the 8-warp gate_up, -3.7 % with the 16-warp one,
 # DDTree-15 / 16 rounds -3.6 %; kernel alone at t = 1 32.0 -> 30.1 µs (moe_w4a16_v3-h100.json).
 EARLY_WEIGHTS = True
+# The routing in CUDA C (moe_v3.cu's kdtree_moe_v3_route: a pick is two redux.sync where route_kernel.py's 64-bit keys
+# take two shuffle trees) where it applies (cuda_route_applies), else route_kernel.py: the same picks, weights and
+# shared activation bit for bit (tests/test_moe_v3_gpu.py).  Off until measured on the GPU (benchmarks/moe_w4a16_v3.py
+# column v3_cuda_route, k26_switches moe_cuda_route).
+CUDA_ROUTE = False
+ROUTE_NAME = "kdtree_moe_v3_route"
+ROUTE_MAX_EXPERTS = 512  # moe_v3.cu's 32 * ROUTE_EPL
 WARPS = 8  # moe_v3.cu's WARPS: every k group count is a multiple (k padded to 256)
 MAX_TOKENS = 4096  # per launch: the entry list of 4096 tokens x top-8 fits in shared memory
 
@@ -196,6 +203,35 @@ def _has(mod: _Module, name: str) -> bool:
     return True
 
 
+def cuda_route_applies(mod: _Module, logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int,
+                       shared_gate_up: torch.Tensor | None, shared_h: torch.Tensor | None) -> bool:
+    """Whether kdtree_moe_v3_route takes this call (CUDA_ROUTE on, the kernel in the loaded cubin, n_group 1, at most
+    ROUTE_MAX_EXPERTS experts and 32 picks, fp32 bias, the shared expert's gate | up fp32 and its activation bf16,
+    both with unit stride along the row); route_kernel.py takes every other."""
+    if not CUDA_ROUTE or n_group != 1 or logits.shape[1] > ROUTE_MAX_EXPERTS or top_k > 32 \
+            or bias.dtype != torch.float32 or not bias.is_contiguous() or not _has(mod, ROUTE_NAME):
+        return False
+    return shared_h is None or (shared_gate_up.dtype == torch.float32 and shared_h.dtype == torch.bfloat16
+                                and shared_gate_up.stride(1) == 1 and shared_h.stride(1) == 1)
+
+
+def launch_cuda_route(mod: _Module, logits: torch.Tensor, bias: torch.Tensor, ws: MoEWorkspace, e_start: int,
+                      e_local: int, scaling: float, top_k: int, norm_topk_prob: bool,
+                      shared_gate_up: torch.Tensor | None, shared_h: torch.Tensor | None) -> None:
+    """kdtree_moe_v3_route over logits [t, e]: ws.topk_idx / topk_w, ws.counts (zero before) and ws.lists as
+    route_kernel.py writes them for v3 (no list of active experts); with shared_h [t, i_sh] its silu(gate) * up."""
+    t, e = logits.shape
+    i32, f32, ptr = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+    shared = shared_h is not None
+    args = (logits.data_ptr(), bias.data_ptr(), ws.topk_idx.data_ptr(), ws.topk_w.data_ptr(), ws.counts.data_ptr(),
+            ws.lists.data_ptr(), t, e, logits.stride(0), e_start, e_local, float(scaling), top_k,
+            int(bool(norm_topk_prob)), shared_gate_up.data_ptr() if shared else 0,
+            shared_h.data_ptr() if shared else 0, shared_h.shape[1] if shared else 0,
+            shared_gate_up.stride(0) if shared else 0, shared_h.stride(0) if shared else 0)
+    types = (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, f32, i32, i32, ptr, ptr, i32, i32, i32)
+    _launch(mod, ROUTE_NAME, 2 * t if shared else t, 0, args, types, warps=1)
+
+
 def _launch(mod: _Module, name: str, grid: int, smem: int, args: tuple, types: tuple, warps: int = WARPS) -> None:
     """One launch on torch's current stream; with mod.pdl through cuLaunchKernelEx with programmatic stream
     serialization (the kernels wait for their predecessor grid first: moe_v3.cu's pdl_prologue).  A refused
@@ -287,8 +323,13 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
             ws.h.data_ptr(), t, top_k, e_local, d // GROUP, c1, pairs13, i, *pf[0])
     types = (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32, *pf[1])
     # counts [e_local + 1] is zero here (MoEWorkspace.allocate zeroes it, every call's combine re-zeroes it)
-    launch_route(logits, bias, ws.topk_idx, ws.topk_w, ws.counts, ws.active, ws.lists, e_start, e_local, scaling,
-                 top_k, n_group, topk_group, norm_topk_prob, shared_gate_up, shared_h, active_list=False)
+    if cuda_route_applies(mod, logits, bias, top_k, n_group, shared_gate_up, shared_h):
+        launch_cuda_route(mod, logits, bias, ws, e_start, e_local, scaling, top_k, norm_topk_prob, shared_gate_up,
+                          shared_h)
+    else:
+        launch_route(logits, bias, ws.topk_idx, ws.topk_w, ws.counts, ws.active, ws.lists, e_start, e_local,
+                     scaling, top_k, n_group, topk_group, norm_topk_prob, shared_gate_up, shared_h,
+                     active_list=False)
     name, warps = gate_up_kernel(nt, c1, n_items, sms)
     if warps == W16 and not (mod.prefetch_arg and _has(mod, name)):  # an older cubin: the 8-warp kernel
         name, warps = gate_up_variant(nt, c1), WARPS

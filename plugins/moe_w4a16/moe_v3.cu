@@ -462,6 +462,141 @@ __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2,
     }
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// route: one warp routes one token (launch_v3.py launches it in place of route_kernel.py where it applies: n_group 1,
+// e <= 32 * ROUTE_EPL, fp32 logits and bias, v3's lists without the list of active experts).  The same function and
+// bits as route_kernel.py as Triton 3.6 compiles it: sigmoid = 1 / (1 + ex2.approx(-x log2 e)) with div.full; the
+// picks in plugins/common/keys.py's packed-key order (choice descending, then expert ascending); a pick's weight is
+// its unbiased score; the weights' sum as Triton's tl.sum over the BKK padded slots (a butterfly from BKK / 2 down),
+// div.full, then the scaling.  Where route_kernel's 64-bit key reductions take two warp shuffle trees per pick, a pick
+// here is two redux.sync (sm_80+): the largest ordered choice among the lanes' own bests, then the lowest expert
+// holding it; only the winning lane then looks for its next best.  A token's slots take their places in the experts'
+// lists by atomics, as in route_kernel (the GEMMs compute each row on its own: the order does not matter).
+// CTA b < t routes token b; with su, CTA t + b forms token b's shared expert activation silu(gate) * up
+// (plugins/common/activation.py's roundings: layer_fusion's silu_mul bit for bit).
+// ---------------------------------------------------------------------------------------------------------
+#define ROUTE_EPL 16                   // experts per lane: e <= 512
+#define ORDERED_NONE ((int)0x80000000)  // below every ordered choice: padding, picked, NaN or -inf
+
+__device__ __forceinline__ float sigmoid_triton(float x) {
+    float e, r;
+    const float m = __fmul_rn(__fsub_rn(0.f, x), 1.4426950408889634f);
+    asm("ex2.approx.f32 %0, %1;" : "=f"(e) : "f"(m));
+    asm("div.full.f32 %0, %1, %2;" : "=f"(r) : "f"(1.f), "f"(__fadd_rn(e, 1.f)));
+    return r;
+}
+
+// plugins/common/keys.py's ordered(): fp32 -> int32 whose signed order is the float order (-0.0 as +0.0)
+__device__ __forceinline__ int ordered_f32(float x) {
+    const int bits = __float_as_int(__fadd_rn(x, 0.f));
+    return bits < 0 ? bits ^ 0x7FFFFFFF : bits;
+}
+
+__device__ __forceinline__ int warp_max_s32(int v) {
+    int r;
+    asm volatile("redux.sync.max.s32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
+    return r;
+}
+
+__device__ __forceinline__ unsigned warp_min_u32(unsigned v) {
+    unsigned r;
+    asm volatile("redux.sync.min.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
+    return r;
+}
+
+// the lane's best ordered choice over its experts lane + 32 q, and its q (equal choices: the lowest q, so expert)
+__device__ __forceinline__ void lane_best(const int (&key)[ROUTE_EPL], int& best, int& best_q) {
+    best = key[0];
+    best_q = 0;
+#pragma unroll
+    for (int q = 1; q < ROUTE_EPL; ++q)
+        if (key[q] > best) {
+            best = key[q];
+            best_q = q;
+        }
+}
+
+// silu(g) * u with plugins/common/activation.py's roundings (g, u to bf16 first; silu rounded; libdevice exp, div_rn)
+__device__ __forceinline__ u16 silu_mul_bf16(float g, float u) {
+    g = bf16_lo(to_bf16(g));
+    u = bf16_lo(to_bf16(u));
+    const float act = bf16_lo(to_bf16(__fdiv_rn(g, __fadd_rn(1.f, expf(-g)))));
+    return to_bf16(__fmul_rn(act, u));
+}
+
+// logits [t, e] fp32 (rows stride_l apart), bias [e] fp32 -> topk_idx / topk_w [t * top_k], counts [e_local] (zero
+// before the launch) and lists [e_local, t] of slot ids.  su [t, 2 i_sh] fp32 (rows stride_su apart) or nullptr,
+// sh [t, i_sh] bf16 (rows stride_h apart).  Blocks of 32 threads.
+extern "C" __global__ void __launch_bounds__(32) kdtree_moe_v3_route(
+    const float* __restrict__ logits, const float* __restrict__ bias, int* __restrict__ topk_idx,
+    float* __restrict__ topk_w, int* __restrict__ counts, int* __restrict__ lists, int t, int e, int stride_l,
+    int e_start, int e_local, float scaling, int top_k, int norm, const float* __restrict__ su,
+    u16* __restrict__ sh, int i_sh, int stride_su, int stride_h) {
+    pdl_prologue();  // the router GEMM's logits (and the shared expert's gate | up) are complete from here
+    const int lane = threadIdx.x;
+    if ((int)blockIdx.x >= t) {  // the shared expert's activation of token blockIdx.x - t
+        const long tok = blockIdx.x - t;
+        const float* row = su + tok * stride_su;
+        for (int c = lane; c < i_sh; c += 32)
+            sh[tok * stride_h + c] = silu_mul_bf16(ld_cg_f32(row + c), ld_cg_f32(row + i_sh + c));
+        return;
+    }
+    const int tok = blockIdx.x;
+    const float* row = logits + (long)tok * stride_l;
+    float sc[ROUTE_EPL];  // unbiased scores of experts lane + 32 q
+    int key[ROUTE_EPL];   // their ordered choices (score + bias), ORDERED_NONE where none
+#pragma unroll
+    for (int q = 0; q < ROUTE_EPL; ++q) {
+        const int ex = lane + 32 * q;
+        sc[q] = 0.f;
+        key[q] = ORDERED_NONE;
+        if (ex < e) {
+            sc[q] = sigmoid_triton(ld_cg_f32(row + ex));
+            const float choice = __fadd_rn(sc[q], bias[ex]);
+            if (choice > __int_as_float(0xFF800000)) key[q] = ordered_f32(choice);  // > -inf: not NaN either
+        }
+    }
+    int best, best_q;
+    lane_best(key, best, best_q);
+    int my_i = 0x7FFFFFFF;  // lane j < top_k: pick j (route_kernel's id of no pick where none is left) and its weight
+    float my_w = 0.f;
+    for (int j = 0; j < top_k; ++j) {
+        const int m = warp_max_s32(best);
+        int id = 0x7FFFFFFF;
+        float w = 0.f;
+        if (m != ORDERED_NONE) {  // uniform over the warp
+            id = (int)warp_min_u32(best == m ? (unsigned)(lane + 32 * best_q) : 0x7FFFFFFFu);
+            float mine = 0.f;
+#pragma unroll
+            for (int q = 0; q < ROUTE_EPL; ++q)
+                if (lane + 32 * q == id) {
+                    mine = sc[q];
+                    key[q] = ORDERED_NONE;
+                }
+            w = __shfl_sync(0xFFFFFFFFu, mine, id & 31);
+            if ((id & 31) == lane) lane_best(key, best, best_q);
+        }
+        if (lane == j) {
+            my_i = id;
+            my_w = w;
+        }
+    }
+    if (norm) {  // Triton's tl.sum over the BKK padded slots: butterfly from BKK / 2 down
+        int bkk = 2;
+        while (bkk < top_k) bkk <<= 1;
+        float v = my_w;
+        for (int o = bkk >> 1; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
+        asm("div.full.f32 %0, %1, %2;" : "=f"(my_w) : "f"(my_w), "f"(__fadd_rn(v, 1e-20f)));
+    }
+    my_w = __fmul_rn(my_w, scaling);
+    if (lane < top_k) {
+        const int slot = tok * top_k + lane, le = my_i - e_start;
+        topk_idx[slot] = my_i;
+        topk_w[slot] = my_w;
+        if (le >= 0 && le < e_local) lists[(long)le * t + atomicAdd(counts + le, 1)] = slot;
+    }
+}
+
 // Never launched: its presence in a cubin tells launch_v3.py the kernels above wait (a cubin built from an older
 // source, e.g. an artifact's, does not hold it and is launched without PDL).
 extern "C" __global__ void kdtree_moe_v3_waits_for_predecessor() {}
