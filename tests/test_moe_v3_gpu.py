@@ -207,7 +207,8 @@ def test_cuda_route_gives_the_triton_route_bits():
     cases = [(1, 384, 8, 0, 384, True, False, True), (17, 384, 8, 0, 384, True, True, True),
              (9, 384, 8, 48, 48, True, False, False), (64, 384, 8, 0, 384, False, False, True),
              (5, 16, 2, 4, 8, True, True, False), (33, 64, 6, 0, 64, True, False, True),
-             (3, 500, 32, 100, 300, True, True, False), (300, 256, 8, 0, 256, True, False, True)]
+             (3, 500, 32, 100, 300, True, True, False), (300, 256, 8, 0, 256, True, False, True),
+             (32, 384, 8, 0, 384, True, True, True)]  # t <= 32: one CTA, places by shared atomics; beyond: global
     for t, e, k, e_start, e_local, norm, coarse, shared in cases:
         both = torch.randn(t, e + 3 + 64, device=dev, generator=g) * 2
         logits = both[:, :e]  # strided rows, as the router GEMM's wider output

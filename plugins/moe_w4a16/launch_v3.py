@@ -49,6 +49,7 @@ EARLY_WEIGHTS = True
 CUDA_ROUTE = False
 ROUTE_NAME = "kdtree_moe_v3_route"
 ROUTE_MAX_EXPERTS = 512  # moe_v3.cu's 32 * ROUTE_EPL
+ROUTE_LOCAL_TOKENS = 32  # up to this many tokens the routing is one CTA (a warp per token: 1024 threads at most)
 WARPS = 8  # moe_v3.cu's WARPS: every k group count is a multiple (k padded to 256)
 MAX_TOKENS = 4096  # per launch: the entry list of 4096 tokens x top-8 fits in shared memory
 
@@ -219,17 +220,21 @@ def launch_cuda_route(mod: _Module, logits: torch.Tensor, bias: torch.Tensor, ws
                       e_local: int, scaling: float, top_k: int, norm_topk_prob: bool,
                       shared_gate_up: torch.Tensor | None, shared_h: torch.Tensor | None) -> None:
     """kdtree_moe_v3_route over logits [t, e]: ws.topk_idx / topk_w, ws.counts (zero before) and ws.lists as
-    route_kernel.py writes them for v3 (no list of active experts); with shared_h [t, i_sh] its silu(gate) * up."""
+    route_kernel.py writes them for v3 (no list of active experts); with shared_h [t, i_sh] its silu(gate) * up.
+    Up to ROUTE_LOCAL_TOKENS tokens one CTA of t warps routes them all (places by shared-memory atomics, no global
+    atomic's round trip before gate_up), beyond that one one-warp CTA per token."""
     t, e = logits.shape
+    local = t <= ROUTE_LOCAL_TOKENS
     i32, f32, ptr = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
     shared = shared_h is not None
     args = (logits.data_ptr(), bias.data_ptr(), ws.topk_idx.data_ptr(), ws.topk_w.data_ptr(), ws.counts.data_ptr(),
             ws.lists.data_ptr(), t, e, logits.stride(0), e_start, e_local, float(scaling), top_k,
             int(bool(norm_topk_prob)), shared_gate_up.data_ptr() if shared else 0,
             shared_h.data_ptr() if shared else 0, shared_h.shape[1] if shared else 0,
-            shared_gate_up.stride(0) if shared else 0, shared_h.stride(0) if shared else 0)
-    types = (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, f32, i32, i32, ptr, ptr, i32, i32, i32)
-    _launch(mod, ROUTE_NAME, 2 * t if shared else t, 0, args, types, warps=1)
+            shared_gate_up.stride(0) if shared else 0, shared_h.stride(0) if shared else 0, int(local))
+    types = (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, f32, i32, i32, ptr, ptr, i32, i32, i32, i32)
+    n_route = 1 if local else t
+    _launch(mod, ROUTE_NAME, n_route + t * shared, 0, args, types, warps=t if local else 1)
 
 
 def _launch(mod: _Module, name: str, grid: int, smem: int, args: tuple, types: tuple, warps: int = WARPS) -> None:

@@ -472,10 +472,13 @@ __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2,
 // here is two redux.sync (sm_80+): the largest ordered choice among the lanes' own bests, then the lowest expert
 // holding it; only the winning lane then looks for its next best.  A token's slots take their places in the experts'
 // lists by atomics, as in route_kernel (the GEMMs compute each row on its own: the order does not matter).
-// CTA b < t routes token b; with su, CTA t + b forms token b's shared expert activation silu(gate) * up
+// Two shapes (launch_v3.launch_cuda_route): with `local` (t <= 32) one CTA of t warps routes every token (warp w
+// token w), its places taken by shared-memory atomics and the counts then stored, where the global atomics' L2 round
+// trip would sit on the critical path before gate_up; else CTA b < t (one warp) routes token b through global atomics.
+// The n_route CTAs are followed, with su, by one CTA per token b forming its shared expert activation silu(gate) * up
 // (plugins/common/activation.py's roundings: layer_fusion's silu_mul bit for bit).
 // ---------------------------------------------------------------------------------------------------------
-#define ROUTE_EPL 16                   // experts per lane: e <= 512
+#define ROUTE_EPL 16                   // experts per lane: e <= 512 (so e_local too: s_cnt's size)
 #define ORDERED_NONE ((int)0x80000000)  // below every ordered choice: padding, picked, NaN or -inf
 
 __device__ __forceinline__ float sigmoid_triton(float x) {
@@ -526,22 +529,27 @@ __device__ __forceinline__ u16 silu_mul_bf16(float g, float u) {
 
 // logits [t, e] fp32 (rows stride_l apart), bias [e] fp32 -> topk_idx / topk_w [t * top_k], counts [e_local] (zero
 // before the launch) and lists [e_local, t] of slot ids.  su [t, 2 i_sh] fp32 (rows stride_su apart) or nullptr,
-// sh [t, i_sh] bf16 (rows stride_h apart).  Blocks of 32 threads.
-extern "C" __global__ void __launch_bounds__(32) kdtree_moe_v3_route(
+// sh [t, i_sh] bf16 (rows stride_h apart).  local: blocks of 32 t threads (t <= 32), else of 32.
+extern "C" __global__ void __launch_bounds__(1024) kdtree_moe_v3_route(
     const float* __restrict__ logits, const float* __restrict__ bias, int* __restrict__ topk_idx,
     float* __restrict__ topk_w, int* __restrict__ counts, int* __restrict__ lists, int t, int e, int stride_l,
     int e_start, int e_local, float scaling, int top_k, int norm, const float* __restrict__ su,
-    u16* __restrict__ sh, int i_sh, int stride_su, int stride_h) {
+    u16* __restrict__ sh, int i_sh, int stride_su, int stride_h, int local) {
+    __shared__ int s_cnt[32 * ROUTE_EPL];  // local: the places taken per local expert
     pdl_prologue();  // the router GEMM's logits (and the shared expert's gate | up) are complete from here
-    const int lane = threadIdx.x;
-    if ((int)blockIdx.x >= t) {  // the shared expert's activation of token blockIdx.x - t
-        const long tok = blockIdx.x - t;
+    const int lane = threadIdx.x & 31, n_route = local ? 1 : t;
+    if ((int)blockIdx.x >= n_route) {  // the shared expert's activation of token blockIdx.x - n_route
+        const long tok = blockIdx.x - n_route;
         const float* row = su + tok * stride_su;
-        for (int c = lane; c < i_sh; c += 32)
+        for (int c = threadIdx.x; c < i_sh; c += blockDim.x)
             sh[tok * stride_h + c] = silu_mul_bf16(ld_cg_f32(row + c), ld_cg_f32(row + i_sh + c));
         return;
     }
-    const int tok = blockIdx.x;
+    if (local) {  // uniform: a kernel argument
+        for (int le = threadIdx.x; le < e_local; le += blockDim.x) s_cnt[le] = 0;
+        __syncthreads();
+    }
+    const int tok = local ? (int)(threadIdx.x >> 5) : (int)blockIdx.x;
     const float* row = logits + (long)tok * stride_l;
     float sc[ROUTE_EPL];  // unbiased scores of experts lane + 32 q
     int key[ROUTE_EPL];   // their ordered choices (score + bias), ORDERED_NONE where none
@@ -593,7 +601,12 @@ extern "C" __global__ void __launch_bounds__(32) kdtree_moe_v3_route(
         const int slot = tok * top_k + lane, le = my_i - e_start;
         topk_idx[slot] = my_i;
         topk_w[slot] = my_w;
-        if (le >= 0 && le < e_local) lists[(long)le * t + atomicAdd(counts + le, 1)] = slot;
+        if (le >= 0 && le < e_local) lists[(long)le * t + atomicAdd((local ? s_cnt : counts) + le, 1)] = slot;
+    }
+    if (local) {  // the counts, zero before the launch: only the experts this round routed to
+        __syncthreads();
+        for (int le = threadIdx.x; le < e_local; le += blockDim.x)
+            if (s_cnt[le]) counts[le] = s_cnt[le];
     }
 }
 
