@@ -109,7 +109,8 @@ def _set_attn_fold(on: bool) -> None:
 
 
 SWITCHES = {"skinny": _set_skinny, "moe_pf": _set_moe_pf, "gemm_pf": _set_gemm_pf,  # see the module doc
-            "attn_pf": _set_attn_pf, "attn_fold": _set_attn_fold, "skinny_pf": _set_skinny_pf, "skinny_wide": _set_skinny_wide,
+            "attn_pf": _set_attn_pf, "attn_fold": _set_attn_fold, "skinny_pf": _set_skinny_pf,
+            "skinny_wide": _set_skinny_wide,
             "skinny_late": _set_skinny_late, "moe_w16": _set_moe_w16, "moe_early": _set_moe_early,
             "skinny_early": _set_skinny_early, "moe_cuda_route": _set_moe_cuda_route,
             "skinny_tree": _set_skinny_tree}
