@@ -45,8 +45,9 @@ EARLY_WEIGHTS = True
 # The routing in CUDA C (moe_v3.cu's kdtree_moe_v3_route: a pick is two redux.sync where route_kernel.py's 64-bit keys
 # take two shuffle trees) where it applies (cuda_route_applies), else route_kernel.py: the same picks, weights and
 # shared activation bit for bit (tests/test_moe_v3_gpu.py).  Off until measured on the GPU (benchmarks/moe_w4a16_v3.py
-# column v3_cuda_route, k26_switches moe_cuda_route).
-CUDA_ROUTE = False
+# columns v3_route_cuda / v3_route_triton, k26_switches moe_cuda_route; KDTREE_MOE_CUDA_ROUTE=1 turns it on at
+# import, e.g. under ncu).
+CUDA_ROUTE = env_flag("KDTREE_MOE_CUDA_ROUTE", False)
 ROUTE_NAME = "kdtree_moe_v3_route"
 ROUTE_MAX_EXPERTS = 512  # moe_v3.cu's 32 * ROUTE_EPL
 ROUTE_LOCAL_TOKENS = 32  # up to this many tokens the routing is one CTA (a warp per token: 1024 threads at most)
