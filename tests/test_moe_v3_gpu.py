@@ -72,7 +72,7 @@ def _case(t, e, d, i, k, n_group, topk_group, e_start, e_local, seed, dev) -> di
     finally:
         os.environ.pop(PREFETCH_ENV)
     early, w16 = launch_v3.EARLY_WEIGHTS, launch_v3.USE_W16
-    launch_v3.EARLY_WEIGHTS = not early  # down's weights before its PDL wait or after (PF_EARLY): the same bits
+    launch_v3.EARLY_WEIGHTS = not early  # down's weights prefetched before its PDL wait or not: the same bits
     try:
         same_early = bool(torch.equal(y, call()))
     finally:

@@ -6,6 +6,7 @@ and the kernel's reading of it disagree, this model's product differs from the d
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 
@@ -167,7 +168,6 @@ def test_every_variant_the_launcher_picks_is_compiled(tmp_path):
     from plugins.common.cubin import _nvcc
     from plugins.moe_w4a16.launch_v3 import (
         DOWN_P,
-        EARLY_MARKER,
         GATE_UP_P,
         PDL_MARKER,
         PREFETCH_MARKER,
@@ -178,7 +178,7 @@ def test_every_variant_the_launcher_picks_is_compiled(tmp_path):
         gate_up_w16,
     )
 
-    names = {f"kdtree_moe_v3_down_nt{nt}_p{p}" for nt, p in DOWN_P.items()}
+    names = {f"kdtree_moe_v3_down{early}_nt{nt}_p{p}" for nt, p in DOWN_P.items() for early in ("", "_early")}
     for nt in GATE_UP_P:
         for per_warp in range(1, 40):
             names.add(gate_up_variant(nt, per_warp * WARPS))
@@ -193,17 +193,25 @@ def test_every_variant_the_launcher_picks_is_compiled(tmp_path):
         assert not missing, (arch, missing)
         assert PDL_MARKER in data  # the launcher's sign that these kernels wait (PDL)
         assert PREFETCH_MARKER in data  # ... and take the L2 prefetch argument
-        assert EARLY_MARKER in data  # ... and down its PF_EARLY bit
     # programmatic dependent launch: every kernel waits for its predecessor grid before reading anything
     ptx = tmp_path / "moe_v3.ptx"
     subprocess.run([shutil.which("nvcc"), "-ptx", "-arch=sm_90", "-std=c++17", "-o", str(ptx), str(SOURCE)], check=True)
-    markers = (PDL_MARKER.decode(), PREFETCH_MARKER.decode(), EARLY_MARKER.decode())
+    markers = (PDL_MARKER.decode(), PREFETCH_MARKER.decode())
     bodies = [b for b in ptx.read_text().split(".entry ")[1:] if not b.startswith(markers)]
     assert len(bodies) >= len(names) and all("griddepcontrol.wait" in b for b in bodies)
-    # gate_up waits first; so does down unless PF_EARLY (then its weight loads go before the wait; only the
-    # route kernel's outputs, read through L2, and the weights are read there)
-    for b in (b for b in bodies if "gate_up" in b.split("(")[0]):
-        assert b.find("griddepcontrol.wait") < min(b.find(op) for op in ("ld.global", "ld.volatile") if op in b)
+    # gate_up and the late down wait first; down_early reads only the route kernel's outputs (through L2) and
+    # prefetches its first weights before the wait, and its h loads go through L2, never .nc (which ptxas may hoist
+    # above the wait: tests/test_pdl_order_sass.py checks the SASS)
+    for b in bodies:
+        name = b.split("(")[0]
+        if "gate_up" in name or ("_down_" in name and "_early_" not in name):
+            assert b.find("griddepcontrol.wait") < min(b.find(op) for op in ("ld.global", "ld.volatile") if op in b)
+        if "_down_" in name:
+            assert "ld.global.nc.v4.u32" not in b and "ld.global.cg.v4.u32" in b, name
+        if "_down_early_" in name:
+            wait = b.find("griddepcontrol.wait")
+            assert -1 < b.find("cp.async.bulk.prefetch.L2.global") < wait, name
+            assert all(m.start() > wait for m in re.finditer(r"ld\.global\.nc\.L1::no_allocate", b)), name
     # and every expert GEMM can put its weights in flight with the bulk L2 prefetch (taken when pf is set)
     assert all("cp.async.bulk.prefetch.L2.global" in b for b in bodies if not b.startswith(ROUTE_NAME))
 

@@ -35,12 +35,14 @@ SOURCE = Path(__file__).with_name("moe_v3.cu")
 # 529.7 -> 510.6 µs), which NT = 2 beats without it (472.8); with the tiles token_tile chooses it lost (t = 1 29.0
 # against 28.9, t = 9 64.7 / 58.0, t = 17 58.6 / 51.5, t = 64 114.8 / 105.5).
 PREFETCH_ENV = "KDTREE_MOE_PREFETCH"
-# Weights before the PDL wait (moe_v3.cu's PF_EARLY, combine_shared_kernel's EARLY): down's entry list and first P
-# groups of weights and scales (a whole item at TP8) load while gate_up runs, only its token loads wait for it; the
-# combine forms the shared expert's down product (h is the route kernel's) before waiting for down.  The same bits
-# either way (tests/test_moe_v3_gpu.py).  On since measured (2026-12-05, H100, K2.6 TP8 rank at 40 layers,
-# benchmarks/results/k26-switches-h100.json): AR step -2.8 % with the 8-warp gate_up, -3.7 % with the 16-warp one,
-# DDTree-15 / 16 rounds -3.6 %; kernel alone at t = 1 32.0 -> 30.1 µs (moe_w4a16_v3-h100.json).
+# Weights before the PDL wait (down_kernel's kdtree_moe_v3_down_early_*, combine_shared_kernel's EARLY): down builds
+# its entry list and prefetches its first P groups of weights and scales (a whole item at TP8) into L2 while gate_up
+# runs, its ring's loads after the wait; the combine forms the shared expert's down product (h is the route kernel's)
+# before waiting for down.  The same bits either way (tests/test_moe_v3_gpu.py).  Measured on (2026-12-05, H100,
+# K2.6 TP8 rank at 40 layers, benchmarks/results/k26-switches-h100.json: AR step -2.8 %, DDTree rounds -3.6 %), but
+# with the down of then, which loaded the weights into registers and whose first h loads ptxas had hoisted above
+# the wait (.nc): a race with gate_up's stores, fixed 2026-12-06 (moe_v3.cu's ld_tokens_cg); the prefetching down
+# that replaced it is to be measured again (k26_switches moe_early).
 EARLY_WEIGHTS = True
 # The routing in CUDA C (moe_v3.cu's kdtree_moe_v3_route: a pick is two redux.sync where route_kernel.py's 64-bit keys
 # take two shuffle trees) where it applies (cuda_route_applies), else route_kernel.py: the same picks, weights and
@@ -110,6 +112,14 @@ def gate_up_kernel(nt: int, n_groups: int, n_items: int, sms: int) -> tuple[str,
     return (name, W16) if name is not None else (gate_up_variant(nt, n_groups), WARPS)
 
 
+def down_kernel(mod: _Module, nt: int) -> str:
+    """down's variant for NT: with EARLY_WEIGHTS the one that prefetches its first weights before its PDL wait where
+    the loaded cubin holds it (moe_v3.cu's kdtree_moe_v3_down_early_*), else the one that waits first."""
+    late = f"kdtree_moe_v3_down_nt{nt}_p{DOWN_P[nt]}"
+    early = late.replace("_down_", "_down_early_")
+    return early if EARLY_WEIGHTS and _has(mod, early) else late
+
+
 def max_entries(t: int, top_k: int, e_local: int, nt: int) -> int:
     """Bound on (expert, token tile) entries: each active expert's last tile may be partial."""
     return min(e_local, t * top_k) + cdiv(t * top_k, 8 * nt)
@@ -136,7 +146,6 @@ class _Module:
     index: int  # the CUDA device's
     pdl: bool = False  # ask for programmatic dependent launch (sm_90+; plugins/common/driver.launch remembers a refusal)
     prefetch_arg: bool = False  # the kernels take `pf` (a cubin built from an older source does not)
-    down_early: bool = False  # down reads PF_EARLY in `pf` (EARLY_MARKER)
 
 
 _MODULES: dict[int, _Module] = {}
@@ -144,8 +153,7 @@ _MODULES: dict[int, _Module] = {}
 
 PDL_MARKER = b"kdtree_moe_v3_waits_for_predecessor"  # in moe_v3.cu: its kernels start with the PDL wait
 PREFETCH_MARKER = b"kdtree_moe_v3_takes_prefetch_arg"  # in moe_v3.cu: its kernels take `pf` last
-EARLY_MARKER = b"kdtree_moe_v3_down_takes_early"  # in moe_v3.cu: down reads the PF_EARLY bit of `pf`
-PF_L2, PF_EARLY = 1, 2  # moe_v3.cu's bits of `pf`
+PF_L2 = 1  # moe_v3.cu's bit of `pf` (bit 2, PF_EARLY, is never passed: older cubins' down read h before its wait)
 
 
 def _ok(cu, res, what: str):
@@ -162,8 +170,7 @@ def kernels(device: torch.device) -> _Module:
         waits = cu.cuModuleGetFunction(module, PDL_MARKER)[0] == cu.CUresult.CUDA_SUCCESS  # an older cubin: no
         pdl = waits and USE_PDL and device_facts(device).capability[0] >= 9
         takes_pf = cu.cuModuleGetFunction(module, PREFETCH_MARKER)[0] == cu.CUresult.CUDA_SUCCESS
-        early = cu.cuModuleGetFunction(module, EARLY_MARKER)[0] == cu.CUresult.CUDA_SUCCESS
-        mod = _MODULES[index] = _Module(cu, module, {}, {}, where, index, pdl, takes_pf, early)
+        mod = _MODULES[index] = _Module(cu, module, {}, {}, where, index, pdl, takes_pf)
     return mod
 
 
@@ -322,7 +329,6 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
     i32, ptr = ctypes.c_int, ctypes.c_void_p
     # the flags argument, where the cubin takes one: gate_up's, and down's with its early weights
     pf = ((PF_L2 * prefetch,), (i32,)) if mod.prefetch_arg else ((), ())
-    pf_down = ((PF_L2 * prefetch | PF_EARLY * (EARLY_WEIGHTS and mod.down_early),), (i32,)) if mod.prefetch_arg else pf
     nt = TOKEN_TILE_OVERRIDE or token_tile(t)
     n_items = max_entries(t, top_k, e_local, nt) * pairs13
     args = (w13.data_ptr(), w13_scale.data_ptr(), x.data_ptr(), ws.counts.data_ptr(), ws.lists.data_ptr(),
@@ -345,10 +351,10 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
     nt2 = down_tile(nt)
     n_items = max_entries(t, top_k, e_local, nt2) * pairs2
     smem = down_smem(t, top_k, e_local, nt2)
-    _launch(mod, f"kdtree_moe_v3_down_nt{nt2}_p{DOWN_P[nt2]}", min(cdiv(n_items, WARPS), 2 * sms), smem,
+    _launch(mod, down_kernel(mod, nt2), min(cdiv(n_items, WARPS), 2 * sms), smem,
             (w2.data_ptr(), w2_scale.data_ptr(), ws.h.data_ptr(), ws.topk_w.data_ptr(), ws.counts.data_ptr(),
-             ws.lists.data_ptr(), ws.out.data_ptr(), t, e_local, i // GROUP, c2, pairs2, d, *pf_down[0]),
-            (ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, *pf_down[1]))
+             ws.lists.data_ptr(), ws.out.data_ptr(), t, e_local, i // GROUP, c2, pairs2, d, *pf[0]),
+            (ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, *pf[1]))
     launch_combine(ws.out, ws.topk_idx, y, ws.counts, e_start, e_local, top_k, mod.pdl and not pdl_refused(mod.index),
                    shared_h, shared_down, early=EARLY_WEIGHTS)
     return y

@@ -39,9 +39,23 @@ __device__ __forceinline__ uint2 ld_scales(const uint2* p) {
     return r;
 }
 
-__device__ __forceinline__ uint4 ld_tokens(const uint4* p) {  // token rows: re-read by other items, keep
+// gate_up's token rows x: written three launches back (the norm before the router GEMM), complete once gate_up's wait
+// returns, and their addresses come from the lists read after it, so no load can move above the wait: re-read by
+// other items of the SM, kept in L1.
+__device__ __forceinline__ uint4 ld_tokens(const uint4* p) {
     uint4 r;
     asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+// down's h rows: written by gate_up, its predecessor, which under PDL may still run when down starts; with EARLY
+// their addresses are known before down's wait.  Never through the non-coherent path: .nc tells ptxas the data cannot
+// change while the kernel runs, and it hoisted the first h loads above griddepcontrol.wait (sm_90 SASS: LDG.CONSTANT
+// before ACQBULK), a race with gate_up's stores.  From L2 (.cg): a strong load stays after the wait.
+__device__ __forceinline__ uint4 ld_tokens_cg(const uint4* p) {
+    uint4 r;
+    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
     return r;
 }
@@ -72,10 +86,10 @@ __device__ __forceinline__ void pdl_prologue() {
 #endif
 }
 
-// The kernels' last argument `pf`, bit flags (0: neither):
-#define PF_L2 1     // gate_up prefetches each item's weights into L2 as it starts it, down each warp's next item
-#define PF_EARLY 2  // down only, under PDL: the route kernel's outputs and the first weights before the wait
-                    // (see down); without it down waits first, like every other kernel
+// The kernels' last argument `pf`, bit flags (0: none):
+#define PF_L2 1  // gate_up prefetches each item's weights into L2 as it starts it, down each warp's next item
+// (bit 2 was PF_EARLY, down's weights before its wait chosen at run time: now the EARLY template, kernels
+// kdtree_moe_v3_down_early_*, where the wait is not behind a branch that ptxas schedules across)
 
 // A register r of a fragment word: nibbles r and r + 4 -> bf16 pair (q_lo, q_hi), q = stored - 8, exact.
 __device__ __forceinline__ u32 dequant_pair(u32 w) {
@@ -202,7 +216,7 @@ __device__ __forceinline__ void zero_acc(float (&acc)[2][NT][4]) {
 // The load side of a warp: walks the CTA's (or warp's) items in chunks of P groups and fills the ring.
 // Within a chunk nothing branches: a chunk's P groups are consumed and the next chunk's P groups loaded in
 // one straight-line block (past the last chunk the cursor stays put and the loads re-read it, harmlessly).
-template <int NT, int P>
+template <int NT, int P, bool CG = false>  // CG: the token loads through L2 (ld_tokens_cg: down's h)
 struct Ring {
     uint4 w[P], x[P][NT];
     uint2 s[P];
@@ -222,7 +236,9 @@ struct Ring {
     }
     __device__ __forceinline__ void load_tokens(int k, int c, int c_real) {
 #pragma unroll
-        for (int j = 0; j < NT; ++j) x[k][j] = (px[j] != nullptr && c < c_real) ? ld_tokens(px[j] + 4 * c) : make_uint4(0, 0, 0, 0);
+        for (int j = 0; j < NT; ++j)
+            x[k][j] = (px[j] != nullptr && c < c_real) ? (CG ? ld_tokens_cg(px[j] + 4 * c) : ld_tokens(px[j] + 4 * c))
+                                                       : make_uint4(0, 0, 0, 0);
     }
 };
 
@@ -341,7 +357,7 @@ __device__ void gate_up(const uint4* __restrict__ w13, const uint2* __restrict__
 // ---------------------------------------------------------------------------------------------------------
 // down: item = (entry, row pair), one warp over the whole k (warps of all CTAs stride over the items)
 // ---------------------------------------------------------------------------------------------------------
-template <int NT, int P>
+template <int NT, int P, bool EARLY>
 __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2, const uint4* __restrict__ h,
                      const float* __restrict__ topk_w, const int* __restrict__ counts, const int* __restrict__ lists,
                      u16* __restrict__ out, int t, int e_local, int c_real, int n_groups, int n_pairs, int d,
@@ -354,13 +370,14 @@ __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2,
     int* s_ent = s_cnt + e_local;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, u = lane & 3;
     u16* stage = s_o + warp * TT * 32;
-    // PF_EARLY: down's predecessor is gate_up, whose h only the token loads read; counts, lists and topk_w come from
+    // EARLY: down's predecessor is gate_up, whose h only the token loads read; counts, lists and topk_w come from
     // the route kernel before it, which completed before gate_up's wait returned, and gate_up lets this grid launch
     // only after that wait (pdl_prologue in every CTA), so they are final whenever this grid runs (read through L2,
-    // .cg).  The entry list and the ring's first P groups of weights and scales (a whole item at TP8) are then
-    // loaded while gate_up still runs, and only the token loads follow the wait.
-    const bool early = (pf & PF_EARLY) != 0;
-    if (!early) pdl_prologue();
+    // .cg).  The entry list is built and the first P groups of weights and scales (a whole item at TP8) are
+    // prefetched into L2 while gate_up still runs; the ring's loads follow the wait (h through .cg: ld_tokens_cg).
+    // Not the weights into registers before the wait: ptxas sinks those .nc loads below griddepcontrol.wait (sm_90
+    // SASS, CUDA 13.0) once the h loads can no longer move above it.
+    if (!EARLY) pdl_prologue();
 
     const int n_ent = build_entries<WARPS>(counts, e_local, TT, s_cnt, s_ent, s_ws);
     const int n_work = n_ent * n_pairs;
@@ -371,7 +388,7 @@ __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2,
     if (total == 0) return;  // uniform over the warp; no CTA barrier follows (nothing read or written after the wait)
     const int h_row = c_real * 4;  // uint4 per h row (i / 8)
 
-    Ring<NT, P> ring;
+    Ring<NT, P, true> ring;  // h through L2 (ld_tokens_cg)
     int l_wi = gw;
     auto l_setup = [&](int wi) {
         const int ent = s_ent[wi / n_pairs], p = wi % n_pairs, e = ent >> 16, tile = ent & 0xFFFF;
@@ -400,11 +417,13 @@ __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2,
         }
     };
     l_setup(l_wi);
+    if (EARLY) {  // the first chunk's weights and scales put in flight into L2, then the wait
+        if (lane == 0) l2_prefetch(ring.pw, P * 512u);  // lane 0's words start the chunk (g = 0 for the scales too)
+        if (lane == 1) l2_prefetch(ring.ps, P * 64u);
+        pdl_prologue();  // gate_up's h is complete and visible from here
+    }
 #pragma unroll
-    for (int k = 0; k < P; ++k) ring.load_weights(k, k);
-    if (early) pdl_prologue();  // gate_up's h is complete and visible from here
-#pragma unroll
-    for (int k = 0; k < P; ++k) ring.load_tokens(k, k, c_real);
+    for (int k = 0; k < P; ++k) ring.load(k, k, c_real);
     l_next();
 
     int c_wi = gw, c_chunk = 0;
@@ -613,11 +632,8 @@ extern "C" __global__ void __launch_bounds__(1024) kdtree_moe_v3_route(
 // Never launched: its presence in a cubin tells launch_v3.py the kernels above wait (a cubin built from an older
 // source, e.g. an artifact's, does not hold it and is launched without PDL).
 extern "C" __global__ void kdtree_moe_v3_waits_for_predecessor() {}
-// Never launched: the kernels take the flags argument `pf` last (PF_L2, PF_EARLY).  A cubin without it takes no
-// such argument.
+// Never launched: the kernels take the flags argument `pf` last (PF_L2).  A cubin without it takes no such argument.
 extern "C" __global__ void kdtree_moe_v3_takes_prefetch_arg() {}
-// Never launched: down reads PF_EARLY in `pf` (an older cubin would take any nonzero pf as PF_L2).
-extern "C" __global__ void kdtree_moe_v3_down_takes_early() {}
 
 #define GATE_UP(NT, P, MINB)                                                                                    \
     extern "C" __global__ void __launch_bounds__(THREADS, MINB) kdtree_moe_v3_gate_up_nt##NT##_p##P(         \
@@ -636,12 +652,16 @@ extern "C" __global__ void kdtree_moe_v3_down_takes_early() {}
         pdl_prologue();                                                                                        \
         gate_up<NT, P, 16>(w13, s13, x, counts, lists, h, t, top_k, e_local, c_real, n_groups, n_pairs, inter, pf); \
     }
-#define DOWN(NT, P, MINB)                                                                                       \
-    extern "C" __global__ void __launch_bounds__(THREADS, MINB) kdtree_moe_v3_down_nt##NT##_p##P(            \
+#define DOWN_KERNEL(NAME, NT, P, MINB, EARLY)                                                                     \
+    extern "C" __global__ void __launch_bounds__(THREADS, MINB) NAME(                                         \
         const uint4* w2, const uint2* s2, const uint4* h, const float* topk_w, const int* counts,             \
         const int* lists, u16* out, int t, int e_local, int c_real, int n_groups, int n_pairs, int d, int pf) {\
-        down<NT, P>(w2, s2, h, topk_w, counts, lists, out, t, e_local, c_real, n_groups, n_pairs, d, pf);     \
+        down<NT, P, EARLY>(w2, s2, h, topk_w, counts, lists, out, t, e_local, c_real, n_groups, n_pairs, d, pf); \
     }
+// each down variant twice: waiting first, and with its weights before the wait (launch_v3.EARLY_WEIGHTS)
+#define DOWN(NT, P, MINB)                                                       \
+    DOWN_KERNEL(kdtree_moe_v3_down_nt##NT##_p##P, NT, P, MINB, false)          \
+    DOWN_KERNEL(kdtree_moe_v3_down_early_nt##NT##_p##P, NT, P, MINB, true)
 
 // Variants (launch_v3.py picks): NT token tiles of 8; gate_up's P divides its groups per warp (kp_d / 256: 28 at
 // d = 7168), down's P divides kp_i / 32 (a multiple of 8).  MINB 2: two CTAs per SM (<= 128 registers).
