@@ -1,4 +1,4 @@
-"""The compiled CUDA C kernels (sm_90 SASS, nvcc + cuobjdump, no GPU): nothing the predecessor grid writes is read
+"""The compiled CUDA C kernels (plugins/**/*.cu as sm_90 SASS: nvcc + cuobjdump, no GPU): nothing the predecessor grid writes is read
 before the kernel's griddepcontrol.wait (SASS ACQBULK).
 
 Under programmatic dependent launch a kernel starts while its predecessor still runs, so what may go before its wait
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = [ROOT / "plugins/moe_w4a16/moe_v3.cu", ROOT / "plugins/skinny_gemm/skinny_gemm.cu"]
+SOURCES = sorted((ROOT / "plugins").rglob("*.cu"))  # what kdtree build compiles (build_pipeline/compile_kernels.py)
 
 
 def _cuobjdump() -> str | None:
@@ -104,5 +104,6 @@ def test_no_round_data_is_read_above_the_pdl_wait(source, tmp_path):
     env = dict(os.environ, PATH=f"{Path(tool).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     sass = subprocess.run([tool, "-sass", str(cubin)], check=True, capture_output=True, text=True, env=env).stdout
     functions = _functions(sass)
-    assert sum("ACQBULK" in "".join(lines) for lines in functions.values()) >= 3, "no PDL wait found in the SASS"
+    if source.name in ("moe_v3.cu", "skinny_gemm.cu", "l2_prefetch.cu"):  # the ones that wait (PDL)
+        assert sum("ACQBULK" in "".join(lines) for lines in functions.values()) >= 1, "no PDL wait in the SASS"
     assert violations(sass) == {}
