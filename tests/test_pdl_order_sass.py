@@ -107,3 +107,27 @@ def test_no_round_data_is_read_above_the_pdl_wait(source, tmp_path):
     if source.name in ("moe_v3.cu", "skinny_gemm.cu", "l2_prefetch.cu"):  # the ones that wait (PDL)
         assert sum("ACQBULK" in "".join(lines) for lines in functions.values()) >= 1, "no PDL wait in the SASS"
     assert violations(sass) == {}
+
+
+AOT_MODULES = sorted(p.parent.name for p in (ROOT / "plugins").glob("*/aot.py")
+                     if "def aot_kernels" in p.read_text())
+
+
+@pytest.mark.parametrize("plugin", AOT_MODULES)
+def test_triton_kernels_read_nothing_above_their_pdl_wait(plugin, tmp_path):
+    """The same rule on the Triton kernels kdtree build compiles ahead (each plugin's aot.py; the first two
+    specialisations): Triton emits weak `ld.global` (never .nc), which ptxas keeps below the wait."""
+    import importlib
+
+    from build_pipeline.compile_kernels import compile_triton
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+    env = dict(os.environ, PATH=f"{Path(tool).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    kernels = importlib.import_module(f"plugins.{plugin}.aot").aot_kernels((16,))[:2]
+    assert kernels
+    for kernel in kernels:
+        rec = compile_triton(kernel, "sm_90", tmp_path)
+        sass = subprocess.run([tool, "-sass", str(tmp_path / rec["cubin"])], check=True, capture_output=True,
+                              text=True, env=env).stdout
+        assert violations(sass) == {}, kernel.name
