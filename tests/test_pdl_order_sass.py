@@ -1,5 +1,5 @@
-"""The compiled CUDA C kernels (plugins/**/*.cu as sm_90 SASS: nvcc + cuobjdump, no GPU): nothing the predecessor grid writes is read
-before the kernel's griddepcontrol.wait (SASS ACQBULK).
+"""The compiled kernels (plugins/**/*.cu and the ahead-compiled Triton ones as sm_90 SASS: nvcc / triton and
+cuobjdump, no GPU): nothing the predecessor grid writes is read before the kernel's griddepcontrol.wait (ACQBULK).
 
 Under programmatic dependent launch a kernel starts while its predecessor still runs, so what may go before its wait
 is what no kernel of the round writes: weights and scales (.nc with L1::no_allocate: LDG.E.NA), L2 prefetches
