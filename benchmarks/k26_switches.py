@@ -9,6 +9,7 @@ default (DEFAULT_ON), which are set again after the run):
   skinny_tree with skinny: GEMMs of up to 24 tokens (a DDTree-16 round's 17) within the default weight limit
             (the attention's, the router's and the shared expert's: skinny_gemm's two row groups and three tiles)
   moe_pf    KDTREE_MOE_PREFETCH=1: the MoE's L2 prefetch of its experts at every t (not named: off)
+  moe_pf_down KDTREE_MOE_PREFETCH=down: the down kernel's alone (each warp's next item into L2)
   gemm_pf   KDTREE_GEMM_PREFETCH: each layer's post-attention weights into L2 before its attention
   attn_pf   KDTREE_ATTN_PREFETCH: the attention's first cache tiles into L2 before its PDL wait
   attn_fold KDTREE_ATTN_FUSED_COMBINE: the attention's split combine folded into the W_UV absorption, one kernel
@@ -63,6 +64,11 @@ def _set_moe_pf(on: bool) -> None:
         os.environ.pop("KDTREE_MOE_PREFETCH", None)
 
 
+def _set_moe_pf_down(on: bool) -> None:  # after moe_pf (SWITCHES' order), which clears the variable when off
+    if on and os.environ.get("KDTREE_MOE_PREFETCH") != "1":
+        os.environ["KDTREE_MOE_PREFETCH"] = "down"
+
+
 def _set_gemm_pf(on: bool) -> None:
     from runtime.model import attention
     attention.GEMM_PREFETCH = on  # read at each forward (runtime/model/target.py reads it through the module)
@@ -108,7 +114,8 @@ def _set_attn_fold(on: bool) -> None:
     attention.FUSED_COMBINE = on  # read at each forward
 
 
-SWITCHES = {"skinny": _set_skinny, "moe_pf": _set_moe_pf, "gemm_pf": _set_gemm_pf,  # see the module doc
+SWITCHES = {"skinny": _set_skinny, "moe_pf": _set_moe_pf, "moe_pf_down": _set_moe_pf_down,  # see the module doc
+            "gemm_pf": _set_gemm_pf,
             "attn_pf": _set_attn_pf, "attn_fold": _set_attn_fold, "skinny_pf": _set_skinny_pf,
             "skinny_wide": _set_skinny_wide,
             "skinny_late": _set_skinny_late, "moe_w16": _set_moe_w16, "moe_early": _set_moe_early,

@@ -289,3 +289,20 @@ def test_loader_serves_v2c_where_v3_does_not():
     with pytest.warns(MoEKernelWarning, match="unavailable: CubinUnavailable: moe_v3.cu for sm_90"):
         got = serving_form(*frag, d, "unavailable: CubinUnavailable: moe_v3.cu for sm_90: nvcc: not on PATH")
     assert all(torch.equal(a, b) for a, b in zip(got, planar))
+
+
+def test_prefetch_variable_names_the_kernels(monkeypatch):
+    """KDTREE_MOE_PREFETCH: unset / 0 neither kernel's L2 prefetch, 1 both, gate_up or down that one alone; anything
+    else is a ValueError naming the variable."""
+    from plugins.moe_w4a16.launch_v3 import PREFETCH_ENV, prefetch_kernels
+    want = {None: (False, False), "0": (False, False), "1": (True, True), "gate_up": (True, False),
+            "down": (False, True)}
+    for value, pair in want.items():
+        if value is None:
+            monkeypatch.delenv(PREFETCH_ENV, raising=False)
+        else:
+            monkeypatch.setenv(PREFETCH_ENV, value)
+        assert prefetch_kernels() == pair, value
+    monkeypatch.setenv(PREFETCH_ENV, "on")
+    with pytest.raises(ValueError, match=PREFETCH_ENV):
+        prefetch_kernels()

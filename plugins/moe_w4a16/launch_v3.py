@@ -11,6 +11,7 @@ stream).  The cubin comes from the artifact, the kdtree cache or NVRTC/nvcc
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +35,20 @@ SOURCE = Path(__file__).with_name("moe_v3.cu")
 # the H200 (benchmarks/results/moe_w4a16_v3.json, K2.6 TP8, tree routing) it won only with the NT = 4 tile (t = 512:
 # 529.7 -> 510.6 µs), which NT = 2 beats without it (472.8); with the tiles token_tile chooses it lost (t = 1 29.0
 # against 28.9, t = 9 64.7 / 58.0, t = 17 58.6 / 51.5, t = 64 114.8 / 105.5).
+# KDTREE_MOE_PREFETCH=down or =gate_up: that kernel's prefetch alone (down's puts each warp's next item in flight
+# while it streams the current one, where the ring alone keeps one item of a warp in flight).
 PREFETCH_ENV = "KDTREE_MOE_PREFETCH"
+
+
+def prefetch_kernels() -> tuple[bool, bool]:
+    """(gate_up, down) prefetch into L2, from KDTREE_MOE_PREFETCH: unset / 0 neither, 1 both, gate_up or down that
+    one; anything else is a ValueError naming the variable."""
+    value = os.environ.get(PREFETCH_ENV, "")
+    table = {"": (False, False), "0": (False, False), "1": (True, True), "gate_up": (True, False),
+             "down": (False, True)}
+    if value not in table:
+        raise ValueError(f"{PREFETCH_ENV} must be 0, 1, gate_up or down, got {value!r}")
+    return table[value]
 # Weights before the PDL wait (down_kernel's kdtree_moe_v3_down_early_*, combine_shared_kernel's EARLY): down builds
 # its entry list and prefetches its first P groups of weights and scales (a whole item at TP8) into L2 while gate_up
 # runs, its ring's loads after the wait; the combine forms the shared expert's down product (h is the route kernel's)
@@ -324,11 +338,12 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
     ws = MoEWorkspace.carve(workspace, t, top_k, e_local, d, i, x.dtype,
                             launch_plan(t, top_k, e_local, d, i, x.device).splits)
     mod = kernels(x.device)  # before the route kernel: a failure here leaves counts zero
-    prefetch = env_flag(PREFETCH_ENV, False)
+    pf_gate_up, pf_down = prefetch_kernels()
     sms = device_facts(x.device).sms
     i32, ptr = ctypes.c_int, ctypes.c_void_p
-    # the flags argument, where the cubin takes one: gate_up's, and down's with its early weights
-    pf = ((PF_L2 * prefetch,), (i32,)) if mod.prefetch_arg else ((), ())
+    # the flags argument, where the cubin takes one: gate_up's and down's
+    pf = ((PF_L2 * pf_gate_up,), (i32,)) if mod.prefetch_arg else ((), ())
+    pf2 = ((PF_L2 * pf_down,), (i32,)) if mod.prefetch_arg else ((), ())
     nt = TOKEN_TILE_OVERRIDE or token_tile(t)
     n_items = max_entries(t, top_k, e_local, nt) * pairs13
     args = (w13.data_ptr(), w13_scale.data_ptr(), x.data_ptr(), ws.counts.data_ptr(), ws.lists.data_ptr(),
@@ -353,8 +368,8 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
     smem = down_smem(t, top_k, e_local, nt2)
     _launch(mod, down_kernel(mod, nt2), min(cdiv(n_items, WARPS), 2 * sms), smem,
             (w2.data_ptr(), w2_scale.data_ptr(), ws.h.data_ptr(), ws.topk_w.data_ptr(), ws.counts.data_ptr(),
-             ws.lists.data_ptr(), ws.out.data_ptr(), t, e_local, i // GROUP, c2, pairs2, d, *pf[0]),
-            (ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, *pf[1]))
+             ws.lists.data_ptr(), ws.out.data_ptr(), t, e_local, i // GROUP, c2, pairs2, d, *pf2[0]),
+            (ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, *pf2[1]))
     launch_combine(ws.out, ws.topk_idx, y, ws.counts, e_start, e_local, top_k, mod.pdl and not pdl_refused(mod.index),
                    shared_h, shared_down, early=EARLY_WEIGHTS)
     return y
