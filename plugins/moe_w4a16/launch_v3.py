@@ -49,6 +49,8 @@ def prefetch_kernels() -> tuple[bool, bool]:
     if value not in table:
         raise ValueError(f"{PREFETCH_ENV} must be 0, 1, gate_up or down, got {value!r}")
     return table[value]
+
+
 # Weights before the PDL wait (down_kernel's kdtree_moe_v3_down_early_*, combine_shared_kernel's EARLY): down builds
 # its entry list and prefetches its first P groups of weights and scales (a whole item at TP8) into L2 while gate_up
 # runs, its ring's loads after the wait; the combine forms the shared expert's down product (h is the route kernel's)
