@@ -1,5 +1,6 @@
-"""The compiled kernels (plugins/**/*.cu and the ahead-compiled Triton ones as sm_90 SASS: nvcc / triton and
-cuobjdump, no GPU): nothing the predecessor grid writes is read before the kernel's griddepcontrol.wait (ACQBULK).
+"""The compiled kernels (plugins/**/*.cu as sm_90 and sm_120 SASS, the ahead-compiled Triton ones as sm_90: nvcc /
+triton and cuobjdump, no GPU): nothing the predecessor grid writes is read before the kernel's griddepcontrol.wait
+(SASS ACQBULK).
 
 Under programmatic dependent launch a kernel starts while its predecessor still runs, so what may go before its wait
 is what no kernel of the round writes: weights and scales (.nc with L1::no_allocate: LDG.E.NA), L2 prefetches
@@ -93,13 +94,14 @@ def test_the_rule_flags_a_token_load_above_the_wait():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+@pytest.mark.parametrize("arch", ["sm_90", "sm_120"])  # the archs with griddepcontrol that kdtree build targets
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
-def test_no_round_data_is_read_above_the_pdl_wait(source, tmp_path):
+def test_no_round_data_is_read_above_the_pdl_wait(source, arch, tmp_path):
     tool = _cuobjdump()
     if tool is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
     cubin = tmp_path / (source.stem + ".cubin")
-    subprocess.run([shutil.which("nvcc"), "-cubin", "-arch=sm_90", "-std=c++17", "-o", str(cubin), str(source)],
+    subprocess.run([shutil.which("nvcc"), "-cubin", f"-arch={arch}", "-std=c++17", "-o", str(cubin), str(source)],
                    check=True)
     env = dict(os.environ, PATH=f"{Path(tool).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     sass = subprocess.run([tool, "-sass", str(cubin)], check=True, capture_output=True, text=True, env=env).stdout
