@@ -1,8 +1,8 @@
 """moe_w4a16 v3 (fragment-order experts, CUDA C GEMMs) on the GPU against the fp32 reference on the exactly
 dequantised experts: 200 random routing / size / EP cases plus K2.6 TP8 and EP8 ranks, fresh random data
 each (never zeros), the op's internal buffers poisoned; deterministic (two calls equal bit for bit); a next call
-on other tokens through the same workspace right; graph capturable.  Tolerance as tests/test_moe_w4a16.py: ||y - ref|| / ||ref|| < 2e-2.  Writes
-$KDTREE_RESULTS_DIR/moe_w4a16_v3-device-test.json."""
+on other tokens through the same workspace matches its own reference; graph capturable.  Tolerance as
+tests/test_moe_w4a16.py: ||y - ref|| / ||ref|| < 2e-2.  Writes $KDTREE_RESULTS_DIR/moe_w4a16_v3-device-test.json."""
 
 from __future__ import annotations
 
@@ -43,6 +43,16 @@ def random_fragments(e: int, n: int, k: int, dev, g) -> tuple[torch.Tensor, torc
     return w, s
 
 
+def _flipped(switch: str, fn):
+    """fn() with the boolean launch_v3.<switch> the other way round, restored after."""
+    was = getattr(launch_v3, switch)
+    setattr(launch_v3, switch, not was)
+    try:
+        return fn()
+    finally:
+        setattr(launch_v3, switch, was)
+
+
 def _case(t, e, d, i, k, n_group, topk_group, e_start, e_local, seed, dev) -> dict:
     g = torch.Generator(device=dev).manual_seed(seed)
     x = torch.randn(t, d, device=dev, generator=g).to(torch.bfloat16)
@@ -61,8 +71,11 @@ def _case(t, e, d, i, k, n_group, topk_group, e_start, e_local, seed, dev) -> di
         carved.buffer.fill_(0xFF)
         carved.counts.zero_()  # poisoned but for the routing counts, which the op keeps zero between calls
         ws = carved.buffer
-    call = lambda: torch.ops.kdtree.moe_w4a16(x, logits, None, bias, w13, s13, w2, s2, k, n_group,  # noqa: E731
-                                              topk_group, True, 2.5, e_start, ws, gate_up, h)
+
+    def call(tokens=x, act=h):  # act: the shared expert's activation the routing kernel writes
+        return torch.ops.kdtree.moe_w4a16(tokens, logits, None, bias, w13, s13, w2, s2, k, n_group, topk_group, True,
+                                          2.5, e_start, ws, gate_up, act)
+
     os.environ[PREFETCH_ENV] = "0"  # the kernels' L2 prefetch of the expert weights off, then on: a hint, the same bits
     try:
         y = call()
@@ -71,25 +84,12 @@ def _case(t, e, d, i, k, n_group, topk_group, e_start, e_local, seed, dev) -> di
         same_prefetched = bool(torch.equal(y, call()))
     finally:
         os.environ.pop(PREFETCH_ENV)
-    early, w16 = launch_v3.EARLY_WEIGHTS, launch_v3.USE_W16
-    launch_v3.EARLY_WEIGHTS = not early  # down's weights prefetched before its PDL wait or not: the same bits
-    try:
-        same_early = bool(torch.equal(y, call()))
-    finally:
-        launch_v3.EARLY_WEIGHTS = early
-    launch_v3.USE_W16 = not w16  # the other gate_up where the 16-warp one applies (t = 1 at K2.6): 8 or 16 warps
-    try:
-        y_w = call()
-    finally:
-        launch_v3.USE_W16 = w16
-    route = launch_v3.CUDA_ROUTE  # the routing kernel in CUDA C or in Triton: the same picks, weights, activation
-    launch_v3.CUDA_ROUTE = not route
-    try:
-        h_r = torch.empty_like(h) if shared else None
-        y_r = torch.ops.kdtree.moe_w4a16(x, logits, None, bias, w13, s13, w2, s2, k, n_group, topk_group, True, 2.5,
-                                         e_start, ws, gate_up, h_r)
-    finally:
-        launch_v3.CUDA_ROUTE = route
+    # down's weights prefetched before its PDL wait or not: the same bits
+    same_early = bool(torch.equal(y, _flipped("EARLY_WEIGHTS", call)))
+    y_w = _flipped("USE_W16", call)  # the other gate_up where the 16-warp one applies (t = 1 at K2.6): 8 or 16 warps
+    # the routing kernel in CUDA C or in Triton: the same picks, weights, activation
+    h_r = torch.empty_like(h) if shared else None
+    y_r = _flipped("CUDA_ROUTE", lambda: call(act=h_r))
     same_route = bool(torch.equal(y, y_r)) and (not shared or bool(torch.equal(h, h_r)))
     idx, tw = route_reference(logits, bias, k, n_group, topk_group, True, 2.5)
     w13f, w2f = dequantize_fragments(w13, s13, d, True), dequantize_fragments(w2, s2, i, False)
@@ -99,8 +99,7 @@ def _case(t, e, d, i, k, n_group, topk_group, e_start, e_local, seed, dev) -> di
     # other tokens through the same workspace right after: a kernel reading its predecessor's output before that
     # is complete would find the previous call's (down's h before 2026-12-06: tests/test_pdl_order_sass.py)
     x_b = torch.randn(t, d, device=dev, generator=g).to(torch.bfloat16)
-    y_b = torch.ops.kdtree.moe_w4a16(x_b, logits, None, bias, w13, s13, w2, s2, k, n_group, topk_group, True, 2.5,
-                                     e_start, ws, gate_up, h)
+    y_b = call(tokens=x_b)
     ref_b = experts_reference(x_b.float(), idx, tw, w13f, w2f, e_start)
     rel_b = ((y_b.float() - ref_b).norm() / ref_b.norm().clamp_min(1e-20)).item()
     down_rel = 0.0

@@ -38,17 +38,17 @@ SOURCE = Path(__file__).with_name("moe_v3.cu")
 # KDTREE_MOE_PREFETCH=down or =gate_up: that kernel's prefetch alone (down's puts each warp's next item in flight
 # while it streams the current one, where the ring alone keeps one item of a warp in flight).
 PREFETCH_ENV = "KDTREE_MOE_PREFETCH"
+_PREFETCH_VALUES = {"": (False, False), "0": (False, False), "1": (True, True), "gate_up": (True, False),
+                    "down": (False, True)}  # KDTREE_MOE_PREFETCH -> (gate_up, down)
 
 
 def prefetch_kernels() -> tuple[bool, bool]:
     """(gate_up, down) prefetch into L2, from KDTREE_MOE_PREFETCH: unset / 0 neither, 1 both, gate_up or down that
     one; anything else is a ValueError naming the variable."""
     value = os.environ.get(PREFETCH_ENV, "")
-    table = {"": (False, False), "0": (False, False), "1": (True, True), "gate_up": (True, False),
-             "down": (False, True)}
-    if value not in table:
+    if value not in _PREFETCH_VALUES:
         raise ValueError(f"{PREFETCH_ENV} must be 0, 1, gate_up or down, got {value!r}")
-    return table[value]
+    return _PREFETCH_VALUES[value]
 
 
 # Weights before the PDL wait (down_kernel's kdtree_moe_v3_down_early_*, combine_shared_kernel's EARLY): down builds
@@ -343,9 +343,8 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
     pf_gate_up, pf_down = prefetch_kernels()
     sms = device_facts(x.device).sms
     i32, ptr = ctypes.c_int, ctypes.c_void_p
-    # the flags argument, where the cubin takes one: gate_up's and down's
-    pf = ((PF_L2 * pf_gate_up,), (i32,)) if mod.prefetch_arg else ((), ())
-    pf2 = ((PF_L2 * pf_down,), (i32,)) if mod.prefetch_arg else ((), ())
+    # the flags argument (values, ctypes), where the cubin takes one: gate_up's and down's
+    pf, pf2 = (((PF_L2 * on,), (i32,)) if mod.prefetch_arg else ((), ()) for on in (pf_gate_up, pf_down))
     nt = TOKEN_TILE_OVERRIDE or token_tile(t)
     n_items = max_entries(t, top_k, e_local, nt) * pairs13
     args = (w13.data_ptr(), w13_scale.data_ptr(), x.data_ptr(), ws.counts.data_ptr(), ws.lists.data_ptr(),
