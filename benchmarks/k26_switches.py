@@ -8,6 +8,8 @@ default (DEFAULT_ON), which are set again after the run):
   skinny_wide with skinny: every GEMM of up to 32 tokens and 128 MB (layers.SKINNY_MAX_TOKENS / _WEIGHT_BYTES)
   skinny_tree with skinny: GEMMs of up to 24 tokens (a DDTree-16 round's 17) within the default weight limit
             (the attention's, the router's and the shared expert's: skinny_gemm's two row groups and three tiles)
+  skinny_draft with skinny: GEMMs of up to 9 tokens within the default weight limit (the drafter's block of 8,
+            DDTree rounds of budget <= 8): skinny_gemm's one- and two-tile plans, never measured in a round
   moe_pf    KDTREE_MOE_PREFETCH=1: the MoE's L2 prefetch of its experts at every t (not named: off)
   moe_pf_down KDTREE_MOE_PREFETCH=down: the down kernel's alone (each warp's next item into L2)
   gemm_pf   KDTREE_GEMM_PREFETCH: each layer's post-attention weights into L2 before its attention
@@ -55,6 +57,12 @@ def _set_skinny_tree(on: bool) -> None:  # applied after skinny_wide (SWITCHES' 
     from runtime.model import layers
     if on:
         layers.SKINNY_MAX_TOKENS = max(layers.SKINNY_MAX_TOKENS, 24)
+
+
+def _set_skinny_draft(on: bool) -> None:  # after skinny_tree (SWITCHES' order): only ever widens
+    from runtime.model import layers
+    if on:
+        layers.SKINNY_MAX_TOKENS = max(layers.SKINNY_MAX_TOKENS, 9)
 
 
 def _set_moe_pf(on: bool) -> None:
@@ -120,7 +128,7 @@ SWITCHES = {"skinny": _set_skinny, "moe_pf": _set_moe_pf, "moe_pf_down": _set_mo
             "skinny_wide": _set_skinny_wide,
             "skinny_late": _set_skinny_late, "moe_w16": _set_moe_w16, "moe_early": _set_moe_early,
             "skinny_early": _set_skinny_early, "moe_cuda_route": _set_moe_cuda_route,
-            "skinny_tree": _set_skinny_tree}
+            "skinny_tree": _set_skinny_tree, "skinny_draft": _set_skinny_draft}
 
 
 DEFAULT_ON = frozenset({"skinny", "moe_early", "skinny_early"})  # the runtime's defaults among SWITCHES
