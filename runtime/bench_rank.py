@@ -44,6 +44,7 @@ from runtime.decode.graphs import CapturedStep, GraphPool
 from runtime.decode.params import SpecConfig
 from runtime.decode.round import pick
 from runtime.decode.session import DecodeSession
+from runtime.kernel_timeline import step_increments
 from runtime.load.artifact import is_artifact, read_manifest, read_rank
 from runtime.load.synthetic import draw_drafter, draw_models
 from runtime.model import target as target_module
@@ -62,7 +63,7 @@ KERNEL_CLASSES = (  # (class, kernel-name pattern), first match wins
     ("attention", r"tree_verify_mla"),
     ("layer_glue", r"^_(add_rms_norm|mla_q_absorb|mla_v_absorb|mla_combine_v_absorb|mla_rope_kv|silu_mul)_kernel"),
     # ^ plugins/layer_fusion (mla_combine_v_absorb: FUSED_COMBINE's fold of the attention's combine)
-    ("moe_experts", r"^(gate_up_kernel|down_kernel|silu_mul_kernel|combine_kernel|kdtree_moe_v3_)"),
+    ("moe_experts", r"^(gate_up_kernel|down_kernel|silu_mul_kernel|combine_kernel|combine_shared_kernel|kdtree_moe_v3_)"),
     ("moe_route", r"route_kernel"),
     ("tree_ops", r"_tree_kernel|_lse_partial|_radix_pass|_gather_kernel|_sort_rows|_tree_accept|kv_commit|"
                  r"_advance_lens|posterior|_round_emit"),
@@ -257,8 +258,10 @@ def _step_bytes_by_class(row: dict) -> dict[str, int]:
 
 def _profile(launch: Callable[[], None], reset: Callable[[], None], target, bytes_by_class: dict[str, int],
              layers: int) -> dict:
-    """Kernels of one replay of a captured graph, by class: count, µs, and the roofline of its bytes
-    (bytes_by_class); per layer over `layers`."""
+    """Kernels of one replay of a captured graph, by class: count, µs (the kernels' profiled durations, which
+    under PDL include waiting for the predecessor), step_us (what they add to the step: runtime/kernel_timeline;
+    these sum to span_us), idle_us (launch gaps inside step_us), and the roofline of the class's bytes
+    (bytes_by_class) against step_us; per layer over `layers`."""
     from torch.profiler import ProfilerActivity, profile
 
     reset()
@@ -266,8 +269,7 @@ def _profile(launch: Callable[[], None], reset: Callable[[], None], target, byte
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         launch()
         torch.cuda.synchronize()
-    classes: dict[str, dict] = {}
-    top: dict[str, list] = {}
+    kernels = []  # (name, class, duration, start, end)
     for ev in prof.events():
         if ev.device_type != torch.autograd.DeviceType.CUDA or ev.device_time <= 0:
             continue
@@ -276,22 +278,34 @@ def _profile(launch: Callable[[], None], reset: Callable[[], None], target, byte
             cls = "copy"
         else:
             cls = next(c for c, pat in KERNEL_CLASSES if re.search(pat, name))
-        c = classes.setdefault(cls, {"kernels": 0, "us": 0.0})
+        kernels.append((name, cls, ev.device_time, ev.time_range.start, ev.time_range.end))
+    added = step_increments([(k[3], k[4]) for k in kernels])
+    classes: dict[str, dict] = {}
+    top: dict[str, list] = {}
+    for (name, cls, us, _, _), (step, idle) in zip(kernels, added):
+        c = classes.setdefault(cls, {"kernels": 0, "us": 0.0, "step_us": 0.0, "idle_us": 0.0})
+        t = top.setdefault(name[:80], [0, 0.0, 0.0])
         c["kernels"] += 1
-        c["us"] += ev.device_time
-        t = top.setdefault(name[:80], [0, 0.0])
+        c["us"] += us
+        c["step_us"] += step
+        c["idle_us"] += idle
         t[0] += 1
-        t[1] += ev.device_time
+        t[1] += us
+        t[2] += step
     bw = _bandwidth(target.device)
     for cls, c in classes.items():
-        c["us"] = round(c["us"], 1)
+        for key in ("us", "step_us", "idle_us"):
+            c[key] = round(c[key], 1)
         if cls in bytes_by_class:
             c["roofline_us"] = round(1e6 * bytes_by_class[cls] / bw, 1)
-            c["roofline_frac"] = round(c["roofline_us"] / c["us"], 3) if c["us"] else None
+            c["roofline_frac"] = round(c["roofline_us"] / c["step_us"], 3) if c["step_us"] else None
     total = sum(c["kernels"] for c in classes.values())
     return {"classes": classes, "kernels": total, "kernels_per_layer": round(total / layers, 1),
             "gpu_us": round(sum(c["us"] for c in classes.values()), 1),
-            "top": sorted(([n, k, round(us, 1)] for n, (k, us) in top.items()), key=lambda r: -r[2])[:40]}
+            "span_us": round(sum(a for a, _ in added), 1),
+            "top_columns": ["kernel", "count", "us", "step_us"],
+            "top": sorted(([n, k, round(us, 1), round(st, 1)] for n, (k, us, st) in top.items()),
+                          key=lambda r: -r[3])[:40]}
 
 
 def _experts_touched(target, s: DecodeSession, ar: bool) -> float:
@@ -403,9 +417,9 @@ def format_rank_table(res: dict) -> str:
                  f"({m['weights_drafter_replicated_gb']} GB replicated); peak {m['peak_gb']} GB; "
                  f"{res['loaded_by']} in {res['load_s']} s")
     for mode, p in res["profiles"].items():
-        parts = ", ".join(f"{c} {v['kernels']}k {v['us']:.0f}us" for c, v in sorted(p["classes"].items()))
-        lines.append(f"profile {mode}: {p['kernels']} kernels ({p['kernels_per_layer']}/layer), "
-                     f"{p['gpu_us']:.0f} us: {parts}")
+        parts = ", ".join(f"{c} {v['kernels']}k {v['step_us']:.0f}us" for c, v in sorted(p["classes"].items()))
+        lines.append(f"profile {mode}: {p['kernels']} kernels ({p['kernels_per_layer']}/layer), span "
+                     f"{p['span_us']:.0f} us (durations {p['gpu_us']:.0f}); added to the step: {parts}")
     return "\n".join(lines)
 
 
