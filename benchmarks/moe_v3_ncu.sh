@@ -2,6 +2,8 @@
 # Nsight Compute stall breakdown of the v3 op's kernels (route, gate_up, down, combine; TP8 tree routing, one call
 # per t): where the warps wait, and each kernel's duration alone (ncu serializes them: no PDL overlap).
 # Usage (device tool): bash benchmarks/moe_v3_ncu.sh [t ...]   (KDTREE_MOE_CUDA_ROUTE=1: the CUDA routing kernel)
+# SASS=regex: also the source page of the first t's kernels matching regex (warp-stall samples per SASS instruction,
+# benchmarks/ncu_sass_hotspots.py; the CSV kept under $OUT as ncu-sass.csv)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -23,3 +25,11 @@ timeout 300 ncu --clock-control none -k regex:"kdtree_moe_v3|route_kernel|combin
   --metrics ${stalls}gpu__time_duration.sum,dram__bytes_read.sum,lts__t_bytes.sum,l1tex__t_bytes.sum,smsp__inst_executed.sum,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active \
   python3 /tmp/v3_calls.py $ts 2>&1 | grep -E "kdtree_moe|route_kernel|combine|stalled|duration|bytes|inst_executed|warps_active|issue_active" \
   | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//; s/ +/ /g'
+if [[ -n ${SASS:-} ]]; then
+  first=${ts%% *}
+  csv=${OUT:-/tmp}/ncu-sass.csv
+  timeout 240 ncu --clock-control none -k regex:"$SASS" --section SourceCounters --section WarpStateStats \
+    --page source --print-source sass --csv python3 /tmp/v3_calls.py "$first" >"$csv" 2>"$csv.err" \
+    || tail -5 "$csv.err"
+  python3 benchmarks/ncu_sass_hotspots.py "$csv" --top 25
+fi
