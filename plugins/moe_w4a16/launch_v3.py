@@ -57,7 +57,7 @@ def prefetch_kernels() -> tuple[bool, bool]:
 # before waiting for down.  The same bits either way (tests/test_moe_v3_gpu.py).  Measured on (2026-12-05, H100,
 # K2.6 TP8 rank at 40 layers, benchmarks/results/k26-switches-h100.json: AR step -2.8 %, DDTree rounds -3.6 %), but
 # with the down of then, which loaded the weights into registers and whose first h loads ptxas had hoisted above
-# the wait (.nc): a race with gate_up's stores, fixed 2026-12-06 (moe_v3.cu's ld_tokens_cg); the prefetching down
+# the wait (.nc): a race with gate_up's stores, fixed 2026-12-06 (moe_v3.cu: h through .cg); the prefetching down
 # that replaced it is to be measured again (k26_switches moe_early).
 EARLY_WEIGHTS = True
 # The routing in CUDA C (moe_v3.cu's kdtree_moe_v3_route: a pick is two redux.sync where route_kernel.py's 64-bit keys

@@ -39,24 +39,31 @@ __device__ __forceinline__ uint2 ld_scales(const uint2* p) {
     return r;
 }
 
-// gate_up's token rows x: written three launches back (the norm before the router GEMM), complete once gate_up's wait
-// returns, and their addresses come from the lists read after it, so no load can move above the wait: re-read by
+// A ring slot's token vector: the 16 bytes at p where `on`, else zeros, in one asm block (zeros, then the load under
+// a predicate into the same registers).  Written as `on ? load : 0` in C, ptxas loaded into a temporary and moved it
+// into the slot at once: the move waited for the load (down, sm_90, ncu source page 2026-12-06: a third of the
+// kernel's stall samples at t = 17 on those moves), so the ring's loads were not in flight behind the math.
+//
+// gate_up's token rows x (NC): written three launches back (the norm before the router GEMM), complete once gate_up's
+// wait returns, and their addresses come from the lists read after it, so no load can move above the wait: re-read by
 // other items of the SM, kept in L1.
-__device__ __forceinline__ uint4 ld_tokens(const uint4* p) {
-    uint4 r;
-    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-    return r;
-}
-
-// down's h rows: written by gate_up, its predecessor, which under PDL may still run when down starts; with EARLY
+// down's h rows (CG): written by gate_up, its predecessor, which under PDL may still run when down starts; with EARLY
 // their addresses are known before down's wait.  Never through the non-coherent path: .nc tells ptxas the data cannot
 // change while the kernel runs, and it hoisted the first h loads above griddepcontrol.wait (sm_90 SASS: LDG.CONSTANT
 // before ACQBULK), a race with gate_up's stores.  From L2 (.cg): a strong load stays after the wait.
-__device__ __forceinline__ uint4 ld_tokens_cg(const uint4* p) {
+template <bool CG>
+__device__ __forceinline__ uint4 ld_tokens_or_zero(const uint4* p, bool on) {
     uint4 r;
-    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    if (CG)
+        asm volatile("{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %4, 0;\n\t"
+                     "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"
+                     "@q ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%5];\n\t}"
+                     : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"((int)on), "l"(p));
+    else
+        asm volatile("{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %4, 0;\n\t"
+                     "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"
+                     "@q ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%5];\n\t}"
+                     : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"((int)on), "l"(p));
     return r;
 }
 
@@ -216,7 +223,7 @@ __device__ __forceinline__ void zero_acc(float (&acc)[2][NT][4]) {
 // The load side of a warp: walks the CTA's (or warp's) items in chunks of P groups and fills the ring.
 // Within a chunk nothing branches: a chunk's P groups are consumed and the next chunk's P groups loaded in
 // one straight-line block (past the last chunk the cursor stays put and the loads re-read it, harmlessly).
-template <int NT, int P, bool CG = false>  // CG: the token loads through L2 (ld_tokens_cg: down's h)
+template <int NT, int P, bool CG = false>  // CG: the token loads through L2 (down's h; ld_tokens_or_zero)
 struct Ring {
     uint4 w[P], x[P][NT];
     uint2 s[P];
@@ -237,8 +244,7 @@ struct Ring {
     __device__ __forceinline__ void load_tokens(int k, int c, int c_real) {
 #pragma unroll
         for (int j = 0; j < NT; ++j)
-            x[k][j] = (px[j] != nullptr && c < c_real) ? (CG ? ld_tokens_cg(px[j] + 4 * c) : ld_tokens(px[j] + 4 * c))
-                                                       : make_uint4(0, 0, 0, 0);
+            x[k][j] = ld_tokens_or_zero<CG>(px[j] + 4 * c, px[j] != nullptr && c < c_real);
     }
 };
 
@@ -374,7 +380,7 @@ __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2,
     // the route kernel before it, which completed before gate_up's wait returned, and gate_up lets this grid launch
     // only after that wait (pdl_prologue in every CTA), so they are final whenever this grid runs (read through L2,
     // .cg).  The entry list is built and the first P groups of weights and scales (a whole item at TP8) are
-    // prefetched into L2 while gate_up still runs; the ring's loads follow the wait (h through .cg: ld_tokens_cg).
+    // prefetched into L2 while gate_up still runs; the ring's loads follow the wait (h through .cg: ld_tokens_or_zero).
     // Not the weights into registers before the wait: ptxas sinks those .nc loads below griddepcontrol.wait (sm_90
     // SASS, CUDA 13.0) once the h loads can no longer move above it.
     if (!EARLY) pdl_prologue();
@@ -388,7 +394,7 @@ __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2,
     if (total == 0) return;  // uniform over the warp; no CTA barrier follows (nothing read or written after the wait)
     const int h_row = c_real * 4;  // uint4 per h row (i / 8)
 
-    Ring<NT, P, true> ring;  // h through L2 (ld_tokens_cg)
+    Ring<NT, P, true> ring;  // h through L2 (.cg)
     int l_wi = gw;
     auto l_setup = [&](int wi) {
         const int ent = s_ent[wi / n_pairs], p = wi % n_pairs, e = ent >> 16, tile = ent & 0xFFFF;
