@@ -141,15 +141,28 @@ def max_entries(t: int, top_k: int, e_local: int, nt: int) -> int:
     return min(e_local, t * top_k) + cdiv(t * top_k, 8 * nt)
 
 
+# The entries' slot ids (and down's routing weights) staged in shared memory at the start (moe_v3.cu's stage_slots),
+# where an item's setup loaded them from L2 and used them at once (ncu, down at t = 17 on the H100: the warps stalled
+# there): up to this many bytes per CTA, i.e. the rounds of a DDTree verify up to ~30 tokens at NT = 1; above, the
+# kernels load them per item as before (they read the room from the launch's dynamic shared memory size)
+STAGE_MAX_BYTES = 16 << 10
+
+
+def _stage_bytes(t: int, top_k: int, e_local: int, nt: int, per_slot: int) -> int:
+    n = max_entries(t, top_k, e_local, nt) * 8 * nt * per_slot
+    return n if n <= STAGE_MAX_BYTES else 0
+
+
 def gate_up_smem(t: int, top_k: int, e_local: int, nt: int, warps: int = WARPS) -> int:
-    """reduction [2][warps][2][nt][4][32] fp32 + h rows staged [8 nt][16] bf16 + entry list."""
+    """reduction [2][warps][2][nt][4][32] fp32 + h rows staged [8 nt][16] bf16 + entry list + staged slots."""
     return (2 * warps * (2 * nt * 4 * 32) * 4 + 8 * nt * 16 * 2
-            + (warps + e_local + max_entries(t, top_k, e_local, nt)) * 4)
+            + (warps + e_local + max_entries(t, top_k, e_local, nt)) * 4 + _stage_bytes(t, top_k, e_local, nt, 4))
 
 
 def down_smem(t: int, top_k: int, e_local: int, nt: int) -> int:
-    """out rows staged [8 warps][8 nt][32] bf16 + entry list."""
-    return WARPS * 8 * nt * 32 * 2 + (WARPS + e_local + max_entries(t, top_k, e_local, nt)) * 4
+    """out rows staged [8 warps][8 nt][32] bf16 + entry list + staged slots and their routing weights."""
+    return (WARPS * 8 * nt * 32 * 2 + (WARPS + e_local + max_entries(t, top_k, e_local, nt)) * 4
+            + _stage_bytes(t, top_k, e_local, nt, 8))
 
 
 @dataclass

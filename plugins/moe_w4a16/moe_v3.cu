@@ -209,6 +209,73 @@ __device__ __noinline__ int build_entries(const int* __restrict__ counts, int e_
     return base;
 }
 
+__device__ __forceinline__ unsigned dynamic_smem_bytes() {
+    unsigned r;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+    return r;
+}
+
+// *p where `on`, else `otherwise`, through L2 (the route kernel's outputs: see ld_count), one asm block (see
+// ld_tokens_or_zero: no move after the load)
+__device__ __forceinline__ int ld_count_or(const int* p, bool on, int otherwise) {
+    int r;
+    asm volatile("{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %2, 0;\n\tmov.b32 %0, %3;\n\t@q ld.global.cg.s32 %0, [%1];\n\t}"
+                 : "=r"(r) : "l"(p), "r"((int)on), "r"(otherwise));
+    return r;
+}
+
+__device__ __forceinline__ float ld_cg_f32_or_zero(const float* p, bool on) {
+    float r;
+    asm volatile("{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %2, 0;\n\tmov.b32 %0, 0;\n\t@q ld.global.cg.f32 %0, [%1];\n\t}"
+                 : "=f"(r) : "l"(p), "r"((int)on));
+    return r;
+}
+
+// Bytes of the launch's dynamic shared memory past p.
+__device__ __forceinline__ unsigned smem_room(const void* p, const unsigned char* base) {
+    const unsigned used = (unsigned)(reinterpret_cast<const unsigned char*>(p) - base), all = dynamic_smem_bytes();
+    return all > used ? all - used : 0u;
+}
+
+// The slot ids of the CTA's n_ent entries, tt slots each (-1 past an expert's count), into s_slot [n_ent * tt],
+// and with topk_w their routing weights into s_wt (0 where no slot): each thread issues its loads together, once,
+// where an item's setup loaded its slots from L2 and used them at once (ncu source page, down at t = 17 on the H100:
+// the warps stalled on those loads and on the weight loads that needed them).  `room`: the bytes of shared memory past
+// s_slot in the launch; false (nothing staged, the callers load as before) where n_ent * tt slots do not fit.  Every
+// thread of the CTA calls it (a barrier ends it).
+template <int W>
+__device__ __noinline__ bool stage_slots(const int* __restrict__ lists, const float* __restrict__ topk_w, int t,
+                                         const int* s_cnt, const int* s_ent, int n_ent, int tt, int* s_slot,
+                                         float* s_wt, unsigned room) {
+    constexpr int U = 4;  // loads per thread in flight
+    const int n = n_ent * tt;
+    if ((unsigned)n * (topk_w != nullptr ? 8u : 4u) > room) return false;  // uniform over the CTA
+    for (int i0 = threadIdx.x; i0 < n; i0 += U * 32 * W) {
+        int slot[U];
+        float wt[U];
+#pragma unroll
+        for (int q = 0; q < U; ++q) {
+            const int i = i0 + q * 32 * W, ent = i < n ? s_ent[i / tt] : 0, e = ent >> 16;
+            const int pos = (ent & 0xFFFF) * tt + i % tt;
+            slot[q] = ld_count_or(lists + (long)e * t + pos, i < n && pos < s_cnt[e], -1);
+        }
+        if (topk_w != nullptr) {
+#pragma unroll
+            for (int q = 0; q < U; ++q) wt[q] = ld_cg_f32_or_zero(topk_w + (slot[q] < 0 ? 0 : slot[q]), slot[q] >= 0);
+        }
+#pragma unroll
+        for (int q = 0; q < U; ++q) {
+            const int i = i0 + q * 32 * W;
+            if (i < n) {
+                s_slot[i] = slot[q];
+                if (topk_w != nullptr) s_wt[i] = wt[q];
+            }
+        }
+    }
+    __syncthreads();
+    return true;
+}
+
 // acc [2 row tiles][NT token tiles][4 floats of the m16n8 fragment] = 0
 template <int NT>
 __device__ __forceinline__ void zero_acc(float (&acc)[2][NT][4]) {
@@ -266,6 +333,14 @@ __device__ void gate_up(const uint4* __restrict__ w13, const uint2* __restrict__
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, u = lane & 3;
 
     const int n_ent = build_entries<W>(counts, e_local, TT, s_cnt, s_ent, s_ws);
+    int* s_slot = s_ent + n_ent;  // [n_ent][TT] the entries' slots, where they fit (stage_slots)
+    const bool staged = stage_slots<W>(lists, nullptr, t, s_cnt, s_ent, n_ent, TT, s_slot, nullptr,
+                                       smem_room(s_slot, smem));
+    // slot of position q of entry i (-1 past its expert's count)
+    auto slot_of = [&](int i, int q) {
+        const int ent = s_ent[i], e = ent >> 16, pos = (ent & 0xFFFF) * TT + q;
+        return staged ? s_slot[i * TT + q] : pos < s_cnt[e] ? lists[(long)e * t + pos] : -1;
+    };
     const int n_work = n_ent * n_pairs;
     const int chunks = n_groups / (W * P);  // chunks per item (the host picks P dividing n_groups / W)
     const int mine = (int)blockIdx.x < n_work ? (n_work - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
@@ -276,7 +351,7 @@ __device__ void gate_up(const uint4* __restrict__ w13, const uint2* __restrict__
     Ring<NT, P> ring;
     int l_wi = blockIdx.x;
     auto l_setup = [&](int wi) {
-        const int ent = s_ent[wi / n_pairs], p = wi % n_pairs, e = ent >> 16, tile = ent & 0xFFFF;
+        const int ent = s_ent[wi / n_pairs], p = wi % n_pairs, e = ent >> 16;
         const long blk = ((long)e * n_pairs + p) * n_groups;
         ring.pw = w13 + blk * 32 + lane;
         ring.ps = s13 + blk * 8 + g;
@@ -287,8 +362,8 @@ __device__ void gate_up(const uint4* __restrict__ w13, const uint2* __restrict__
         }
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
-            const int pos = tile * TT + 8 * j + g;
-            ring.px[j] = pos < s_cnt[e] ? x + (long)(lists[(long)e * t + pos] / top_k) * x_row + u : nullptr;
+            const int slot = slot_of(wi / n_pairs, 8 * j + g);
+            ring.px[j] = slot >= 0 ? x + (long)(slot / top_k) * x_row + u : nullptr;
         }
     };
     auto l_next = [&]() {  // advance the load cursor by one chunk (stays on the last one)
@@ -307,9 +382,7 @@ __device__ void gate_up(const uint4* __restrict__ w13, const uint2* __restrict__
     // the writer threads (tid < 2 * TT) of the item's h rows: token tid / 2, rows 8 (tid % 2) ..
     int c_wi = blockIdx.x, c_chunk = 0, parity = 0, w_slot = -1;
     auto w_prefetch = [&](int wi) {
-        const int ent = s_ent[wi / n_pairs], e = ent >> 16, tile = ent & 0xFFFF;
-        const int pos = tile * TT + (threadIdx.x >> 1);
-        w_slot = (threadIdx.x < 2 * TT && pos < s_cnt[e]) ? lists[(long)e * t + pos] : -1;
+        w_slot = threadIdx.x < 2 * TT ? slot_of(wi / n_pairs, threadIdx.x >> 1) : -1;
     };
     w_prefetch(c_wi);
     float acc[2][NT][4];
@@ -386,6 +459,14 @@ __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2,
     if (!EARLY) pdl_prologue();
 
     const int n_ent = build_entries<WARPS>(counts, e_local, TT, s_cnt, s_ent, s_ws);
+    int* s_slot = s_ent + n_ent;                                       // [n_ent][TT] slots, where they fit
+    float* s_wt = reinterpret_cast<float*>(s_slot + n_ent * TT);      // [n_ent][TT] their routing weights
+    const bool staged = stage_slots<WARPS>(lists, topk_w, t, s_cnt, s_ent, n_ent, TT, s_slot, s_wt,
+                                           smem_room(s_slot, smem));
+    auto slot_of = [&](int i, int q) {  // slot of position q of entry i (-1 past its expert's count)
+        const int ent = s_ent[i], e = ent >> 16, pos = (ent & 0xFFFF) * TT + q;
+        return staged ? s_slot[i * TT + q] : pos < s_cnt[e] ? ld_count(lists + (long)e * t + pos) : -1;
+    };
     const int n_work = n_ent * n_pairs;
     const int gw = blockIdx.x * WARPS + warp, n_warps = gridDim.x * WARPS;
     const int chunks = n_groups / P;  // chunks per item (P divides n_groups: a multiple of 8)
@@ -397,7 +478,7 @@ __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2,
     Ring<NT, P, true> ring;  // h through L2 (.cg)
     int l_wi = gw;
     auto l_setup = [&](int wi) {
-        const int ent = s_ent[wi / n_pairs], p = wi % n_pairs, e = ent >> 16, tile = ent & 0xFFFF;
+        const int ent = s_ent[wi / n_pairs], p = wi % n_pairs, e = ent >> 16;
         const long blk = ((long)e * n_pairs + p) * n_groups;
         ring.pw = w2 + blk * 32 + lane;
         ring.ps = s2 + blk * 8 + g;
@@ -410,8 +491,8 @@ __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2,
         }
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
-            const int pos = tile * TT + 8 * j + g;
-            ring.px[j] = pos < s_cnt[e] ? h + (long)ld_count(lists + (long)e * t + pos) * h_row + u : nullptr;
+            const int slot = slot_of(wi / n_pairs, 8 * j + g);
+            ring.px[j] = slot >= 0 ? h + (long)slot * h_row + u : nullptr;
         }
     };
     auto l_next = [&]() {
@@ -436,12 +517,11 @@ __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2,
     int my_slot[NT];  // slot of token column g of each n tile (lane g's B operand; 4 lanes hold each)
     float my_w[NT];
     auto prefetch_slots = [&](int wi) {
-        const int ent = s_ent[wi / n_pairs], e = ent >> 16, tile = ent & 0xFFFF;
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
-            const int pos = tile * TT + 8 * j + g;
-            my_slot[j] = pos < s_cnt[e] ? ld_count(lists + (long)e * t + pos) : -1;
-            my_w[j] = my_slot[j] >= 0 ? ld_cg_f32(topk_w + my_slot[j]) : 0.f;
+            my_slot[j] = slot_of(wi / n_pairs, 8 * j + g);
+            my_w[j] = staged ? s_wt[(wi / n_pairs) * TT + 8 * j + g]
+                             : my_slot[j] >= 0 ? ld_cg_f32(topk_w + my_slot[j]) : 0.f;
         }
     };
     prefetch_slots(c_wi);
