@@ -8,21 +8,15 @@ default (DEFAULT_ON), which are set again after the run):
   skinny_wide with skinny: every GEMM of up to 32 tokens and 128 MB (layers.SKINNY_MAX_TOKENS / _WEIGHT_BYTES)
   skinny_tree with skinny: GEMMs of up to 24 tokens (a DDTree-16 round's 17) within the default weight limit
             (the attention's, the router's and the shared expert's: skinny_gemm's two row groups and three tiles)
-  skinny_draft with skinny: GEMMs of up to 9 tokens within the default weight limit (the drafter's block of 8,
-            DDTree rounds of budget <= 8): skinny_gemm's one- and two-tile plans, never measured in a round
   moe_pf    KDTREE_MOE_PREFETCH=1: the MoE's L2 prefetch of its experts at every t (not named: off)
-  moe_pf_down KDTREE_MOE_PREFETCH=down: the down kernel's alone (each warp's next item into L2)
   gemm_pf   KDTREE_GEMM_PREFETCH: each layer's post-attention weights into L2 before its attention
   attn_pf   KDTREE_ATTN_PREFETCH: the attention's first cache tiles into L2 before its PDL wait
-  attn_fold KDTREE_ATTN_FUSED_COMBINE: the attention's split combine folded into the W_UV absorption, one kernel
-            fewer per layer (runtime.model.attention.FUSED_COMBINE)
   skinny_late with skinny: the next kernel launches after the GEMM's k loops (plugins/skinny_gemm/launch.LATE_TRIGGER)
   skinny_pf with skinny: every GEMM CTA's weights into L2 before its PDL wait (not named: launch.PREFETCH's default,
             the plans that split k only)
   skinny_early with skinny: each warp's first weights before the PDL wait (skinny_gemm/launch.EARLY_WEIGHTS; default)
   moe_w16   the MoE's 16-warp gate_up where it applies (plugins/moe_w4a16/launch_v3.USE_W16)
   moe_early the MoE's down kernel loads its weights before its PDL wait (launch_v3.EARLY_WEIGHTS; on by default)
-  moe_cuda_route the MoE's routing kernel in CUDA C (moe_v3.cu's route, launch_v3.CUDA_ROUTE) instead of Triton
 
     python3 benchmarks/k26_switches.py --out DIR [--settings base,skinny,moe_pf,gemm_pf,attn_pf,...]
         [--context 4096] [--budget 16[,15,...]] [--iters 10] [--layers N] [--source tiny-kimi --tp 1 --context 512]
@@ -59,22 +53,11 @@ def _set_skinny_tree(on: bool) -> None:  # applied after skinny_wide (SWITCHES' 
         layers.SKINNY_MAX_TOKENS = max(layers.SKINNY_MAX_TOKENS, 24)
 
 
-def _set_skinny_draft(on: bool) -> None:  # after skinny_tree (SWITCHES' order): only ever widens
-    from runtime.model import layers
-    if on:
-        layers.SKINNY_MAX_TOKENS = max(layers.SKINNY_MAX_TOKENS, 9)
-
-
 def _set_moe_pf(on: bool) -> None:
     if on:
         os.environ["KDTREE_MOE_PREFETCH"] = "1"
     else:  # the default: off
         os.environ.pop("KDTREE_MOE_PREFETCH", None)
-
-
-def _set_moe_pf_down(on: bool) -> None:  # after moe_pf (SWITCHES' order), which clears the variable when off
-    if on and os.environ.get("KDTREE_MOE_PREFETCH") != "1":
-        os.environ["KDTREE_MOE_PREFETCH"] = "down"
 
 
 def _set_gemm_pf(on: bool) -> None:
@@ -107,28 +90,17 @@ def _set_moe_early(on: bool) -> None:
     launch_v3.EARLY_WEIGHTS = on
 
 
-def _set_moe_cuda_route(on: bool) -> None:
-    from plugins.moe_w4a16 import launch_v3
-    launch_v3.CUDA_ROUTE = on
-
-
 def _set_attn_pf(on: bool) -> None:
     from plugins.tree_verify_mla import launcher
     launcher.CACHE_PREFETCH = on
 
 
-def _set_attn_fold(on: bool) -> None:
-    from runtime.model import attention
-    attention.FUSED_COMBINE = on  # read at each forward
-
-
-SWITCHES = {"skinny": _set_skinny, "moe_pf": _set_moe_pf, "moe_pf_down": _set_moe_pf_down,  # see the module doc
+SWITCHES = {"skinny": _set_skinny, "moe_pf": _set_moe_pf,  # see the module doc
             "gemm_pf": _set_gemm_pf,
-            "attn_pf": _set_attn_pf, "attn_fold": _set_attn_fold, "skinny_pf": _set_skinny_pf,
+            "attn_pf": _set_attn_pf, "skinny_pf": _set_skinny_pf,
             "skinny_wide": _set_skinny_wide,
             "skinny_late": _set_skinny_late, "moe_w16": _set_moe_w16, "moe_early": _set_moe_early,
-            "skinny_early": _set_skinny_early, "moe_cuda_route": _set_moe_cuda_route,
-            "skinny_tree": _set_skinny_tree, "skinny_draft": _set_skinny_draft}
+            "skinny_early": _set_skinny_early, "skinny_tree": _set_skinny_tree}
 
 
 DEFAULT_ON = frozenset({"skinny", "moe_early", "skinny_early"})  # the runtime's defaults among SWITCHES

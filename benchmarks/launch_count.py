@@ -49,7 +49,6 @@ aten = torch.ops.aten
 # kernels each kdtree:: op's CUDA launcher starts (read from the launchers; the H200 profile agrees)
 KDTREE_LAUNCHES = {
     "tree_verify_mla": 2,  # split + combine (plugins/tree_verify_mla/launcher.py)
-    "tree_verify_mla_partials": 1,  # the split kernel alone (FUSED_COMBINE: mla_combine_v_absorb merges its splits)
     "moe_w4a16": 4,  # route, gate_up, down, combine (plugins/moe_w4a16/launch_v3.py)
     "tree_build": 8,  # lse partials, 4 radix passes, gather, sort, tree (plugins/tree_build/topk_kernel.py)
     "kv_commit": 2,  # copy rows, advance lens (plugins/kv_commit/kernel.py; 1 with advance=False)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Nsight Compute stall breakdown of the v3 op's kernels (route, gate_up, down, combine; TP8 tree routing, one call
 # per t): where the warps wait, and each kernel's duration alone (ncu serializes them: no PDL overlap).
-# Usage (device tool): bash benchmarks/moe_v3_ncu.sh [t ...]   (KDTREE_MOE_CUDA_ROUTE=1: the CUDA routing kernel)
+# Usage (device tool): bash benchmarks/moe_v3_ncu.sh [t ...]
 # SASS=regex: also the source page of the first t's kernels matching regex (warp-stall samples per SASS instruction,
 # benchmarks/ncu_sass_hotspots.py; the CSV kept under $OUT as ncu-sass.csv)
 set -uo pipefail

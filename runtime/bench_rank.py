@@ -61,11 +61,10 @@ CONTEXTS = (4096, 32768)
 ALLREDUCE_US = (10.0, 25.0)
 KERNEL_CLASSES = (  # (class, kernel-name pattern), first match wins
     ("attention", r"tree_verify_mla"),
-    ("layer_glue", r"^_(add_rms_norm|mla_q_absorb|mla_v_absorb|mla_combine_v_absorb|mla_rope_kv|silu_mul)_kernel"),
-    # ^ plugins/layer_fusion (mla_combine_v_absorb: FUSED_COMBINE's fold of the attention's combine)
+    ("layer_glue", r"^_(add_rms_norm|mla_q_absorb|mla_v_absorb|mla_rope_kv|silu_mul)_kernel"),  # plugins/layer_fusion
     ("moe_experts", r"^(gate_up_kernel|down_kernel|silu_mul_kernel|combine_kernel|combine_shared_kernel|"
-                    r"kdtree_moe_v3_(?!route))"),
-    ("moe_route", r"route_kernel|kdtree_moe_v3_route"),
+                    r"kdtree_moe_v3_)"),
+    ("moe_route", r"route_kernel"),
     ("tree_ops", r"_tree_kernel|_lse_partial|_radix_pass|_gather_kernel|_sort_rows|_tree_accept|kv_commit|"
                  r"_advance_lens|posterior|_round_emit"),
     ("gemm", r"gemm|gemv|nvjet|cutlass|xmma|splitK|cublas|Kernel2|sm90"),

@@ -171,7 +171,6 @@ def test_every_variant_the_launcher_picks_is_compiled(tmp_path):
         GATE_UP_P,
         PDL_MARKER,
         PREFETCH_MARKER,
-        ROUTE_NAME,
         SOURCE,
         WARPS,
         gate_up_variant,
@@ -184,7 +183,6 @@ def test_every_variant_the_launcher_picks_is_compiled(tmp_path):
             names.add(gate_up_variant(nt, per_warp * WARPS))
             names.add(gate_up_w16(nt, per_warp * WARPS, 100, 132))
     names.discard(None)
-    names.add(ROUTE_NAME)  # the routing kernel (launch_v3.CUDA_ROUTE)
     assert "kdtree_moe_v3_gate_up_w16_nt1_p7" in names
     for arch in ("sm_90", "sm_120"):
         data = _nvcc(SOURCE.read_bytes(), SOURCE.name, arch)
@@ -213,7 +211,7 @@ def test_every_variant_the_launcher_picks_is_compiled(tmp_path):
             assert -1 < b.find("cp.async.bulk.prefetch.L2.global") < wait, name
             assert all(m.start() > wait for m in re.finditer(r"ld\.global\.nc\.L1::no_allocate", b)), name
     # and every expert GEMM can put its weights in flight with the bulk L2 prefetch (taken when pf is set)
-    assert all("cp.async.bulk.prefetch.L2.global" in b for b in bodies if not b.startswith(ROUTE_NAME))
+    assert all("cp.async.bulk.prefetch.L2.global" in b for b in bodies)
 
 
 def test_token_tiles_follow_the_measured_choice():
@@ -292,17 +290,17 @@ def test_loader_serves_v2c_where_v3_does_not():
 
 
 def test_prefetch_variable_names_the_kernels(monkeypatch):
-    """KDTREE_MOE_PREFETCH: unset / 0 neither kernel's L2 prefetch, 1 both, gate_up or down that one alone; anything
-    else is a ValueError naming the variable."""
+    """KDTREE_MOE_PREFETCH: unset / 0 neither kernel's L2 prefetch, 1 both; anything else is a ValueError naming the
+    variable."""
     from plugins.moe_w4a16.launch_v3 import PREFETCH_ENV, prefetch_kernels
-    want = {None: (False, False), "0": (False, False), "1": (True, True), "gate_up": (True, False),
-            "down": (False, True)}
+    want = {None: (False, False), "0": (False, False), "1": (True, True)}
     for value, pair in want.items():
         if value is None:
             monkeypatch.delenv(PREFETCH_ENV, raising=False)
         else:
             monkeypatch.setenv(PREFETCH_ENV, value)
         assert prefetch_kernels() == pair, value
-    monkeypatch.setenv(PREFETCH_ENV, "on")
-    with pytest.raises(ValueError, match=PREFETCH_ENV):
-        prefetch_kernels()
+    for bad in ("on", "down"):
+        monkeypatch.setenv(PREFETCH_ENV, bad)
+        with pytest.raises(ValueError, match=PREFETCH_ENV):
+            prefetch_kernels()

@@ -20,7 +20,6 @@ from plugins.layer_fusion.reference import (
     embed_norm_rope_reference,
     embed_range_reference,
     kv_norm_rope_store_reference,
-    mla_combine_v_absorb_reference,
     mla_q_absorb_reference,
     mla_rope_kv_reference,
     mla_v_absorb_reference,
@@ -30,9 +29,8 @@ from plugins.layer_fusion.reference import (
     silu_mul_reference,
 )
 
-__all__ = ["rms_norm", "add_rms_norm", "rope_cos_sin", "mla_q_absorb", "mla_v_absorb", "mla_combine_v_absorb",
-           "mla_rope_kv", "silu_mul", "kv_norm_rope_store", "drafter_block", "embed_range", "embed_norm_rope",
-           "rotate_reference"]
+__all__ = ["rms_norm", "add_rms_norm", "rope_cos_sin", "mla_q_absorb", "mla_v_absorb", "mla_rope_kv", "silu_mul",
+           "kv_norm_rope_store", "drafter_block", "embed_range", "embed_norm_rope", "rotate_reference"]
 
 # KDTREE_FUSION=0 (read once, at import): the references on CUDA too, i.e. the unfused torch ops, the peer
 # benchmarks/layer_fusion.py measures in the same run
@@ -226,44 +224,6 @@ def _mla_v_absorb_cuda(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
                          f"o_lat {tuple(o_lat.shape)} {o_lat.stride()}, w_uv {tuple(w_uv.shape)} {w_uv.stride()}")
     out = torch.empty(t, h, w_uv.shape[1], dtype=o_lat.dtype, device=o_lat.device)
     mla_v_absorb_triton(o_lat, w_uv, out)
-    return out
-
-
-def mla_combine_v_absorb(o_part: torch.Tensor, l_part: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
-    """The attention's split partials o_part [b, s, n*h, c], l_part [b, s, n*h] (fp32, s >= 1: tree_verify_mla's
-    kdtree::tree_verify_mla_partials), w_uv [h, u, c] -> o [b*n, h, u] contiguous in w_uv's dtype: the splits'
-    combine (o_lat, rounded to w_uv's dtype) . W_UV^T per head, one kernel on CUDA (combine_absorb.py)."""
-    if not (o_part.is_cuda and _combine_kernel_takes(o_part, l_part, w_uv)):
-        return mla_combine_v_absorb_reference(o_part, l_part, w_uv)
-    return mla_combine_v_absorb_op(o_part, l_part, w_uv)
-
-
-def _combine_kernel_takes(o_part: torch.Tensor, l_part: torch.Tensor, w_uv: torch.Tensor) -> bool:
-    """The fold kernel takes these (KDTREE_FUSION on): fp32 partials, W_UV of a kernel dtype."""
-    return FUSION and o_part.dtype == l_part.dtype == torch.float32 and w_uv.dtype in KERNEL_DTYPES
-
-
-@kdtree_op("mla_combine_v_absorb", mutates_args=())
-def mla_combine_v_absorb_op(o_part: torch.Tensor, l_part: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
-    return mla_combine_v_absorb_reference(o_part, l_part, w_uv)
-
-
-@mla_combine_v_absorb_op.register_fake
-def _(o_part, l_part, w_uv):
-    return w_uv.new_empty(o_part.shape[0] * o_part.shape[2] // w_uv.shape[0], w_uv.shape[0], w_uv.shape[1])
-
-
-@mla_combine_v_absorb_op.register_kernel("cuda")
-def _mla_combine_v_absorb_cuda(o_part: torch.Tensor, l_part: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
-    if not _combine_kernel_takes(o_part, l_part, w_uv):
-        return mla_combine_v_absorb_reference(o_part, l_part, w_uv)
-    from plugins.layer_fusion.combine_absorb import mla_combine_v_absorb_triton
-    if o_part.dim() != 4 or w_uv.dim() != 3 or o_part.shape[2] % w_uv.shape[0]:
-        raise ValueError(f"mla_combine_v_absorb: need o_part [b, s, n*h, c] and w_uv [h, u, c], got o_part "
-                         f"{tuple(o_part.shape)}, w_uv {tuple(w_uv.shape)}")
-    out = torch.empty(o_part.shape[0] * o_part.shape[2] // w_uv.shape[0], w_uv.shape[0], w_uv.shape[1],
-                      dtype=w_uv.dtype, device=w_uv.device)  # [b*n, h, u]
-    mla_combine_v_absorb_triton(o_part, l_part, w_uv, out)
     return out
 
 

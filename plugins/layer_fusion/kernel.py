@@ -8,8 +8,7 @@ KB of data.  Each kernel here is one launch per stage and reads its inputs once:
   mla_q_absorb  q_full[t, h] = [q_nope[t, h] . W_UK[h] | rope(q_pe[t, h])]  (programs over (token block, head,
                 64 latent columns); the product in fp32, rounded once, as the bmm it replaces)
   mla_v_absorb  o[t, h] = o_lat[t, h] . W_UV[h]^T                     (programs over (token block, head, 16
-                value dims) at decode sizes; fp32 accumulation rounded once, as the bmm it replaces;
-                combine_absorb.py: the same with tree_verify_mla's split combine folded in, FUSED_COMBINE)
+                value dims) at decode sizes; fp32 accumulation rounded once, as the bmm it replaces)
   mla_rope_kv   out[t] = [rms_norm(c_kv[t]) * w | rope(k_pe[t])]        (one program per token)
   silu_mul      h[t, j] = silu(gate[t, j]) * up[t, j]                   (programs over (t, i) tiles)
   kv_norm_rope_store  the drafter's k heads normed and roped (rope(rms_norm(k[t, g]) * w)), its v heads as they

@@ -157,25 +157,3 @@ def embed_norm_rope_reference(tokens: torch.Tensor, weight: torch.Tensor, start:
     x = embed_range_reference(tokens, weight, start, count)  # [b, n, d]
     cos, sin = rope_cos_sin_reference(positions, inv_freq, scale, weight.dtype)  # [b, n, r/2] each
     return x, rms_norm_reference(x, norm_weight, eps), cos, sin
-
-
-def combine_partials_reference(o_part: torch.Tensor, l_part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """tree_verify_mla's split combine: o_part [b, s, m, c] (each split's normalised output), l_part [b, s, m] (its
-    base-2 lse, -inf for a split that saw no key, whose o_part row is never read) -> [b, m, c] in dtype =
-    sum_s 2^(l_s - max) o_s / sum_s 2^(l_s - max), computed in fp32 and rounded once; a row no split saw is 0."""
-    lp = acc(l_part)
-    mx = lp.amax(dim=1, keepdim=True)  # [b, 1, m]
-    wgt = torch.exp2(lp - torch.where(mx == float("-inf"), 0.0, mx))  # [b, s, m]; 0 for empty splits
-    o = torch.where((lp > float("-inf"))[..., None], acc(o_part), 0.0)  # [b, s, m, c]: empty splits' rows unread
-    tot = wgt.sum(dim=1)  # [b, m]
-    return ((o * wgt[..., None]).sum(dim=1) / torch.where(tot > 0, tot, 1.0)[..., None]).to(dtype)
-
-
-def mla_combine_v_absorb_reference(o_part: torch.Tensor, l_part: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
-    """tree_verify_mla's split combine, then mla_v_absorb (combine_absorb.py's kernel): o_part [b, s, n*h, c],
-    l_part [b, s, n*h] (tree_verify_mla_partials), w_uv [h, u, c] -> o [b*n, h, u]: the merged latent rows rounded
-    to w_uv's dtype (the attention's o_lat), then the per-head product."""
-    b, _, m, c = o_part.shape
-    h = w_uv.shape[0]
-    o_lat = combine_partials_reference(o_part, l_part, w_uv.dtype)  # [b, n*h, c]
-    return mla_v_absorb_reference(o_lat.view(b * (m // h), h, c), w_uv)

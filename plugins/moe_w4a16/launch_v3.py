@@ -1,6 +1,6 @@
 """Launcher of moe_w4a16 v3: experts in fragment order (fragment_layout.py), the GEMMs in CUDA C (moe_v3.cu).
 
-route_kernel (Triton, as v2; or moe_v3.cu's route: CUDA_ROUTE) -> gate_up (v3: h = silu(gate) * up per slot) -> down
+route_kernel (Triton, as v2) -> gate_up (v3: h = silu(gate) * up per slot) -> down
 (v3: the weighted expert output per slot) -> combine_kernel (Triton, as v2: y[tok] = sum of its local slots, in slot
 order; it also re-zeroes the routing counts for the next call, so no memset precedes the route kernel).  Four
 launches, no host sync, capturable in a CUDA graph (the CUDA C kernels go through the driver API onto torch's current
@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 
-from core.env_flags import env_flag
 from plugins.common.cubin import CubinUnavailable, load_module
 from plugins.common.device import device_facts
 from plugins.common.driver import checked, launch, pdl_refused
@@ -35,20 +34,19 @@ SOURCE = Path(__file__).with_name("moe_v3.cu")
 # the H200 (benchmarks/results/moe_w4a16_v3.json, K2.6 TP8, tree routing) it won only with the NT = 4 tile (t = 512:
 # 529.7 -> 510.6 µs), which NT = 2 beats without it (472.8); with the tiles token_tile chooses it lost (t = 1 29.0
 # against 28.9, t = 9 64.7 / 58.0, t = 17 58.6 / 51.5, t = 64 114.8 / 105.5).
-# KDTREE_MOE_PREFETCH=down or =gate_up: that kernel's prefetch alone (down's puts each warp's next item in flight
-# while it streams the current one, where the ring alone keeps one item of a warp in flight).
+# down's prefetch alone (each warp's next item into L2 while it streams the current one) was tried on 2026-12-06
+# (H100, benchmarks/results/moe_w4a16_v3-h100.json before this change: t = 1 30.8 against 31.0 µs, t = 9 70.7 / 68.7,
+# t = 17 59.6 / 58.5; the K2.6 rank at 40 layers AR -0.2 %, DDTree-16 +0.9 %) and removed.
 PREFETCH_ENV = "KDTREE_MOE_PREFETCH"
-_PREFETCH_VALUES = {"": (False, False), "0": (False, False), "1": (True, True), "gate_up": (True, False),
-                    "down": (False, True)}  # KDTREE_MOE_PREFETCH -> (gate_up, down)
 
 
 def prefetch_kernels() -> tuple[bool, bool]:
-    """(gate_up, down) prefetch into L2, from KDTREE_MOE_PREFETCH: unset / 0 neither, 1 both, gate_up or down that
-    one; anything else is a ValueError naming the variable."""
+    """(gate_up, down) prefetch into L2, from KDTREE_MOE_PREFETCH: unset / 0 neither, 1 both; anything else is a
+    ValueError naming the variable."""
     value = os.environ.get(PREFETCH_ENV, "")
-    if value not in _PREFETCH_VALUES:
-        raise ValueError(f"{PREFETCH_ENV} must be 0, 1, gate_up or down, got {value!r}")
-    return _PREFETCH_VALUES[value]
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{PREFETCH_ENV} must be 0 or 1, got {value!r}")
+    return (value == "1",) * 2
 
 
 # Weights before the PDL wait (down_kernel's kdtree_moe_v3_down_early_*, combine_shared_kernel's EARLY): down builds
@@ -57,18 +55,10 @@ def prefetch_kernels() -> tuple[bool, bool]:
 # before waiting for down.  The same bits either way (tests/test_moe_v3_gpu.py).  Measured on (2026-12-05, H100,
 # K2.6 TP8 rank at 40 layers, benchmarks/results/k26-switches-h100.json: AR step -2.8 %, DDTree rounds -3.6 %), but
 # with the down of then, which loaded the weights into registers and whose first h loads ptxas had hoisted above
-# the wait (.nc): a race with gate_up's stores, fixed 2026-12-06 (moe_v3.cu: h through .cg); the prefetching down
-# that replaced it is to be measured again (k26_switches moe_early).
+# the wait (.nc): a race with gate_up's stores, fixed 2026-12-06 (moe_v3.cu: h through .cg).  The prefetching down
+# that replaced it, measured 2026-12-06 (H100, 40 layers, benchmarks/results/k26-switches-h100.json): AR step 3569
+# against 3602 µs without it (-0.9 %), DDTree-16 round 6193 against 6271 (-1.2 %).
 EARLY_WEIGHTS = True
-# The routing in CUDA C (moe_v3.cu's kdtree_moe_v3_route: a pick is two redux.sync where route_kernel.py's 64-bit keys
-# take two shuffle trees) where it applies (cuda_route_applies), else route_kernel.py: the same picks, weights and
-# shared activation bit for bit (tests/test_moe_v3_gpu.py).  Off until measured on the GPU (benchmarks/moe_w4a16_v3.py
-# columns v3_route_cuda / v3_route_triton, k26_switches moe_cuda_route; KDTREE_MOE_CUDA_ROUTE=1 turns it on at
-# import, e.g. under ncu).
-CUDA_ROUTE = env_flag("KDTREE_MOE_CUDA_ROUTE", False)
-ROUTE_NAME = "kdtree_moe_v3_route"
-ROUTE_MAX_EXPERTS = 512  # moe_v3.cu's 32 * ROUTE_EPL
-ROUTE_LOCAL_TOKENS = 32  # up to this many tokens the routing is one CTA (a warp per token: 1024 threads at most)
 WARPS = 8  # moe_v3.cu's WARPS: every k group count is a multiple (k padded to 256)
 MAX_TOKENS = 4096  # per launch: the entry list of 4096 tokens x top-8 fits in shared memory
 
@@ -241,39 +231,6 @@ def _has(mod: _Module, name: str) -> bool:
     return True
 
 
-def cuda_route_applies(mod: _Module, logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int,
-                       shared_gate_up: torch.Tensor | None, shared_h: torch.Tensor | None) -> bool:
-    """Whether kdtree_moe_v3_route takes this call (CUDA_ROUTE on, the kernel in the loaded cubin, n_group 1, at most
-    ROUTE_MAX_EXPERTS experts and 32 picks, fp32 bias, the shared expert's gate | up fp32 and its activation bf16,
-    both with unit stride along the row); route_kernel.py takes every other."""
-    if not CUDA_ROUTE or n_group != 1 or logits.shape[1] > ROUTE_MAX_EXPERTS or top_k > 32 \
-            or bias.dtype != torch.float32 or not bias.is_contiguous() or not _has(mod, ROUTE_NAME):
-        return False
-    return shared_h is None or (shared_gate_up.dtype == torch.float32 and shared_h.dtype == torch.bfloat16
-                                and shared_gate_up.stride(1) == 1 and shared_h.stride(1) == 1)
-
-
-def launch_cuda_route(mod: _Module, logits: torch.Tensor, bias: torch.Tensor, ws: MoEWorkspace, e_start: int,
-                      e_local: int, scaling: float, top_k: int, norm_topk_prob: bool,
-                      shared_gate_up: torch.Tensor | None, shared_h: torch.Tensor | None) -> None:
-    """kdtree_moe_v3_route over logits [t, e]: ws.topk_idx / topk_w, ws.counts (zero before) and ws.lists as
-    route_kernel.py writes them for v3 (no list of active experts); with shared_h [t, i_sh] its silu(gate) * up.
-    Up to ROUTE_LOCAL_TOKENS tokens one CTA of t warps routes them all (places by shared-memory atomics, no global
-    atomic's round trip before gate_up), beyond that one one-warp CTA per token."""
-    t, e = logits.shape
-    local = t <= ROUTE_LOCAL_TOKENS
-    i32, f32, ptr = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
-    shared = shared_h is not None
-    args = (logits.data_ptr(), bias.data_ptr(), ws.topk_idx.data_ptr(), ws.topk_w.data_ptr(), ws.counts.data_ptr(),
-            ws.lists.data_ptr(), t, e, logits.stride(0), e_start, e_local, float(scaling), top_k,
-            int(bool(norm_topk_prob)), shared_gate_up.data_ptr() if shared else 0,
-            shared_h.data_ptr() if shared else 0, shared_h.shape[1] if shared else 0,
-            shared_gate_up.stride(0) if shared else 0, shared_h.stride(0) if shared else 0, int(local))
-    types = (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, f32, i32, i32, ptr, ptr, i32, i32, i32, i32)
-    n_route = 1 if local else t
-    _launch(mod, ROUTE_NAME, n_route + t * shared, 0, args, types, warps=t if local else 1)
-
-
 def _launch(mod: _Module, name: str, grid: int, smem: int, args: tuple, types: tuple, warps: int = WARPS) -> None:
     """One launch on torch's current stream; with mod.pdl through cuLaunchKernelEx with programmatic stream
     serialization (the kernels wait for their predecessor grid first: moe_v3.cu's pdl_prologue).  A refused
@@ -364,13 +321,8 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
             ws.h.data_ptr(), t, top_k, e_local, d // GROUP, c1, pairs13, i, *pf[0])
     types = (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32, *pf[1])
     # counts [e_local + 1] is zero here (MoEWorkspace.allocate zeroes it, every call's combine re-zeroes it)
-    if cuda_route_applies(mod, logits, bias, top_k, n_group, shared_gate_up, shared_h):
-        launch_cuda_route(mod, logits, bias, ws, e_start, e_local, scaling, top_k, norm_topk_prob, shared_gate_up,
-                          shared_h)
-    else:
-        launch_route(logits, bias, ws.topk_idx, ws.topk_w, ws.counts, ws.active, ws.lists, e_start, e_local,
-                     scaling, top_k, n_group, topk_group, norm_topk_prob, shared_gate_up, shared_h,
-                     active_list=False)
+    launch_route(logits, bias, ws.topk_idx, ws.topk_w, ws.counts, ws.active, ws.lists, e_start, e_local,
+                 scaling, top_k, n_group, topk_group, norm_topk_prob, shared_gate_up, shared_h, active_list=False)
     name, warps = gate_up_kernel(nt, c1, n_items, sms)
     if warps == W16 and not (mod.prefetch_arg and _has(mod, name)):  # an older cubin: the 8-warp kernel
         name, warps = gate_up_variant(nt, c1), WARPS

@@ -9,7 +9,7 @@ import torch
 from plugins.common.op import kdtree_op
 from plugins.tree_verify_mla.reference import tree_verify_mla_reference
 
-__all__ = ["tree_verify_mla", "tree_verify_mla_partials", "check_inputs"]
+__all__ = ["tree_verify_mla", "check_inputs"]
 
 
 def check_inputs(q, cache, cache_lens, tree_kv, tree_mask, out, lse) -> None:
@@ -67,58 +67,3 @@ def _tree_verify_mla_cuda(q: torch.Tensor, cache: torch.Tensor, cache_lens: torc
         tree_verify_mla_triton(q, cache, cache_lens, tree_kv, tree_mask, scale, out, lse, workspace=workspace)
     else:
         tree_verify_mla_reference(q, cache, cache_lens, tree_kv, tree_mask, scale, out, lse)
-
-
-def tree_verify_mla_partials(q: torch.Tensor, cache: torch.Tensor, cache_lens: torch.Tensor, tree_kv: torch.Tensor,
-                             tree_mask: torch.Tensor, scale: float, out: torch.Tensor, lse: torch.Tensor
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The attention without its split combine, for a caller that merges the splits itself (layer_fusion's
-    mla_combine_v_absorb): (o_part [b, s, n*h, d_v], l_part [b, s, n*h]) fp32, see tree_verify_mla_partials_op."""
-    return tree_verify_mla_partials_op(q, cache, cache_lens, tree_kv, tree_mask, scale, out, lse)
-
-
-@kdtree_op("tree_verify_mla_partials", mutates_args=("out", "lse"))
-def tree_verify_mla_partials_op(q: torch.Tensor, cache: torch.Tensor, cache_lens: torch.Tensor, tree_kv: torch.Tensor,
-                                tree_mask: torch.Tensor, scale: float, out: torch.Tensor, lse: torch.Tensor
-                                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Either writes out [b, n, h, d_v] and lse [b, n, h] as tree_verify_mla_op and returns no partials (s = 0: the
-    reference, and the kernel where its plan has one split), or leaves them and returns the split kernel's
-    partials (CUDA, s > 1 splits; views of one buffer allocated here): o_part [b, s, n*h, d_v], each split's
-    normalised output (row = node * h + head; a split that saw no key leaves its row unwritten), and l_part
-    [b, s, n*h], its base-2 lse (-inf for such a split).  Their combine, sum_s 2^(l_s - max) o_s / sum_s
-    2^(l_s - max), is the attention."""
-    check_inputs(q, cache, cache_lens, tree_kv, tree_mask, out, lse)
-    tree_verify_mla_reference(q, cache, cache_lens, tree_kv, tree_mask, scale, out, lse)
-    return _partials_like(out, 0)
-
-
-@tree_verify_mla_partials_op.register_fake
-def _(q, cache, cache_lens, tree_kv, tree_mask, scale, out, lse):
-    b, n, h, d_v = out.shape
-    s = 0
-    if q.is_cuda:
-        from plugins.tree_verify_mla.launcher import kernel_supports, plan
-        if kernel_supports(q.dtype, q.shape[-1], d_v) and b * n * h:
-            s = plan(b, n, h, cache.shape[1], q.dtype, q.device, d_qk=q.shape[-1], d_v=d_v).num_splits
-    return _partials_like(out, 0 if s == 1 else s)
-
-
-@tree_verify_mla_partials_op.register_kernel("cuda")
-def _tree_verify_mla_partials_cuda(q: torch.Tensor, cache: torch.Tensor, cache_lens: torch.Tensor,
-                                   tree_kv: torch.Tensor, tree_mask: torch.Tensor, scale: float, out: torch.Tensor,
-                                   lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The split kernel alone (launcher.tree_verify_mla_triton(combine=False)); the reference where it does not run."""
-    check_inputs(q, cache, cache_lens, tree_kv, tree_mask, out, lse)
-    from plugins.tree_verify_mla.launcher import kernel_supports, tree_verify_mla_triton
-    if not kernel_supports(q.dtype, q.shape[-1], out.shape[-1]):
-        tree_verify_mla_reference(q, cache, cache_lens, tree_kv, tree_mask, scale, out, lse)
-        return _partials_like(out, 0)
-    parts = tree_verify_mla_triton(q, cache, cache_lens, tree_kv, tree_mask, scale, out, lse, combine=False)
-    return parts if parts is not None else _partials_like(out, 0)
-
-
-def _partials_like(out: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Empty (o_part [b, s, n*h, d_v], l_part [b, s, n*h]) fp32 for out [b, n, h, d_v]; s = 0: the result is in
-    out / lse."""
-    b, n, h, d_v = out.shape
-    return out.new_empty(b, s, n * h, d_v, dtype=torch.float32), out.new_empty(b, s, n * h, dtype=torch.float32)

@@ -165,8 +165,7 @@ def tree_verify_mla_triton(q: torch.Tensor, cache: torch.Tensor, cache_lens: tor
                            tree_mask: torch.Tensor, scale: float, out: torch.Tensor, lse: torch.Tensor,
                            workspace: torch.Tensor | None = None, config: Config | None = None,
                            num_splits: int | None = None, num_sms: int | None = None,
-                           pdl: bool | None = None, combine: bool = True
-                           ) -> tuple[torch.Tensor, torch.Tensor] | None:
+                           pdl: bool | None = None) -> None:
     """Writes out [b, n, h, d_v] and lse [b, n, h] (the reference's function, see reference.py).
 
     workspace: fp32, >= workspace_numel(...) elements for the same static shapes and overrides;
@@ -174,12 +173,6 @@ def tree_verify_mla_triton(q: torch.Tensor, cache: torch.Tensor, cache_lens: tor
     (benchmark sweeps, tests); num_sms defaults to the device's SM count; pdl (programmatic dependent
     launch) defaults to USE_PDL on sm_90+ CUDA devices and is off elsewhere.  Shapes and dtypes are
     checked by plugins.tree_verify_mla.check_inputs; this checks the layout the kernel needs.
-
-    combine False: where the plan has several splits, only the split kernel runs and the partials are returned,
-    views of the workspace (o_part [b, s, n*h, d_v] fp32, each split's output normalised, and l_part [b, s, n*h],
-    its base-2 lse, -inf where the split saw no key; row = node * h + head), for a kernel that merges them itself
-    (plugins/layer_fusion/combine_absorb.py); out and lse are left as they were.  With one split (or combine
-    True) the result is written to out / lse and None returned.
     """
     b, n, h, d_qk = q.shape
     l_max = cache.shape[1]
@@ -187,7 +180,7 @@ def tree_verify_mla_triton(q: torch.Tensor, cache: torch.Tensor, cache_lens: tor
     d_r = d_qk - d_v
     _check_layout(q, cache, tree_kv, tree_mask, out, lse, d_v, d_r)
     if b == 0 or n == 0 or h == 0:
-        return None
+        return
     p = plan(b, n, h, l_max, q.dtype, q.device, config, num_splits, d_qk, d_v, num_sms)
     cfg = p.config
     if 64 % cfg.block_n or cfg.block_n < 16 or cfg.block_m < 16 or cfg.dv_split not in (1, 2) \
@@ -226,9 +219,7 @@ def tree_verify_mla_triton(q: torch.Tensor, cache: torch.Tensor, cache_lens: tor
         DIRECT=s == 1, IEEE=q.dtype == torch.float32, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **launch, **prefetch)
     if s == 1:
-        return None
-    if not combine:
-        return o_part.view(b, s, m_rows, d_v), l_part.view(b, s, m_rows)
+        return
     s_pad = triton.next_power_of_2(s)
     block_dv = min(d_v, max(16, 8192 // s_pad))
     tree_verify_mla_combine_kernel[(m_rows, d_v // block_dv, b)](
@@ -237,4 +228,3 @@ def tree_verify_mla_triton(q: torch.Tensor, cache: torch.Tensor, cache_lens: tor
         lse.stride(0), lse.stride(1),
         n, h, s,
         S_PAD=s_pad, D_V=d_v, BLOCK_DV=block_dv, num_warps=4, **launch)
-    return None

@@ -27,8 +27,8 @@ import torch
 
 # the ops of a round; each needs a CUDA kernel (the references synchronise with the host)
 ROUND_OPS = ("kdtree::tree_build", "kdtree::tree_accept", "kdtree::kv_commit", "kdtree::round_emit",
-             "kdtree::tree_verify_mla", "kdtree::tree_verify_mla_partials", "kdtree::moe_w4a16", "kdtree::posterior",
-             "kdtree::vocab_argmax_local", "kdtree::vocab_argmax_pick")
+             "kdtree::tree_verify_mla", "kdtree::moe_w4a16", "kdtree::posterior", "kdtree::vocab_argmax_local",
+             "kdtree::vocab_argmax_pick")
 
 
 class GraphUnavailable(RuntimeError):

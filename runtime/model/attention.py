@@ -11,13 +11,6 @@ Tensor parallel: `w` holds this rank's h/tp heads (q_b / kv_b rows and o_proj co
 q_a / kv_a replicated, core/plan.py), so h below is the local head count, every rank
 computes and caches the same full latent row, and the result is this rank's partial sum of o_proj:
 the caller (runtime/model/target.py) all-reduces it.
-
-FUSED_COMBINE (KDTREE_ATTN_FUSED_COMBINE=1, read at import; off until measured on the GPU): the attention runs as
-kdtree::tree_verify_mla_partials, its split kernel alone, and kdtree::mla_combine_v_absorb merges the splits inside
-the W_UV product (plugins/layer_fusion/combine_absorb.py) instead of a combine kernel writing o_lat for
-mla_v_absorb to read: one kernel fewer per layer wherever the plan splits the keys.  Where there are no partials
-(one split, or the reference on CPU) o_lat is written and mla_v_absorb reads it as without the switch, so the CPU
-path gives the same bits either way; on CUDA the merge's summation order differs (bf16 rounding, not more).
 """
 
 from __future__ import annotations
@@ -29,8 +22,8 @@ import torch
 from core.config import ModelConfig
 from core.env_flags import env_flag
 from plugins.l2_prefetch import l2_prefetch
-from plugins.layer_fusion import mla_combine_v_absorb, mla_q_absorb, mla_rope_kv, mla_v_absorb
-from plugins.tree_verify_mla import tree_verify_mla, tree_verify_mla_partials
+from plugins.layer_fusion import mla_q_absorb, mla_rope_kv, mla_v_absorb
+from plugins.tree_verify_mla import tree_verify_mla
 from runtime.model.layers import linear
 from runtime.model.rope import Rope
 from runtime.model.weights import AttentionWeights
@@ -39,9 +32,6 @@ from runtime.model.workspace import ForwardWorkspace
 # KDTREE_GEMM_PREFETCH=1: the L2 prefetch of the layer's post-attention weights (off until measured on the GPU:
 # benchmarks/l2_prefetch.py, then the rank benchmark with and without it)
 GEMM_PREFETCH = env_flag("KDTREE_GEMM_PREFETCH", False)
-# KDTREE_ATTN_FUSED_COMBINE=1: the split combine folded into the v absorption (module doc; benchmarks/k26_switches.py
-# attn_fold measures it)
-FUSED_COMBINE = env_flag("KDTREE_ATTN_FUSED_COMBINE", False)
 
 
 def mla_forward(cfg: ModelConfig, w: AttentionWeights, rope: Rope, x: torch.Tensor, cos: torch.Tensor,
@@ -79,13 +69,6 @@ def mla_forward(cfg: ModelConfig, w: AttentionWeights, rope: Rope, x: torch.Tens
     if GEMM_PREFETCH and x.is_cuda:  # a hint (plugins/l2_prefetch): the weights of the GEMMs after the attention
         l2_prefetch([t for t in (w.o, w.w_uv, *prefetch) if t is not None and t.is_contiguous()][:4])
     o_lat, lse = ws.attention(b, n, h, c)  # [b, n, h, c], [b, n, h]
-    o_part = l_part = None  # FUSED_COMBINE: the split kernel's partials [b, s, n*h, c], [b, s, n*h]; s = 0: in o_lat
-    if FUSED_COMBINE:
-        o_part, l_part = tree_verify_mla_partials(q_full, kv, lens, tree_kv, tree_mask, cfg.softmax_scale, o_lat, lse)
-    else:
-        tree_verify_mla(q_full, kv, lens, tree_kv, tree_mask, cfg.softmax_scale, o_lat, lse)
-    if o_part is not None and o_part.shape[1]:
-        o = mla_combine_v_absorb(o_part, l_part, w.w_uv)  # [t, h, u]: the splits' combine . W_UV^T per head
-    else:
-        o = mla_v_absorb(o_lat.view(t, h, c), w.w_uv)  # [t, h, u] = o_lat . W_UV^T per head: o_proj's input rows
+    tree_verify_mla(q_full, kv, lens, tree_kv, tree_mask, cfg.softmax_scale, o_lat, lse)
+    o = mla_v_absorb(o_lat.view(t, h, c), w.w_uv)  # [t, h, u] = o_lat . W_UV^T per head: o_proj's input rows
     return linear(o.view(b, n, h * u), w.o)
