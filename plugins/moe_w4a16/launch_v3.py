@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from core.env_flags import env_flag
 from plugins.common.cubin import CubinUnavailable, load_module
 from plugins.common.device import device_facts
 from plugins.common.driver import checked, launch, pdl_refused
@@ -134,8 +135,9 @@ def max_entries(t: int, top_k: int, e_local: int, nt: int) -> int:
 # The entries' slot ids (and down's routing weights) staged in shared memory at the start (moe_v3.cu's stage_slots),
 # where an item's setup loaded them from L2 and used them at once (ncu, down at t = 17 on the H100: the warps stalled
 # there): up to this many bytes per CTA, i.e. the rounds of a DDTree verify up to ~30 tokens at NT = 1; above, the
-# kernels load them per item as before (they read the room from the launch's dynamic shared memory size)
-STAGE_MAX_BYTES = 16 << 10
+# kernels load them per item as before (they read the room from the launch's dynamic shared memory size).
+# KDTREE_MOE_STAGE=0: no staging (the per-item loads everywhere)
+STAGE_MAX_BYTES = (16 << 10) if env_flag("KDTREE_MOE_STAGE", True) else 0
 
 
 def _stage_bytes(t: int, top_k: int, e_local: int, nt: int, per_slot: int) -> int:
