@@ -304,8 +304,21 @@ def _profile(launch: Callable[[], None], reset: Callable[[], None], target, byte
             "gpu_us": round(sum(c["us"] for c in classes.values()), 1),
             "span_us": round(sum(a for a, _ in added), 1),
             "top_columns": ["kernel", "count", "us", "step_us"],
+            "sequence_columns": ["kernel", "us", "step_us", "idle_us"],
+            "sequence": _middle_kernels(kernels, added, SEQUENCE_KERNELS),
             "top": sorted(([n, k, round(us, 1), round(st, 1)] for n, (k, us, st) in top.items()),
                           key=lambda r: -r[3])[:40]}
+
+
+SEQUENCE_KERNELS = 40  # a profile's run of consecutive kernels from the middle of the round: two or three layers
+
+
+def _middle_kernels(kernels: list[tuple], added: list[tuple[float, float]], n: int) -> list[list]:
+    """n consecutive kernels (in start order) from the middle of the round: name, duration, what it added to the
+    round and the launch gap inside that (where the time goes kernel by kernel, which the per-name totals hide)."""
+    order = sorted(range(len(kernels)), key=lambda i: kernels[i][3])
+    mid = order[max(0, len(order) // 2 - n // 2):][:n]
+    return [[kernels[i][0][:60], round(kernels[i][2], 1), round(added[i][0], 1), round(added[i][1], 1)] for i in mid]
 
 
 def _experts_touched(target, s: DecodeSession, ar: bool) -> float:
