@@ -51,12 +51,16 @@ def specialisations() -> list:
         ieee = dt == "*fp32"
         t = {"q_ptr": dt, "w_ptr": dt, "cos_ptr": dt, "sin_ptr": dt, "out_ptr": dt}
         for bt in (16, 64):
-            c = dict(INTERLEAVE=True, IEEE=ieee, N_CB=8, BT=bt, BLOCK_P=128, BLOCK_C=64, BLOCK_R=32, PDL=True)
+            c = dict(INTERLEAVE=True, IEEE=ieee, N_CB=8, BT=bt, BLOCK_P=128, BLOCK_C=64, BLOCK_R=32, EARLY=False,
+                     PDL=True)
             out.append(kernel(f"q_absorb_{dt[1:]}_bt{bt}", _mla_q_absorb_kernel, t, c, 4))
+        out.append(kernel(f"q_absorb_early_{dt[1:]}_bt16", _mla_q_absorb_kernel, t, c | dict(BT=16, EARLY=True), 4))
         t = {"o_ptr": dt, "w_ptr": dt, "out_ptr": dt}
         for bt, bu in ((16, 16), (64, 64)):
-            c = dict(C=512, IEEE=ieee, BT=bt, BLOCK_U=bu, BLOCK_K=128, PDL=True)
+            c = dict(C=512, IEEE=ieee, BT=bt, BLOCK_U=bu, BLOCK_K=128, EARLY=False, PDL=True)
             out.append(kernel(f"v_absorb_{dt[1:]}_bt{bt}", _mla_v_absorb_kernel, t, c, 4))
+        c = dict(C=512, IEEE=ieee, BT=16, BLOCK_U=16, BLOCK_K=512, EARLY=True, PDL=True)  # layer_fusion EARLY_WEIGHTS
+        out.append(kernel(f"v_absorb_early_{dt[1:]}_bt16", _mla_v_absorb_kernel, t, c, 4))
         pos = "*i32" if dt == "*bf16" else "*i64"  # an AR step's positions are the int32 cache lengths
         t = {"pos_ptr": pos, "inv_ptr": "*fp32", "cos_ptr": dt, "sin_ptr": dt, "scale": "fp32"}
         out.append(kernel(f"rope_{dt[1:]}", _rope_cos_sin_kernel, t, dict(IEEE=True, BT=16, BLOCK_R=32, PDL=True), 1))
@@ -152,10 +156,10 @@ def test_round_kernels_compile_for_sm90(tmp_path):
                           text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     recs = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(recs) == 37
+    assert len(recs) == 41
     for r in recs:
         assert (tmp_path / r["cubin"]).read_bytes()[:4] == b"\x7fELF", r
-        if r["name"] == "moe_combine_shared_early_bf16_bt16":  # the shared weight loads before the PDL wait
+        if r["name"] == "moe_combine_shared_early_bf16_bt16" or "absorb_early" in r["name"]:  # weights, then the wait
             ptx = (tmp_path / r["ptx"]).read_text()
             assert -1 < ptx.find("ld.global") < ptx.find("griddepcontrol.wait"), r["name"]
         if r["name"] == "tree_verify_split_prefetch_bf16":  # the hint, and before the PDL wait

@@ -33,10 +33,19 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from core.env_flags import env_flag
 from plugins.common.activation_kernel import silu_mul_rounded
 from plugins.common.pdl import pdl_args, pdl_for, pdl_prologue
 
 _OPTS = {"enable_fp_fusion": False}
+# The absorb kernels load their W_UK / W_UV tile before the PDL wait (a weight: nothing in the round writes it), so its
+# latency overlaps the predecessor's tail, as skinny_gemm's EARLY_WEIGHTS do (AR step -5 % there).  Why: in the
+# captured K2.6 AR step (benchmarks/results/k26-rank.json, H200, 2026-12-06) q_absorb adds 5.5 and v_absorb 6.1 µs a
+# layer after their predecessors for 1 MB of weights each.  Off until measured (KDTREE_GLUE_EARLY=1; k26_switches
+# glue_early).  The same products: v_absorb then takes the whole latent width in one dot (its 512, where it stepped
+# through 128 at a time), q_absorb's tile is the one it loaded already.
+EARLY_WEIGHTS = env_flag("KDTREE_GLUE_EARLY", False)
+EARLY_MAX_K = 512  # v_absorb's whole-width dot up to this latent width (its weight tile in registers: 16 KB)
 
 
 def _opts(t: torch.Tensor) -> dict:
@@ -162,13 +171,22 @@ def rope_cos_sin_triton(positions: torch.Tensor, inv_freq: torch.Tensor, scale: 
 @triton.jit
 def _mla_q_absorb_kernel(q_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, T, P, C, R2, s_qt, s_qh, s_wh, s_wp, s_ct, s_ot,
                          s_oh, INTERLEAVE: tl.constexpr, IEEE: tl.constexpr, N_CB: tl.constexpr, BT: tl.constexpr,
-                         BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, EARLY: tl.constexpr,
+                         PDL: tl.constexpr):
     """Program (token block, head, c block): out[rows, h, c block] = q_nope[rows, h] . W_UK[h][:, c block],
-    fp32 accumulation rounded once; the program past the last c block ropes the rows' q_pe instead."""
-    pdl_prologue(PDL)
-    rt = tl.program_id(0) * BT + tl.arange(0, BT)  # [BT] tokens
+    fp32 accumulation rounded once; the program past the last c block ropes the rows' q_pe instead.  EARLY: the
+    W_UK tile loaded before the PDL wait (EARLY_WEIGHTS)."""
     h = tl.program_id(1).to(tl.int64)
     cb = tl.program_id(2)
+    rp = tl.arange(0, BLOCK_P)
+    rc = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    pm = rp < P
+    w_tile = w_ptr + h * s_wh + rp[:, None] * s_wp + rc[None, :]  # [BLOCK_P, BLOCK_C] pointers
+    w_mask = pm[:, None] & (rc < C)[None, :]
+    if EARLY:  # the rope program (cb == N_CB) loads nothing: its columns are all past C
+        w = tl.load(w_tile, mask=w_mask, other=0.0)  # [BLOCK_P, BLOCK_C]
+    pdl_prologue(PDL)
+    rt = tl.program_id(0) * BT + tl.arange(0, BT)  # [BT] tokens
     tm = rt < T
     dt = out_ptr.dtype.element_ty
     q_rows = q_ptr + rt.to(tl.int64) * s_qt + h * s_qh  # [BT] pointers
@@ -190,12 +208,9 @@ def _mla_q_absorb_kernel(q_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, T, P, C, R2, s
         tl.store(o_rows[:, None] + C + j[None, :], lo.to(dt), mask=m)
         tl.store(o_rows[:, None] + C + R2 + j[None, :], hi.to(dt), mask=m)
     else:
-        rp = tl.arange(0, BLOCK_P)
-        rc = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-        pm = rp < P
         qn = tl.load(q_rows[:, None] + rp[None, :], mask=tm[:, None] & pm[None, :], other=0.0)  # [BT, BLOCK_P]
-        w = tl.load(w_ptr + h * s_wh + rp[:, None] * s_wp + rc[None, :], mask=pm[:, None] & (rc < C)[None, :],
-                    other=0.0)  # [BLOCK_P, BLOCK_C]
+        if not EARLY:
+            w = tl.load(w_tile, mask=w_mask, other=0.0)  # [BLOCK_P, BLOCK_C]
         if IEEE:
             acc = tl.dot(qn, w, input_precision="ieee")
         else:
@@ -218,30 +233,37 @@ def mla_q_absorb_triton(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, 
         q, w_uk, cos, sin, out, t, p, c, r2, q.stride(0), q.stride(1), w_uk.stride(0), w_uk.stride(1),
         cos.stride(0), out.stride(0), out.stride(1), INTERLEAVE=interleave, IEEE=q.dtype == torch.float32,
         N_CB=n_cb, BT=bt, BLOCK_P=max(16, triton.next_power_of_2(p)), BLOCK_C=block_c,
-        BLOCK_R=triton.next_power_of_2(r2), num_warps=4, **_opts(q))
+        BLOCK_R=triton.next_power_of_2(r2), EARLY=EARLY_WEIGHTS, num_warps=4, **_opts(q))
 
 
 @triton.jit
 def _mla_v_absorb_kernel(o_ptr, w_ptr, out_ptr, T, U, s_ot, s_oh, s_wh, s_wu, s_yt, s_yh, C: tl.constexpr,
                          IEEE: tl.constexpr, BT: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PDL: tl.constexpr):
+                         EARLY: tl.constexpr, PDL: tl.constexpr):
     """Program (token block, head, u block): out[rows, h, u block] = o_lat[rows, h] . W_UV[h][u block]^T, the
     latent width C (a compile-time constant: the loop's trip count) in BLOCK_K slices, fp32 accumulation rounded
-    once."""
-    pdl_prologue(PDL)
-    rt = tl.program_id(0) * BT + tl.arange(0, BT)  # [BT] tokens
+    once.  EARLY (BLOCK_K >= C): the one W_UV tile loaded before the PDL wait (EARLY_WEIGHTS)."""
     h = tl.program_id(1).to(tl.int64)
     ru = tl.program_id(2) * BLOCK_U + tl.arange(0, BLOCK_U)  # [BLOCK_U] value dims
-    tm = rt < T
     um = ru < U
     rk = tl.arange(0, BLOCK_K)
-    o_rows = o_ptr + rt.to(tl.int64) * s_ot + h * s_oh  # [BT] pointers
     w_rows = w_ptr + h * s_wh + ru.to(tl.int64) * s_wu  # [BLOCK_U] pointers
+    if EARLY:
+        # [BLOCK_K, BLOCK_U]: the whole width
+        w_all = tl.load(w_rows[None, :] + rk[:, None], mask=(rk < C)[:, None] & um[None, :], other=0.0)
+    pdl_prologue(PDL)
+    rt = tl.program_id(0) * BT + tl.arange(0, BT)  # [BT] tokens
+    tm = rt < T
+    o_rows = o_ptr + rt.to(tl.int64) * s_ot + h * s_oh  # [BT] pointers
     acc = tl.zeros([BT, BLOCK_U], dtype=tl.float32)
     for k0 in range(0, C, BLOCK_K):
         km = (k0 + rk) < C
         o = tl.load(o_rows[:, None] + k0 + rk[None, :], mask=tm[:, None] & km[None, :], other=0.0)  # [BT, BLOCK_K]
-        w = tl.load(w_rows[None, :] + k0 + rk[:, None], mask=km[:, None] & um[None, :], other=0.0)  # [BLOCK_K, BLOCK_U]
+        if EARLY:
+            w = w_all
+        else:
+            # [BLOCK_K, BLOCK_U]
+            w = tl.load(w_rows[None, :] + k0 + rk[:, None], mask=km[:, None] & um[None, :], other=0.0)
         if IEEE:
             acc = tl.dot(o, w, acc, input_precision="ieee")
         else:
@@ -258,10 +280,12 @@ def mla_v_absorb_triton(o_lat: torch.Tensor, w_uv: torch.Tensor, out: torch.Tens
         return
     bt = min(64, max(16, triton.next_power_of_2(t)))
     block_u = max(16, min(16 if t <= 16 else 64, triton.next_power_of_2(u)))  # decode: 8 heads x 8 blocks of 128
+    width = max(16, triton.next_power_of_2(c))
+    early = EARLY_WEIGHTS and block_u == 16 and width <= EARLY_MAX_K  # the whole width's W_UV tile, 16 KB at most
     _mla_v_absorb_kernel[(triton.cdiv(t, bt), h, triton.cdiv(u, block_u))](
         o_lat, w_uv, out, t, u, o_lat.stride(0), o_lat.stride(1), w_uv.stride(0), w_uv.stride(1), out.stride(0),
         out.stride(1), C=c, IEEE=o_lat.dtype == torch.float32, BT=bt, BLOCK_U=block_u,
-        BLOCK_K=min(128, max(16, triton.next_power_of_2(c))), num_warps=4, **_opts(o_lat))
+        BLOCK_K=width if early else min(128, width), EARLY=early, num_warps=4, **_opts(o_lat))
 
 
 @triton.jit
