@@ -70,8 +70,9 @@ def specialisations() -> list:
                                                                    BLOCK_Q=2048, PDL=True), 4))
     # the residual norm and the MLP activation, with PDL as launched on sm_90 (K2.6: d 7168, i 2048 / 8)
     t = {n: "*bf16" for n in ("x_ptr", "a_ptr", "b_ptr", "s_ptr", "w_ptr", "y_ptr")} | {"eps": "fp32"}
-    out.append(kernel("add_rms_norm_bf16", _add_rms_norm_kernel, t, dict(HAS_ADD=True, HAS_B=False, BLOCK=8192,
-                                                                          PDL=True), 16))
+    for early in (False, True):  # and its weight row before the PDL wait (layer_fusion EARLY_WEIGHTS)
+        out.append(kernel(f"add_rms_norm{'_early' * early}_bf16", _add_rms_norm_kernel, t,
+                          dict(HAS_ADD=True, HAS_B=False, BLOCK=8192, EARLY=early, PDL=True), 16))
     out.append(kernel("silu_mul_bf16", _silu_mul_kernel, {"gu_ptr": "*fp32", "out_ptr": "*bf16"},
                       dict(BLOCK=256, IEEE_EXP=True, PDL=True), 1))
     t = {"tok_ptr": "*i64", "w_ptr": "*bf16", "out_ptr": "*bf16"}
@@ -156,10 +157,10 @@ def test_round_kernels_compile_for_sm90(tmp_path):
                           text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     recs = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(recs) == 41
+    assert len(recs) == 42
     for r in recs:
         assert (tmp_path / r["cubin"]).read_bytes()[:4] == b"\x7fELF", r
-        if r["name"] == "moe_combine_shared_early_bf16_bt16" or "absorb_early" in r["name"]:  # weights, then the wait
+        if "_early" in r["name"]:  # weights (the MoE combine's, layer_fusion's), then the PDL wait
             ptx = (tmp_path / r["ptx"]).read_text()
             assert -1 < ptx.find("ld.global") < ptx.find("griddepcontrol.wait"), r["name"]
         if r["name"] == "tree_verify_split_prefetch_bf16":  # the hint, and before the PDL wait

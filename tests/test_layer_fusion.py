@@ -86,7 +86,7 @@ def run_cases(device: str, count: int, seed: int = 0) -> list[dict]:
     def pick(options):
         return options[int(torch.randint(len(options), (1,), generator=g))]
 
-    def early(launch, *args):  # the launch again with the absorb kernels' weights loaded before the PDL wait
+    def early(launch, *args):  # the launch again with the kernels' weights loaded before the PDL wait (or after)
         before, fusion_kernel.EARLY_WEIGHTS = fusion_kernel.EARLY_WEIGHTS, not fusion_kernel.EARLY_WEIGHTS
         try:
             launch(*args)
@@ -107,6 +107,9 @@ def run_cases(device: str, count: int, seed: int = 0) -> list[dict]:
         ws, wy = add_rms_norm_reference(x, wide, delta2, w, 1e-6)
         ok_s, _ = _close(s, ws, exact=True)
         ok_y, err = _close(y, wy, exact=False)
+        s_e, y_e = torch.empty_like(x), torch.empty_like(x)
+        early(add_rms_norm_triton, x, wide, delta2, w, 1e-6, s_e, y_e)
+        ok_s = ok_s and torch.equal(s_e, s) and torch.equal(y_e, y)  # its weight row loaded before the wait or after
         out.append(dict(op="add_rms_norm", case=f"t{t} d{d} {dt} delta2={delta2 is not None}", ok=ok_s and ok_y,
                         err=err))
         y2 = torch.empty_like(x)

@@ -38,12 +38,12 @@ from plugins.common.activation_kernel import silu_mul_rounded
 from plugins.common.pdl import pdl_args, pdl_for, pdl_prologue
 
 _OPTS = {"enable_fp_fusion": False}
-# The absorb kernels load their W_UK / W_UV tile before the PDL wait (a weight: nothing in the round writes it), so its
-# latency overlaps the predecessor's tail, as skinny_gemm's EARLY_WEIGHTS do (AR step -5 % there).  Why: in the
-# captured K2.6 AR step (benchmarks/results/k26-rank.json, H200, 2026-12-06) q_absorb adds 5.5 and v_absorb 6.1 µs a
-# layer after their predecessors for 1 MB of weights each.  Off until measured (KDTREE_GLUE_EARLY=1; k26_switches
-# glue_early).  The same products: v_absorb then takes the whole latent width in one dot (its 512, where it stepped
-# through 128 at a time), q_absorb's tile is the one it loaded already.
+# The absorb kernels load their W_UK / W_UV tile, add_rms_norm its weight row, before the PDL wait (weights: nothing in
+# the round writes them), so that latency overlaps the predecessor's tail, as skinny_gemm's EARLY_WEIGHTS do (AR step
+# -5 % there).  Why: in the captured K2.6 AR step (benchmarks/results/k26-rank.json, H200, 2026-12-06) q_absorb adds
+# 5.5 and v_absorb 6.1 µs a layer past their predecessors for 1 MB of weights each, the norms 3-5 µs.  Off until
+# measured (KDTREE_GLUE_EARLY=1; k26_switches glue_early).  The same results: v_absorb then takes the whole latent
+# width in one dot (its 512, where it stepped through 128 at a time), the others load what they loaded before.
 EARLY_WEIGHTS = env_flag("KDTREE_GLUE_EARLY", False)
 EARLY_MAX_K = 512  # v_absorb's whole-width dot up to this latent width (its weight tile in registers: 16 KB)
 
@@ -59,11 +59,14 @@ def _warps(width: int) -> int:
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, a_ptr, b_ptr, s_ptr, w_ptr, y_ptr, D, s_x, s_a, s_b, s_s, s_y, eps,
-                         HAS_ADD: tl.constexpr, HAS_B: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl_prologue(PDL)
-    row = tl.program_id(0).to(tl.int64)
+                         HAS_ADD: tl.constexpr, HAS_B: tl.constexpr, BLOCK: tl.constexpr, EARLY: tl.constexpr,
+                         PDL: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     m = offs < D
+    if EARLY:  # the norm's weight before the PDL wait (EARLY_WEIGHTS)
+        w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    pdl_prologue(PDL)
+    row = tl.program_id(0).to(tl.int64)
     x = tl.load(x_ptr + row * s_x + offs, mask=m, other=0.0).to(tl.float32)
     if HAS_ADD:
         a = tl.load(a_ptr + row * s_a + offs, mask=m, other=0.0).to(tl.float32)
@@ -75,7 +78,8 @@ def _add_rms_norm_kernel(x_ptr, a_ptr, b_ptr, s_ptr, w_ptr, y_ptr, D, s_x, s_a, 
         x = s.to(tl.float32)
     var = tl.sum(x * x, axis=0) / D
     xn = (x * tl.math.rsqrt(var + eps)).to(y_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    if not EARLY:
+        w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * s_y + offs, (w * xn).to(y_ptr.dtype.element_ty), mask=m)
 
 
@@ -92,7 +96,7 @@ def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor | None, delta2: tor
     s = s if has_add else y
     _add_rms_norm_kernel[(t,)](x, a, b, s, weight, y, d, x.stride(0), a.stride(0), b.stride(0), s.stride(0),
                                y.stride(0), eps, HAS_ADD=has_add, HAS_B=has_b, BLOCK=triton.next_power_of_2(d),
-                               num_warps=_warps(d), **_opts(x))
+                               EARLY=EARLY_WEIGHTS, num_warps=_warps(d), **_opts(x))
 
 
 @triton.jit
