@@ -35,19 +35,20 @@ def hotspots(text: str, top: int) -> list[str]:
     """CSV text of one or more source pages (each starts with a header row holding "Source") -> report lines."""
     lines, block = [], []
     blocks: list[tuple[str, list[list[str]]]] = []
-    title = ""
+    title = pending = ""
     for row in csv.reader(io.StringIO(text)):
         if not row:
+            continue
+        if row[0].strip() == "Kernel Name":  # the next page's kernel (ncu prints it before the page's header)
+            pending = " ".join(c for c in row[1:] if c)[:120]
             continue
         if any(c.strip() == "Source" for c in row):  # a new page's header
             if block:
                 blocks.append((title, block))
-            block = [row]
+            block, title = [row], pending
             continue
         if block:
             block.append(row)
-        else:
-            title = " ".join(c for c in row if c)[:120]  # e.g. the kernel name line before a page
     if block:
         blocks.append((title, block))
     if not blocks:
