@@ -3,7 +3,7 @@
 # them, then the K2.6 rank's AR step and DDTree rounds under each switch setting (one load,
 # benchmarks/k26_switches.py), then the quick kernel benchmarks of the MoE and the few-token GEMM with what is left.
 #   bash benchmarks/ab_device.sh [all|tests|switches]   (device tool, repo root as cwd; results under $OUT)
-# k26_switches takes ~15 s per setting after a ~10 s load (H200, 2026-12-05): `all` fits the six default settings;
+# k26_switches takes ~15 s per setting after a ~10 s load (H200, 2026-12-05): `all` fits the five default settings;
 # `tests` (tests + kernel benchmarks) and `switches` (every setting) can also go in two calls back to back.
 # Env: BUDGET_S (default 585) for the whole call; SETTINGS / BUDGETS / LAYERS passed to k26_switches;
 # SOURCE=tiny-kimi times the tiny model's step instead (tp 1, context 512: issue 16's figure).
@@ -18,13 +18,15 @@ status=0
 if [[ $what != switches ]]; then
   echo "=== GPU tests of the switched kernels"
   files="tests/test_skinny_gemm.py tests/test_moe_v3_gpu.py tests/test_tree_verify_mla_kernel.py"
-  files+=" tests/test_l2_prefetch.py"
+  files+=" tests/test_l2_prefetch.py tests/test_layer_fusion.py"
   OUT=$R/tests PARALLEL=1 KDTREE_GPU_QUICK=1 TEST_TIMEOUT=${TEST_TIMEOUT:-170} TESTS="$files" \
     bash benchmarks/device_run.sh tests >"$R/tests.log" 2>&1 || status=1
   tail -15 "$R/tests.log"
 fi
-# default = skinny+moe_early+skinny_early (the 8-warp gate_up); with the 16-warp one; each early switch alone; neither
-defaults=default,skinny+moe_early+skinny_early+moe_w16,skinny+moe_early,skinny+skinny_early,skinny,base
+# default = skinny+moe_early+skinny_early (the 8-warp gate_up); with the glue kernels' early weights (off until
+# measured); with the 16-warp gate_up (to re-measure since the MoE's token-load moves went, 2026-12-06); without the
+# MoE's early down; neither early switch
+defaults=default,skinny+moe_early+skinny_early+glue_early,skinny+moe_early+skinny_early+moe_w16,skinny+skinny_early,skinny
 settings=${SETTINGS:-$defaults}
 src=(--budget "${BUDGETS:-15,16}" --settings "$settings")
 [[ ${SOURCE:-} == tiny-kimi ]] && src+=(--source tiny-kimi --tp 1 --context 512)
