@@ -276,6 +276,15 @@ __device__ __noinline__ bool stage_slots(const int* __restrict__ lists, const fl
     return true;
 }
 
+// Slot of position q of entry i (tt slots an entry): from s_slot where stage_slots staged it, else from the lists
+// through L2 (-1 past its expert's count).
+__device__ __forceinline__ int entry_slot(bool staged, const int* s_slot, const int* s_ent, const int* s_cnt,
+                                          const int* __restrict__ lists, int t, int tt, int i, int q) {
+    if (staged) return s_slot[i * tt + q];
+    const int ent = s_ent[i], e = ent >> 16, pos = (ent & 0xFFFF) * tt + q;
+    return pos < s_cnt[e] ? ld_count(lists + (long)e * t + pos) : -1;
+}
+
 // acc [2 row tiles][NT token tiles][4 floats of the m16n8 fragment] = 0
 template <int NT>
 __device__ __forceinline__ void zero_acc(float (&acc)[2][NT][4]) {
@@ -336,11 +345,7 @@ __device__ void gate_up(const uint4* __restrict__ w13, const uint2* __restrict__
     int* s_slot = s_ent + n_ent;  // [n_ent][TT] the entries' slots, where they fit (stage_slots)
     const bool staged = stage_slots<W>(lists, nullptr, t, s_cnt, s_ent, n_ent, TT, s_slot, nullptr,
                                        smem_room(s_slot, smem));
-    // slot of position q of entry i (-1 past its expert's count)
-    auto slot_of = [&](int i, int q) {
-        const int ent = s_ent[i], e = ent >> 16, pos = (ent & 0xFFFF) * TT + q;
-        return staged ? s_slot[i * TT + q] : pos < s_cnt[e] ? lists[(long)e * t + pos] : -1;
-    };
+    auto slot_of = [&](int i, int q) { return entry_slot(staged, s_slot, s_ent, s_cnt, lists, t, TT, i, q); };
     const int n_work = n_ent * n_pairs;
     const int chunks = n_groups / (W * P);  // chunks per item (the host picks P dividing n_groups / W)
     const int mine = (int)blockIdx.x < n_work ? (n_work - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
@@ -463,10 +468,7 @@ __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2,
     float* s_wt = reinterpret_cast<float*>(s_slot + n_ent * TT);      // [n_ent][TT] their routing weights
     const bool staged = stage_slots<WARPS>(lists, topk_w, t, s_cnt, s_ent, n_ent, TT, s_slot, s_wt,
                                            smem_room(s_slot, smem));
-    auto slot_of = [&](int i, int q) {  // slot of position q of entry i (-1 past its expert's count)
-        const int ent = s_ent[i], e = ent >> 16, pos = (ent & 0xFFFF) * TT + q;
-        return staged ? s_slot[i * TT + q] : pos < s_cnt[e] ? ld_count(lists + (long)e * t + pos) : -1;
-    };
+    auto slot_of = [&](int i, int q) { return entry_slot(staged, s_slot, s_ent, s_cnt, lists, t, TT, i, q); };
     const int n_work = n_ent * n_pairs;
     const int gw = blockIdx.x * WARPS + warp, n_warps = gridDim.x * WARPS;
     const int chunks = n_groups / P;  // chunks per item (P divides n_groups: a multiple of 8)
