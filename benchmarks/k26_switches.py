@@ -110,7 +110,8 @@ SWITCHES = {"skinny": _set_skinny, "moe_pf": _set_moe_pf,  # see the module doc
             "skinny_early": _set_skinny_early, "skinny_tree": _set_skinny_tree, "glue_early": _set_glue_early}
 
 
-DEFAULT_ON = frozenset({"skinny", "moe_early", "skinny_early"})  # the runtime's defaults among SWITCHES
+# the runtime's defaults among SWITCHES
+DEFAULT_ON = frozenset({"skinny", "moe_early", "skinny_early", "glue_early", "moe_w16"})
 
 
 def parse_settings(text: str) -> list[tuple[str, frozenset[str]]]:

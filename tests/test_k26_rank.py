@@ -106,7 +106,9 @@ def test_switches_ab_on_artifact(k26_art, tmp_path, monkeypatch):
     for r in rows:
         assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("ar_step_us", "ddtree8_step_us", "ddtree8_drafter_us"))
     assert layers.SKINNY_GEMM and layers.SKINNY_MAX_TOKENS == 1  # the defaults again
-    assert not launch_v3.USE_W16 and launch_v3.EARLY_WEIGHTS and skinny_launch.EARLY_WEIGHTS
+    assert launch_v3.USE_W16 and launch_v3.EARLY_WEIGHTS and skinny_launch.EARLY_WEIGHTS
+    from plugins.layer_fusion import kernel as fusion_kernel
+    assert fusion_kernel.EARLY_WEIGHTS
 
 
 def test_router_bf16_gate_matches_fp64():

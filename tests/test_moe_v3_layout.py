@@ -225,15 +225,16 @@ def test_token_tiles_follow_the_measured_choice():
 def test_the_16_warp_gate_up_takes_one_token_at_k26_only(monkeypatch):
     """launch_v3.gate_up_w16: at t = 1 on the K2.6 TP8 rank (224 k groups, at most 9 x 16 items on 132 SMs) one
     16-warp CTA per SM; not at t = 2 (288 items), not for k groups 16 warps x 7 do not divide (the tiny models).
-    launch_v3.gate_up_kernel (the launch's choice) takes it there with USE_W16 (off by default since the early
-    weights), else the 8-warp kernel with the deepest ring."""
+    launch_v3.gate_up_kernel (the launch's choice) takes it there with USE_W16 (on by default since 2026-12-06's
+    measurement), else the 8-warp kernel with the deepest ring."""
     from plugins.moe_w4a16 import launch_v3
     from plugins.moe_w4a16.launch_v3 import gate_up_kernel, gate_up_w16, max_entries, token_tile
     items = lambda t: max_entries(t, 8, 384, token_tile(t)) * 16  # noqa: E731
     assert gate_up_w16(token_tile(1), 224, items(1), 132) == "kdtree_moe_v3_gate_up_w16_nt1_p7"
     assert gate_up_w16(token_tile(2), 224, items(2), 132) is None
     assert gate_up_w16(1, 8, 16, 132) is None and gate_up_w16(2, 224, 100, 132) is None
-    assert not launch_v3.USE_W16  # the default: the 8-warp gate_up, whose CTAs leave room for down's early ones
+    assert launch_v3.USE_W16  # the default: the 16-warp gate_up where it applies
+    monkeypatch.setattr(launch_v3, "USE_W16", False)
     assert gate_up_kernel(token_tile(1), 224, items(1), 132) == ("kdtree_moe_v3_gate_up_nt1_p7", 8)
     monkeypatch.setattr(launch_v3, "USE_W16", True)
     assert gate_up_kernel(token_tile(1), 224, items(1), 132) == ("kdtree_moe_v3_gate_up_w16_nt1_p7", 16)

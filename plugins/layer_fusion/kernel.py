@@ -41,10 +41,12 @@ _OPTS = {"enable_fp_fusion": False}
 # The absorb kernels load their W_UK / W_UV tile, add_rms_norm its weight row, before the PDL wait (weights: nothing in
 # the round writes them), so that latency overlaps the predecessor's tail, as skinny_gemm's EARLY_WEIGHTS do (AR step
 # -5 % there).  Why: in the captured K2.6 AR step (benchmarks/results/k26-rank.json, H200, 2026-12-06) q_absorb adds
-# 5.5 and v_absorb 6.1 µs a layer past their predecessors for 1 MB of weights each, the norms 3-5 µs.  Off until
-# measured (KDTREE_GLUE_EARLY=1; k26_switches glue_early).  The same results: v_absorb then takes the whole latent
-# width in one dot (its 512, where it stepped through 128 at a time), the others load what they loaded before.
-EARLY_WEIGHTS = env_flag("KDTREE_GLUE_EARLY", False)
+# 5.5 and v_absorb 6.1 µs a layer past their predecessors for 1 MB of weights each, the norms 3-5 µs.  Measured
+# (k26-switches-h100.json, H100, 40 layers): AR step -1.9 %, DDTree-16 round -0.4 %; with the MoE's 16-warp gate_up
+# beside it -3.6 / -0.4 %: on by default (KDTREE_GLUE_EARLY=0 turns it off; k26_switches glue_early).  The same
+# results: v_absorb then takes the whole latent width in one dot (its 512, where it stepped through 128 at a time),
+# the others load what they loaded before.
+EARLY_WEIGHTS = env_flag("KDTREE_GLUE_EARLY", True)
 EARLY_MAX_K = 512  # v_absorb's whole-width dot up to this latent width (its weight tile in registers: 16 KB)
 
 

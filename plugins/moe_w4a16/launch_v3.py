@@ -83,11 +83,12 @@ GATE_UP_P = {1: (7, 4, 2, 1), 2: (4, 2, 1), 4: (2, 1)}  # ring depths compiled p
 GATE_UP_CTAS_PER_SM = {1: 2, 2: 2, 4: 1}
 W16 = 16  # warps of moe_v3.cu's gate_up_w16 variants: one 512-thread CTA per SM
 GATE_UP_W16_P = {1: 7}  # their (NT, ring depth)
-# gate_up_w16 where it applies (benchmarks/moe_w4a16_v3.py times it against the 8-warp kernel).  Off since the early
-# weights: the rank's best measured setting (k26-switches-h100.json: skinny + moe_early + skinny_early, AR -7.9 %)
-# takes the 8-warp gate_up, whose CTAs leave room for down's early CTAs (t = 1, early: 30.1 µs with 8 warps, 30.6
-# with 16)
-USE_W16 = False
+# gate_up_w16 where it applies (benchmarks/moe_w4a16_v3.py times it against the 8-warp kernel).  On: the K2.6 rank
+# (k26-switches-h100.json, H100, 40 layers, 2026-12-06, after the token loads' moves went) AR step -1.2 % against the
+# 8-warp gate_up, -3.6 % with the glue kernels' early weights beside it; DDTree rounds never take it (t = 1 only).
+# The op alone still measures it level or slower (t = 1: 31.3 against 30.8 µs): in the round its CTAs start under
+# the predecessor's tail and down's early CTAs find no room either way
+USE_W16 = True
 # NT for every t (1, 2 or 4; down takes min(NT, 2)): the benchmark's other choice; None: token_tile(t)
 TOKEN_TILE_OVERRIDE: int | None = None
 DOWN_P = {1: 8, 2: 4}
