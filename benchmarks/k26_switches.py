@@ -18,7 +18,9 @@ default (DEFAULT_ON), which are set again after the run):
   moe_w16   the MoE's 16-warp gate_up where it applies (plugins/moe_w4a16/launch_v3.USE_W16)
   moe_early the MoE's down kernel loads its weights before its PDL wait (launch_v3.EARLY_WEIGHTS; on by default)
   glue_early the attention's two absorb kernels load their W_UK / W_UV tile before the PDL wait
-            (plugins/layer_fusion/kernel.EARLY_WEIGHTS)
+            (plugins/layer_fusion/kernel.EARLY_WEIGHTS; on by default), the norms their weight row
+  norm_gemm with skinny: each residual step (add_rms_norm) taken by the one-token GEMM after it, one launch fewer
+            per norm (runtime.model.layers.NORM_GEMM, plugins/skinny_gemm's _norm kernels)
 
     python3 benchmarks/k26_switches.py --out DIR [--settings base,skinny,moe_pf,gemm_pf,attn_pf,...]
         [--context 4096] [--budget 16[,15,...]] [--iters 10] [--layers N] [--source tiny-kimi --tp 1 --context 512]
@@ -97,6 +99,11 @@ def _set_glue_early(on: bool) -> None:
     kernel.EARLY_WEIGHTS = on  # read at each launch
 
 
+def _set_norm_gemm(on: bool) -> None:
+    from runtime.model import layers
+    layers.NORM_GEMM = on
+
+
 def _set_attn_pf(on: bool) -> None:
     from plugins.tree_verify_mla import launcher
     launcher.CACHE_PREFETCH = on
@@ -107,7 +114,8 @@ SWITCHES = {"skinny": _set_skinny, "moe_pf": _set_moe_pf,  # see the module doc
             "attn_pf": _set_attn_pf, "skinny_pf": _set_skinny_pf,
             "skinny_wide": _set_skinny_wide,
             "skinny_late": _set_skinny_late, "moe_w16": _set_moe_w16, "moe_early": _set_moe_early,
-            "skinny_early": _set_skinny_early, "skinny_tree": _set_skinny_tree, "glue_early": _set_glue_early}
+            "skinny_early": _set_skinny_early, "skinny_tree": _set_skinny_tree, "glue_early": _set_glue_early,
+            "norm_gemm": _set_norm_gemm}
 
 
 # the runtime's defaults among SWITCHES

@@ -2,7 +2,8 @@
 m16n8k16 fragments: A register r of lane (g, q) holds row g + 8 (r % 2), logical k 2q + 8 (r // 2) + (0, 1); B
 register b holds logical k 2q + 8 b + (0, 1) of token column g; C element i is row g + 8 (i // 2), column
 2q + i % 2) with one or two row groups per CTA and 1-4 token tiles, the source's compile for sm_90 / sm_120 / sm_80
-(every planned kernel, no spill on sm_90), and on the GPU the kernel against the reference."""
+(every planned kernel, no spill on sm_90), and on the GPU the kernel against the reference; the residual-norm
+variant (skinny_gemm_norm) and runtime.model.layers.ResidualStep, which hands a layer's residual step to it."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import pytest
 import torch
 
 from plugins.skinny_gemm import skinny_gemm
-from plugins.skinny_gemm.launch import (MAX_TOKENS, SOURCE, U_VARIANTS, plan, row_groups_per_cta, split_shape,
-                                        token_tiles)
+from plugins.skinny_gemm.launch import (MAX_TOKENS, NORM_MAX_SMEM, NORM_U, SOURCE, U_VARIANTS, plan, plan_norm,
+                                        row_groups_per_cta, split_shape, token_tiles)
 
 NVCC = shutil.which("nvcc")
 
@@ -101,6 +102,60 @@ def test_layers_send_only_one_token_gemms_of_at_most_the_size_limit(monkeypatch)
     w_big = torch.empty(layers.SKINNY_MAX_WEIGHT_BYTES // 2 // 64 + 16, 64, dtype=torch.bfloat16)
     assert layers._skinny(torch.ones(1, 64, dtype=torch.bfloat16), w_big, None, torch.bfloat16) is None
     assert seen == [(1, 64)]
+
+
+def test_norm_reference_is_the_residual_step_then_the_product():
+    """skinny_gemm_norm's oracle (the op on CPU): s = res + delta, x' = rms_norm(s) * nw as add_rms_norm forms them,
+    y = x' . w^T as skinny_gemm forms it; bad shapes name the tensor."""
+    from plugins.layer_fusion.reference import add_rms_norm_reference
+    from plugins.skinny_gemm import skinny_gemm_norm
+    gen = torch.Generator().manual_seed(11)
+    t, n, k = 3, 40, 96
+    delta, res = (torch.randn(t, k, generator=gen).bfloat16() for _ in range(2))
+    nw, w = torch.randn(k, generator=gen).bfloat16(), torch.randn(n, k, generator=gen).bfloat16()
+    for out_f32 in (False, True):
+        y, s, hn = skinny_gemm_norm(delta, res, nw, 1e-6, w, out_f32)
+        s_ref, hn_ref = add_rms_norm_reference(res, delta, None, nw, 1e-6)
+        assert torch.equal(s, s_ref) and torch.equal(hn, hn_ref)
+        assert torch.equal(y, skinny_gemm(hn_ref, w, None, out_f32))
+    with pytest.raises(ValueError, match="res must be"):
+        skinny_gemm_norm(delta, res[:2], nw, 1e-6, w)
+    with pytest.raises(ValueError, match="nw"):
+        skinny_gemm_norm(delta, res, nw[:8], 1e-6, w)
+
+
+def test_norm_plan_keeps_the_plain_sum_order_and_sizes_its_rows():
+    """plan_norm takes plan()'s W and KS (the same sum order as the plain kernel on x') and adds the CTA's k range of
+    x' for t tokens to the shared memory, after the warp tiles rounded up to 16 bytes."""
+    for n, k in ((2112, 7168), (896, 7168), (40, 64)):
+        for t in (1, 8):
+            p, q = plan_norm(t, n, k, False, 132), plan(t, n, k, False, False, 132)
+            assert (p.warps, p.splits, p.groups, p.row_groups) == (q.warps, q.splits, q.groups, 1)
+            per = -(-(k // 32) // p.splits)
+            assert p.smem == ((p.warps * 128 + 1 + 3) // 4 * 4) * 4 + t * per * 32 * 2
+            assert p.kernel == f"kdtree_skinny_gemm_t1_u{NORM_U[0]}_bf16_norm"
+    assert plan_norm(1, 896, 7168, True, 132, u=4).kernel == "kdtree_skinny_gemm_t1_u4_f32_norm"
+    with pytest.raises(ValueError, match="1 to 8 tokens"):
+        plan_norm(9, 64, 64, False, 132)
+
+
+def test_residual_step_through_linear_is_add_rms_norm_then_the_gemm():
+    """runtime.model.layers.ResidualStep: linear() of a step is the GEMM of its x' (off CUDA: add_rms_norm's
+    reference, then the product), the step taken once and shared by its reshaped views; summed() is s."""
+    from plugins.layer_fusion import add_rms_norm
+    from runtime.model.layers import ResidualStep, linear
+    gen = torch.Generator().manual_seed(5)
+    x, delta = (torch.randn(2, 3, 64, generator=gen).bfloat16() for _ in range(2))
+    nw, w = torch.randn(64, generator=gen).bfloat16(), torch.randn(24, 64, generator=gen).bfloat16()
+    s_ref, hn_ref = add_rms_norm(x, delta, nw, 1e-6)
+    step = ResidualStep(x, delta, nw, 1e-6)
+    flat = step.reshape(6, -1)
+    assert not step.taken and flat.shape == (6, 64) and flat.dtype == torch.bfloat16
+    y = linear(flat, w, out_dtype=torch.float32)
+    assert step.taken and y.shape == (6, 24) and torch.equal(y, linear(hn_ref.reshape(6, 64), w,
+                                                                       out_dtype=torch.float32))
+    assert torch.equal(step.summed(), s_ref) and torch.equal(step.normed(), hn_ref)
+    assert torch.equal(flat.normed(), hn_ref.reshape(6, 64))
 
 
 def _frag_index(tok: int, row: int) -> int:
@@ -228,10 +283,12 @@ def test_kernel_model_sums_a_row_the_same_whatever_the_row_groups_and_tokens(war
 
 
 def _planned_kernels() -> set[str]:
-    """Every kernel a plan names: token counts of each tile count, both row-group counts, each U, each output."""
-    return {plan(t, 64, 64, f32, c, 132, u=u, row_groups=rg).kernel for t in (1, 16, 17, 32) for rg in (1, 2)
-            if (token_tiles(t), rg) in U_VARIANTS for f32, c in ((0, 0), (0, 1), (1, 0))
-            for u in U_VARIANTS[token_tiles(t), rg]}
+    """Every kernel a plan names: token counts of each tile count, both row-group counts, each U, each output; and
+    the residual norm's (plan_norm: each U, each output)."""
+    plain = {plan(t, 64, 64, f32, c, 132, u=u, row_groups=rg).kernel for t in (1, 16, 17, 32) for rg in (1, 2)
+             if (token_tiles(t), rg) in U_VARIANTS for f32, c in ((0, 0), (0, 1), (1, 0))
+             for u in U_VARIANTS[token_tiles(t), rg]}
+    return plain | {plan_norm(t, 64, 64, f32, 132, u).kernel for t in (1, 8) for f32 in (0, 1) for u in NORM_U}
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
@@ -241,7 +298,7 @@ def test_source_compiles_with_every_planned_kernel(tmp_path, arch):
     subprocess.run([NVCC, "-O3", "-std=c++17", "-ptx", f"-arch={arch}", "-o", str(ptx), str(SOURCE)], check=True)
     text = ptx.read_text()
     names = _planned_kernels()
-    assert len(names) == 42
+    assert len(names) == 46
     for name in names:
         assert f".entry {name}(" in text, name
     assert ("cp.async.bulk.prefetch.L2" in text) == (arch != "sm_80")
@@ -378,3 +435,76 @@ def test_engine_with_the_switch_is_lossless(tiny, tmp_path, monkeypatch):
     assert calls, "no GEMM of the tiny model went through skinny_gemm"
     assert runs["ddtree"] == runs["none"]
 
+
+
+@pytest.mark.gpu
+@GPU
+def test_norm_kernel_is_add_rms_norm_then_the_plain_kernel():
+    """skinny_gemm_norm on the GPU, fresh random rows (K2.6's qkv_a and router shapes among them, 1-4 tokens, the
+    small ones to 8; both U; bf16 and fp32 out; k split or not): s and x' are the bits of plugins/layer_fusion's
+    add_rms_norm kernel (both sum the squares exactly in fp64), y the bits of the plain kernel on that x', also from
+    a replayed CUDA graph; x' within a bf16 rounding of the CPU reference."""
+    from plugins.layer_fusion import add_rms_norm
+    from plugins.layer_fusion.reference import add_rms_norm_reference
+    from plugins.skinny_gemm.launch import skinny_gemm_cuda, skinny_gemm_norm_cuda, supports_norm
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(13)
+    cases = [(2112, 7168, 1), (896, 7168, 1), (2112, 7168, 4), (896, 7168, 3), (1536, 1536, 2), (40, 64, 8),
+             (130, 2304, 5)]
+    cases += [(int(torch.randint(1, 600, (1,), generator=gen)), 32 * int(torch.randint(1, 80, (1,), generator=gen)),
+               int(torch.randint(1, 9, (1,), generator=gen))) for _ in range(8)]
+    for i, (n, k, t) in enumerate(cases):
+        delta = torch.randn(t, k, generator=gen).bfloat16().to(dev)
+        res = (3 * torch.randn(t, k, generator=gen)).bfloat16().to(dev)
+        nw = (1 + 0.5 * torch.randn(k, generator=gen)).bfloat16().to(dev)
+        w = (torch.randn(n, k, generator=gen) / k ** 0.5).bfloat16().to(dev)
+        out_f32 = bool(i % 2)
+        if not supports_norm(delta, res, nw, w, out_f32):
+            assert plan_norm(t, n, k, out_f32, 132).smem > NORM_MAX_SMEM, (n, k, t)  # only past the x' rows' room
+            continue
+        s_ref, hn_ref = add_rms_norm(res, delta, nw, 1e-6)  # the Triton kernel
+        plain = skinny_gemm_cuda(hn_ref, w, None, out_f32)
+        for u in NORM_U:
+            y, s, hn = skinny_gemm_norm_cuda(delta, res, nw, 1e-6, w, out_f32, u=u)
+            assert torch.equal(s, s_ref) and torch.equal(hn, hn_ref), (n, k, t, u)
+            assert torch.equal(y, plain), (n, k, t, u)
+        cpu = add_rms_norm_reference(res.cpu(), delta.cpu(), None, nw.cpu(), 1e-6)[1]
+        torch.testing.assert_close(hn.cpu().float(), cpu.float(), rtol=1e-2, atol=1e-2)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        skinny_gemm_norm_cuda(delta, res, nw, 1e-6, w, True)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=stream):
+            y_g, s_g, hn_g = skinny_gemm_norm_cuda(delta, res, nw, 1e-6, w, True)
+    g.replay()
+    g.replay()
+    torch.cuda.synchronize()
+    s_ref, hn_ref = add_rms_norm(res, delta, nw, 1e-6)
+    assert torch.equal(s_g, s_ref) and torch.equal(hn_g, hn_ref)
+    assert torch.equal(y_g, skinny_gemm_cuda(hn_ref, w, None, True))
+
+
+@pytest.mark.gpu
+@GPU
+def test_engine_with_the_norm_gemm_gives_the_same_tokens(tiny, tmp_path, monkeypatch):
+    """KDTREE_NORM_GEMM on (runtime.model.layers.NORM_GEMM): the tiny INT4 model's one-token GEMMs after a residual
+    step take it (counted), graphs on; the AR tokens are those with the switch off, and DDTree's (whose rounds of 9
+    tokens keep add_rms_norm and cuBLAS) are the AR tokens."""
+    from build_pipeline.tiny_drafter import make_tiny_drafter
+    from runtime.engine.engine import Engine
+    from runtime.model import layers
+
+    calls = []
+    real = layers.skinny_gemm_norm
+    monkeypatch.setattr(layers, "skinny_gemm_norm", lambda *a: calls.append(1) or real(*a))
+    path, drafter = tiny.get("kimi", int4=True, kimi25=True), tmp_path / "drafter"
+    make_tiny_drafter(path, drafter)
+    prompt = list(range(3, 40, 3))
+    runs = {}
+    for norm_gemm, spec, budget in ((False, "none", None), (True, "none", None), (True, "ddtree", 8)):
+        monkeypatch.setattr(layers, "NORM_GEMM", norm_gemm)
+        eng = Engine.load(path, device="cuda", drafter=drafter if budget else None, spec=spec, budget=budget)
+        runs[norm_gemm, spec] = list(eng.generate_ids(prompt, 24))
+        assert eng.last_stats["graphs"]
+    assert calls, "no GEMM of the tiny model took a residual step"
+    assert runs[True, "none"] == runs[False, "none"] == runs[True, "ddtree"]

@@ -78,7 +78,10 @@ def _add_rms_norm_kernel(x_ptr, a_ptr, b_ptr, s_ptr, w_ptr, y_ptr, D, s_x, s_a, 
         s = (x + a).to(s_ptr.dtype.element_ty)
         tl.store(s_ptr + row * s_s + offs, s, mask=m)
         x = s.to(tl.float32)
-    var = tl.sum(x * x, axis=0) / D
+    # the squares summed in fp64: exact for bf16 rows (a bf16 square is exact, their sum while it spans < 53 bits),
+    # so the same 1 / rms in any order: skinny_gemm.cu's _norm kernels form it from the same sum
+    x64 = x.to(tl.float64)
+    var = (tl.sum(x64 * x64, axis=0) / D).to(tl.float32)
     xn = (x * tl.math.rsqrt(var + eps)).to(y_ptr.dtype.element_ty).to(tl.float32)
     if not EARLY:
         w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)

@@ -24,7 +24,7 @@ from core.env_flags import env_flag
 from plugins.l2_prefetch import l2_prefetch
 from plugins.layer_fusion import mla_q_absorb, mla_rope_kv, mla_v_absorb
 from plugins.tree_verify_mla import tree_verify_mla
-from runtime.model.layers import linear
+from runtime.model.layers import ResidualStep, linear
 from runtime.model.rope import Rope
 from runtime.model.weights import AttentionWeights
 from runtime.model.workspace import ForwardWorkspace
@@ -34,12 +34,13 @@ from runtime.model.workspace import ForwardWorkspace
 GEMM_PREFETCH = env_flag("KDTREE_GEMM_PREFETCH", False)
 
 
-def mla_forward(cfg: ModelConfig, w: AttentionWeights, rope: Rope, x: torch.Tensor, cos: torch.Tensor,
+def mla_forward(cfg: ModelConfig, w: AttentionWeights, rope: Rope, x: torch.Tensor | ResidualStep, cos: torch.Tensor,
                 sin: torch.Tensor, kv: torch.Tensor, lens: torch.Tensor, scratch: torch.Tensor,
                 tree_mask: torch.Tensor, ws: ForwardWorkspace, prefetch: Sequence[torch.Tensor] = ()
                 ) -> torch.Tensor:
-    """x [b, n, d] -> [b, n, d] (under TP this rank's partial sum over its heads).  Writes the n
-    tokens' latent rows into scratch[:, :n] ([b, n_max, c+r]).
+    """x [b, n, d] (the normed rows, or the residual step that forms them, taken by the first GEMM where it can)
+    -> [b, n, d] (under TP this rank's partial sum over its heads).  Writes the n tokens' latent rows into
+    scratch[:, :n] ([b, n_max, c+r]).
 
     kv [b, l_max, c+r] is this layer's committed cache, lens [b] its lengths, tree_mask [b, n, w]
     which of the n tokens each token sees (itself and its ancestors); ws holds the attention's outputs.
@@ -50,7 +51,7 @@ def mla_forward(cfg: ModelConfig, w: AttentionWeights, rope: Rope, x: torch.Tens
     t = b * n
     h, p, r, c = w.w_uk.shape[0], cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     u = w.w_uv.shape[1]
-    xt = x.reshape(t, -1)  # [t, d]
+    xt = x.reshape(t, -1)  # [t, d] (a ResidualStep stays one: linear takes it)
     joint = w.latent_inputs()  # [q+c+r, d] or None
     if joint is not None:  # q_a and kv_a in one GEMM
         both = linear(xt, joint)  # [t, q+c+r]
