@@ -22,9 +22,10 @@ $(STAMP): pyproject.toml
 test: setup
 	$(BIN)/python -m pytest -q
 
-# on the GPU machine (system python there already has torch, triton, transformers)
+# on the GPU machine (system python there already has torch, triton, transformers): every GPU test file in its own
+# process, side by side (tests/run_gpu_parallel.sh; one `pytest -q -m gpu` in series ran past 9 minutes)
 test-gpu:
-	$(PY) -m pytest -q -m gpu
+	FILE_TIMEOUT_S=$${FILE_TIMEOUT_S:-570} bash tests/run_gpu_parallel.sh
 
 # every GPU test file at once, a fifth of the random cases: a re-check that fits one device call
 test-gpu-quick:
