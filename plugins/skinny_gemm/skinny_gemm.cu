@@ -116,10 +116,10 @@ __device__ __forceinline__ float lo_bf16(u32 v) { return __uint_as_float(v << 16
 __device__ __forceinline__ float hi_bf16(u32 v) { return __uint_as_float(v & 0xffff0000u); }  // element 2i + 1
 __device__ __forceinline__ u32 pack_bf16(float lo, float hi) { return (u32)to_bf16(lo) | ((u32)to_bf16(hi) << 16); }
 
-// Triton's tl.math.rsqrt (libdevice __nv_rsqrtf) on sm_90: the same instruction, the same bits for a normal input
+// The instruction Triton 3.6 emits for add_rms_norm's tl.math.rsqrt on sm_90 (its PTX, 2026-12-06): the same bits
 __device__ __forceinline__ float rsqrt_approx(float v) {
     float r;
-    asm("rsqrt.approx.f32 %0, %1;" : "=f"(r) : "f"(v));
+    asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
     return r;
 }
 
