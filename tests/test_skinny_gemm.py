@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from plugins.skinny_gemm import skinny_gemm
-from plugins.skinny_gemm.launch import (MAX_TOKENS, NORM_MAX_SMEM, NORM_U, SOURCE, U_VARIANTS, plan, plan_norm,
-                                        row_groups_per_cta, split_shape, token_tiles)
+from plugins.skinny_gemm.launch import (MAX_TOKENS, NORM_MAX_SMEM, NORM_MAX_TOKENS, SOURCE, U_VARIANTS, plan,
+                                        plan_norm, row_groups_per_cta, split_shape, token_tiles)
 
 NVCC = shutil.which("nvcc")
 
@@ -125,18 +125,21 @@ def test_norm_reference_is_the_residual_step_then_the_product():
 
 
 def test_norm_plan_keeps_the_plain_sum_order_and_sizes_its_rows():
-    """plan_norm takes plan()'s W and KS (the same sum order as the plain kernel on x') and adds the CTA's k range of
-    x' for t tokens to the shared memory, after the warp tiles rounded up to 16 bytes."""
+    """plan_norm takes plan()'s W and KS (the same sum order as the plain kernel on x'), one row group per CTA, the
+    plain kernels' U, and adds the CTA's k range of x' for t tokens to the shared memory, after the warp tiles
+    rounded up to 16 bytes: K2.6's router (k split 4 ways) fits 23 tokens, its qkv_a 6."""
     for n, k in ((2112, 7168), (896, 7168), (40, 64)):
-        for t in (1, 8):
+        for t in (1, 8, 9, 17, 24):
             p, q = plan_norm(t, n, k, False, 132), plan(t, n, k, False, False, 132)
             assert (p.warps, p.splits, p.groups, p.row_groups) == (q.warps, q.splits, q.groups, 1)
-            per = -(-(k // 32) // p.splits)
-            assert p.smem == ((p.warps * 128 + 1 + 3) // 4 * 4) * 4 + t * per * 32 * 2
-            assert p.kernel == f"kdtree_skinny_gemm_t1_u{NORM_U[0]}_bf16_norm"
+            tt, per = token_tiles(t), -(-(k // 32) // p.splits)
+            assert p.smem == ((p.warps * tt * 128 + 1 + 3) // 4 * 4) * 4 + t * per * 32 * 2
+            assert p.kernel == f"kdtree_skinny_gemm_t{tt}_u{U_VARIANTS[tt, 1][0]}_bf16_norm"
     assert plan_norm(1, 896, 7168, True, 132, u=4).kernel == "kdtree_skinny_gemm_t1_u4_f32_norm"
-    with pytest.raises(ValueError, match="1 to 8 tokens"):
-        plan_norm(9, 64, 64, False, 132)
+    assert plan_norm(23, 896, 7168, True, 132).smem <= NORM_MAX_SMEM < plan_norm(24, 896, 7168, True, 132).smem
+    assert plan_norm(6, 2112, 7168, False, 132).smem <= NORM_MAX_SMEM < plan_norm(7, 2112, 7168, False, 132).smem
+    with pytest.raises(ValueError, match=f"1 to {NORM_MAX_TOKENS} tokens"):
+        plan_norm(NORM_MAX_TOKENS + 1, 64, 64, False, 132)
 
 
 def test_residual_step_through_linear_is_add_rms_norm_then_the_gemm():
@@ -288,7 +291,9 @@ def _planned_kernels() -> set[str]:
     plain = {plan(t, 64, 64, f32, c, 132, u=u, row_groups=rg).kernel for t in (1, 16, 17, 32) for rg in (1, 2)
              if (token_tiles(t), rg) in U_VARIANTS for f32, c in ((0, 0), (0, 1), (1, 0))
              for u in U_VARIANTS[token_tiles(t), rg]}
-    return plain | {plan_norm(t, 64, 64, f32, 132, u).kernel for t in (1, 8) for f32 in (0, 1) for u in NORM_U}
+    norm = {plan_norm(t, 64, 64, f32, 132, u).kernel for t in (1, 16, 17) for f32 in (0, 1)
+            for u in U_VARIANTS[token_tiles(t), 1]}
+    return plain | norm
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
@@ -298,7 +303,7 @@ def test_source_compiles_with_every_planned_kernel(tmp_path, arch):
     subprocess.run([NVCC, "-O3", "-std=c++17", "-ptx", f"-arch={arch}", "-o", str(ptx), str(SOURCE)], check=True)
     text = ptx.read_text()
     names = _planned_kernels()
-    assert len(names) == 46
+    assert len(names) == 54
     for name in names:
         assert f".entry {name}(" in text, name
     assert ("cp.async.bulk.prefetch.L2" in text) == (arch != "sm_80")
@@ -440,8 +445,8 @@ def test_engine_with_the_switch_is_lossless(tiny, tmp_path, monkeypatch):
 @pytest.mark.gpu
 @GPU
 def test_norm_kernel_is_add_rms_norm_then_the_plain_kernel():
-    """skinny_gemm_norm on the GPU, fresh random rows (K2.6's qkv_a and router shapes among them, 1-4 tokens, the
-    small ones to 8; both U; bf16 and fp32 out; k split or not): s and x' are the bits of plugins/layer_fusion's
+    """skinny_gemm_norm on the GPU, fresh random rows (K2.6's qkv_a and router shapes among them, 1-24 tokens; each
+    U; bf16 and fp32 out; k split or not): s and x' are the bits of plugins/layer_fusion's
     add_rms_norm kernel (both sum the squares exactly in fp64), y the bits of the plain kernel on that x', also from
     a replayed CUDA graph; x' within a bf16 rounding of the CPU reference."""
     from plugins.layer_fusion import add_rms_norm
@@ -449,10 +454,10 @@ def test_norm_kernel_is_add_rms_norm_then_the_plain_kernel():
     from plugins.skinny_gemm.launch import skinny_gemm_cuda, skinny_gemm_norm_cuda, supports_norm
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(13)
-    cases = [(2112, 7168, 1), (896, 7168, 1), (2112, 7168, 4), (896, 7168, 3), (1536, 1536, 2), (40, 64, 8),
-             (130, 2304, 5)]
+    cases = [(2112, 7168, 1), (896, 7168, 1), (2112, 7168, 4), (896, 7168, 17), (896, 7168, 23), (1536, 1536, 2),
+             (40, 64, 8), (130, 2304, 13)]
     cases += [(int(torch.randint(1, 600, (1,), generator=gen)), 32 * int(torch.randint(1, 80, (1,), generator=gen)),
-               int(torch.randint(1, 9, (1,), generator=gen))) for _ in range(8)]
+               int(torch.randint(1, NORM_MAX_TOKENS + 1, (1,), generator=gen))) for _ in range(8)]
     for i, (n, k, t) in enumerate(cases):
         delta = torch.randn(t, k, generator=gen).bfloat16().to(dev)
         res = (3 * torch.randn(t, k, generator=gen)).bfloat16().to(dev)
@@ -464,7 +469,7 @@ def test_norm_kernel_is_add_rms_norm_then_the_plain_kernel():
             continue
         s_ref, hn_ref = add_rms_norm(res, delta, nw, 1e-6)  # the Triton kernel
         plain = skinny_gemm_cuda(hn_ref, w, None, out_f32)
-        for u in NORM_U:
+        for u in U_VARIANTS[token_tiles(t), 1]:
             y, s, hn = skinny_gemm_norm_cuda(delta, res, nw, 1e-6, w, out_f32, u=u)
             assert torch.equal(s, s_ref) and torch.equal(hn, hn_ref), (n, k, t, u)
             assert torch.equal(y, plain), (n, k, t, u)
@@ -488,23 +493,28 @@ def test_norm_kernel_is_add_rms_norm_then_the_plain_kernel():
 @GPU
 def test_engine_with_the_norm_gemm_gives_the_same_tokens(tiny, tmp_path, monkeypatch):
     """KDTREE_NORM_GEMM on (runtime.model.layers.NORM_GEMM): the tiny INT4 model's one-token GEMMs after a residual
-    step take it (counted), graphs on; the AR tokens are those with the switch off, and DDTree's (whose rounds of 9
-    tokens keep add_rms_norm and cuBLAS) are the AR tokens."""
+    step take it (counted), graphs on; the AR tokens are those with the switch off, and DDTree's are the AR tokens,
+    with the rounds' norms on add_rms_norm and cuBLAS, and with NORM_TREE (the router's GEMM takes its step in the
+    rounds of 9 tokens too: counted)."""
     from build_pipeline.tiny_drafter import make_tiny_drafter
     from runtime.engine.engine import Engine
     from runtime.model import layers
 
-    calls = []
+    tokens = []
     real = layers.skinny_gemm_norm
-    monkeypatch.setattr(layers, "skinny_gemm_norm", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(layers, "skinny_gemm_norm", lambda *a: tokens.append(a[0].shape[0]) or real(*a))
     path, drafter = tiny.get("kimi", int4=True, kimi25=True), tmp_path / "drafter"
     make_tiny_drafter(path, drafter)
     prompt = list(range(3, 40, 3))
     runs = {}
-    for norm_gemm, spec, budget in ((False, "none", None), (True, "none", None), (True, "ddtree", 8)):
+    for norm_gemm, norm_tree, spec, budget in ((False, False, "none", None), (True, False, "none", None),
+                                               (True, False, "ddtree", 8), (True, True, "ddtree", 8)):
         monkeypatch.setattr(layers, "NORM_GEMM", norm_gemm)
+        monkeypatch.setattr(layers, "NORM_TREE", norm_tree)
         eng = Engine.load(path, device="cuda", drafter=drafter if budget else None, spec=spec, budget=budget)
-        runs[norm_gemm, spec] = list(eng.generate_ids(prompt, 24))
+        runs[norm_gemm, norm_tree, spec] = list(eng.generate_ids(prompt, 24))
         assert eng.last_stats["graphs"]
-    assert calls, "no GEMM of the tiny model took a residual step"
-    assert runs[True, "none"] == runs[False, "none"] == runs[True, "ddtree"]
+    assert 1 in tokens and max(tokens) > 1, tokens  # AR steps' GEMMs and the rounds' routers took their steps
+    want = runs[False, False, "none"]
+    assert runs[True, False, "none"] == want and runs[True, False, "ddtree"] == want
+    assert runs[True, True, "ddtree"] == want

@@ -57,11 +57,11 @@ LATE_TRIGGER = False
 # GEMMs are cuBLAS's).  An older cubin ignores the flag
 EARLY_WEIGHTS = True
 FLAG_PREFETCH, FLAG_LATE_TRIGGER, FLAG_EARLY_WEIGHTS = 1, 2, 4  # skinny_gemm.cu's flags
-# the residual norm's variants (skinny_gemm.cu's _norm kernels): one token tile, U blocks in flight as the plain t <= 8
-# kernels (8: 119 registers, no spill, sm_90), and a plan's shared memory (warp tiles and x' rows) at most
-# NORM_MAX_SMEM, within every target's opt-in ceiling (sm_120: 99 KB): K2.6's qkv_a up to t = 6 (8 + 6 x 14 KB)
-NORM_MAX_TOKENS = 8
-NORM_U = (8, 4)
+# the residual norm's variants (skinny_gemm.cu's _norm kernels): up to three token tiles, one row group per CTA, the
+# plain kernels' U (U_VARIANTS[tt, 1]; no spill on sm_90, at most 128 registers), and a plan's shared memory (warp
+# tiles and x' rows) at most NORM_MAX_SMEM, within every target's opt-in ceiling (sm_120: 99 KB): K2.6's qkv_a (k
+# not split) up to t = 6 (8 + 6 x 14 KB), the router (k split 4 ways, 8 warps) up to t = 23 (12 + 23 x 3.5 KB)
+NORM_MAX_TOKENS = 24
 NORM_MAX_SMEM = 96 << 10
 # weights larger than this stay cuBLAS's: the lm_head slice (294 MB at K2.6 TP8) already runs at 93 % of HBM there
 MAX_WEIGHT_BYTES = 128 << 20
@@ -134,15 +134,17 @@ def norm_rows_offset(warps: int, tile: int) -> int:
 
 
 def plan_norm(t: int, n: int, k: int, out_f32: bool, sms: int, u: int | None = None) -> Plan:
-    """The launch of the residual-norm variant for delta [t <= 8, k] . w [n, k]^T: plan()'s W and KS (the same sum
-    order as the plain kernel's), with the CTA's k range of x' for t tokens in shared memory after the warp tiles."""
+    """The launch of the residual-norm variant for delta [t <= 24, k] . w [n, k]^T: plan()'s W and KS (the same sum
+    order as the plain kernel's), one row group per CTA, with the CTA's k range of x' for t tokens in shared memory
+    after the warp tiles.  u: one of U_VARIANTS[tt, 1] (default the first)."""
     if not 1 <= t <= NORM_MAX_TOKENS:
         raise ValueError(f"skinny_gemm: the residual norm takes 1 to {NORM_MAX_TOKENS} tokens, got {t}")
+    tt = token_tiles(t)
     w, ks = split_shape(n, k, sms)
-    u = u or NORM_U[0]
+    u = u or U_VARIANTS[tt, 1][0]
     per = -(-(k // BLOCK_K) // ks)  # blocks of the widest k range
-    name = f"kdtree_skinny_gemm_t1_u{u}_{'f32' if out_f32 else 'bf16'}_norm"
-    return Plan(name, w, ks, -(-n // ROWS), norm_rows_offset(w, 128) * 4 + t * per * BLOCK_K * 2, 1)
+    name = f"kdtree_skinny_gemm_t{tt}_u{u}_{'f32' if out_f32 else 'bf16'}_norm"
+    return Plan(name, w, ks, -(-n // ROWS), norm_rows_offset(w, tt * 128) * 4 + t * per * BLOCK_K * 2, 1)
 
 
 def prefetch_for(p: Plan) -> bool:

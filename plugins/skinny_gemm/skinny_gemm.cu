@@ -24,14 +24,15 @@
 // FLAG_LATE_TRIGGER, once every CTA has finished its k loop (its waiting CTAs then do not take SM slots from this
 // kernel's later CTAs).
 //
-// Residual norm in the prologue (the _norm variants, t <= 8): x holds the rows delta of a residual step the GEMM
-// takes itself, s = res + delta, x' = rms_norm(s) * nw, each rounded to bf16 as plugins/layer_fusion's add_rms_norm
-// rounds them (its kernel, one launch fewer: in the K2.6 AR step each norm adds 3-5 µs for 56 KB of bytes).  After
-// the wait every CTA reads the whole rows of delta and res from L2 for the sum of squares (every CTA needs 1/rms),
-// keeps its k range of x' in shared memory, and its k loop reads the token columns from there; the CTAs of column 0
-// also write s (the residual stream's next value) and x' (for the GEMMs' other readers, the MoE's) for their range.
-// Both kernels sum the squares in fp64, exactly (see residual_sum), so they form the same 1 / rms in any order: the
-// same bits as add_rms_norm then the plain kernel, and an AR step's rows those of a tree round's.
+// Residual norm in the prologue (the _norm variants, t <= 24, one row group per CTA): x holds the rows delta of a
+// residual step the GEMM takes itself, s = res + delta, x' = rms_norm(s) * nw, each rounded to bf16 as
+// plugins/layer_fusion's add_rms_norm rounds them (its kernel, one launch fewer: in the K2.6 AR step each norm adds 3-5
+// µs for 56 KB of bytes).  After the wait every CTA reads the whole rows of delta and res from L2 for the sum of
+// squares (every CTA needs 1/rms), keeps its k range of x' in shared memory, and its k loop reads the token columns
+// from there; the CTAs of column 0 also write s (the residual stream's next value) and x' (for the GEMMs' other
+// readers, the MoE's) for their range.  Both kernels sum the squares in fp64, exactly (see residual_sum), so they form
+// the same 1 / rms in any order: the same bits as add_rms_norm then the plain kernel, and an AR step's rows those of a
+// tree round's.
 //
 // No headers: NVRTC compiles this file as it stands (bf16 through PTX on raw 32-bit registers).
 
@@ -181,8 +182,8 @@ __device__ __forceinline__ int norm_rows_offset(int warps, int tile) { return (w
 // x' for the columns [c0, c0 + span) into rows [t][span] of shared memory; the CTAs of column 0 write s and x' there.
 __device__ __forceinline__ void norm_prologue(const u16* __restrict__ delta, const NormArgs& na, u16* rows, int t,
                                               int k, int ldx, int c0, int span) {
-    __shared__ double warp_ss[16][8];  // [warp][token]
-    __shared__ float inv[8];
+    __shared__ double warp_ss[16][24];  // [warp][token]
+    __shared__ float inv[24];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int groups = k >> 3;  // 16-byte groups of 8 columns in a row
     for (int tok = 0; tok < t; ++tok) {
@@ -230,7 +231,7 @@ __device__ __forceinline__ void skinny(const u16* __restrict__ x, const u16* __r
     // floats on, the CTA's k range of x' for each token [t][span] bf16
     extern __shared__ float red[];
     static_assert(RG == 1 || RG == 2, "one or two row groups per CTA");
-    static_assert(!NORM || (TT == 1 && RG == 1 && !ADD_C), "the residual norm: t <= 8, one row group, no c");
+    static_assert(!NORM || (TT <= 3 && RG == 1 && !ADD_C), "the residual norm: t <= 24, one row group, no c");
     constexpr int CTA_ROWS = 16 * RG;  // RG row groups of 16 consecutive weight rows
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int g = lane >> 2, q = lane & 3;
@@ -303,11 +304,13 @@ __device__ __forceinline__ void skinny(const u16* __restrict__ x, const u16* __r
         for (int u = 0; u < U; ++u) {
             const int kb = kb0 + u * warps;
             if (kb < kb_hi) {
-                if constexpr (NORM)  // token g's 8 columns of the block (tokens past t read token 0's)
-                    xv[u][0] = *reinterpret_cast<const uint4*>(xs + (g < t ? g : 0) * span + (kb - kb_lo) * 32 + q * 8);
-                else
 #pragma unroll
-                    for (int j = 0; j < TT; ++j) xv[u][j] = ld_tokens(xr[j] + kb * 4);
+                for (int j = 0; j < TT; ++j) {
+                    const int tok = 8 * j + g;  // NORM: its 8 columns of the block from shared memory (past t: token 0)
+                    const int col = (kb - kb_lo) * 32 + q * 8;
+                    xv[u][j] = NORM ? *reinterpret_cast<const uint4*>(xs + (tok < t ? tok : 0) * span + col)
+                                    : ld_tokens(xr[j] + kb * 4);
+                }
             }
         }
 #pragma unroll
@@ -393,16 +396,18 @@ __device__ __forceinline__ void skinny(const u16* __restrict__ x, const u16* __r
     SKINNY(TT, RG, U, TAG, f32, true, false)
 #define OUTS(TT, U) OUTS_RG(TT, 1, U, )
 #define OUTS_R2(TT, U) OUTS_RG(TT, 2, U, _r2)
-// The residual norm's variants (launch.NORM_U): t <= 8, bf16 or fp32 out, no c: kdtree_skinny_gemm_t1_u<U>_<out>_norm
-#define SKINNY_NORM(U, NAME, OUT_F32)                                                                               \
-    extern "C" __global__ void __launch_bounds__(512) kdtree_skinny_gemm_t1_u##U##_##NAME##_norm(                  \
+// The residual norm's variants (launch.plan_norm): TT token tiles (t <= 24), one row group, the plain kernels' U,
+// bf16 or fp32 out, no c: kdtree_skinny_gemm_t<TT>_u<U>_<out>_norm
+#define SKINNY_NORM(TT, U, NAME, OUT_F32)                                                                           \
+    extern "C" __global__ void __launch_bounds__(512) kdtree_skinny_gemm_t##TT##_u##U##_##NAME##_norm(             \
         const u16* x, const u16* w, void* y, const u16* c, float* parts, int* tickets, int t, int n, int k,          \
         int ldx, int ldy, int ldc, int ks, int flags, const u16* res, const u16* nw, u16* s_out, u16* hn_out,      \
         int ldr, int lds, float eps) {                                                                             \
-        skinny<1, 1, U, OUT_F32, false, true>(x, w, y, c, parts, tickets, t, n, k, ldx, ldy, ldc, ks, flags,       \
-                                              NormArgs{res, nw, s_out, hn_out, ldr, lds, eps});                    \
+        skinny<TT, 1, U, OUT_F32, false, true>(x, w, y, c, parts, tickets, t, n, k, ldx, ldy, ldc, ks, flags,      \
+                                               NormArgs{res, nw, s_out, hn_out, ldr, lds, eps});                   \
     }
-SKINNY_NORM(8, bf16, false) SKINNY_NORM(8, f32, true) SKINNY_NORM(4, bf16, false) SKINNY_NORM(4, f32, true)
+#define NORM_OUTS(TT, U) SKINNY_NORM(TT, U, bf16, false) SKINNY_NORM(TT, U, f32, true)
+NORM_OUTS(1, 8) NORM_OUTS(1, 4) NORM_OUTS(2, 6) NORM_OUTS(2, 4) NORM_OUTS(3, 5) NORM_OUTS(3, 3)
 
 // launch.U_VARIANTS: <= 128 registers, no spill (ptxas -v, sm_90)
 OUTS(1, 8) OUTS(1, 4) OUTS(2, 6) OUTS(2, 4) OUTS(3, 5) OUTS(3, 3) OUTS(4, 4) OUTS(4, 2)

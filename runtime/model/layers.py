@@ -14,6 +14,7 @@ from core.env_flags import env_flag
 from plugins.common.precision import acc
 from plugins.layer_fusion import add_rms_norm, rms_norm, silu_mul
 from plugins.skinny_gemm import skinny_gemm, skinny_gemm_norm
+from plugins.skinny_gemm.launch import NORM_MAX_TOKENS
 from plugins.skinny_gemm.launch import supports as skinny_supports
 from plugins.skinny_gemm.launch import supports_norm as skinny_supports_norm
 
@@ -31,6 +32,12 @@ SKINNY_MAX_TOKENS, SKINNY_MAX_WEIGHT_BYTES = SKINNY_LIMITS  # the ones in force 
 # where skinny_gemm takes it (SKINNY_GEMM's limits, t <= 8), forms s and rms_norm(s) itself (skinny_gemm_norm): one
 # launch fewer per norm; in the K2.6 AR step (k26-rank.json, H200) each add_rms_norm adds 3-5 µs for 56 KB of bytes
 NORM_GEMM = env_flag("KDTREE_NORM_GEMM", False)
+# KDTREE_NORM_TREE=1 (with NORM_GEMM; off until measured: k26_switches norm_tree): the router's GEMM (fp32 out, the
+# one ResidualStep consumer that returns fp32) takes its step on skinny_gemm up to launch.NORM_MAX_TOKENS tokens, a
+# DDTree round's too, where the other GEMMs stay cuBLAS's (skinny-gemm-h100.json: the router + shared gate_up at
+# t = 16 / 17 9.2 / 10.4 µs on the kernel, 10.6 / 10.7 on cuBLAS; qkv_a, q_b and o_proj lose there): one norm
+# launch fewer per layer in a round, and the router's rows the same bits at every t
+NORM_TREE = env_flag("KDTREE_NORM_TREE", False)
 _MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype") and \
     torch._C._dispatch_has_kernel_for_dispatch_key("aten::mm.dtype", "CUDA")
 
@@ -124,15 +131,17 @@ def _skinny(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, out_dtype:
 def _skinny_norm(step: ResidualStep, w: torch.Tensor, c: torch.Tensor | None, out_dtype: torch.dtype
                  ) -> torch.Tensor | None:
     """linear's product of a residual step's x' through kdtree::skinny_gemm_norm (the step taken there), or None
-    where that does not take it (NORM_GEMM off, SKINNY_GEMM's limits, supports_norm)."""
+    where that does not take it (NORM_GEMM off, SKINNY_GEMM's limits (NORM_TREE's token limit for an fp32 product),
+    supports_norm)."""
     if not (NORM_GEMM and SKINNY_GEMM and step.is_cuda) or c is not None or out_dtype not in (step.dtype,
                                                                                              torch.float32):
         return None
     n, k = w.shape
     delta, res = step.delta.reshape(-1, k), step.x.reshape(-1, k)  # [t, k] each
-    if delta.shape[0] > SKINNY_MAX_TOKENS or w.numel() * w.element_size() > SKINNY_MAX_WEIGHT_BYTES:
-        return None
     out_f32 = out_dtype == torch.float32
+    tokens = NORM_MAX_TOKENS if NORM_TREE and out_f32 else SKINNY_MAX_TOKENS
+    if delta.shape[0] > tokens or w.numel() * w.element_size() > SKINNY_MAX_WEIGHT_BYTES:
+        return None
     if not skinny_supports_norm(delta, res, step.weight, w, out_f32):
         return None
     y, s, hn = skinny_gemm_norm(delta, res, step.weight, step.eps, w, out_f32)  # [t, n], [t, k], [t, k]
