@@ -29,8 +29,9 @@ SKINNY_GEMM = env_flag("KDTREE_SKINNY_GEMM", True)
 SKINNY_LIMITS = (1, 31 << 20)  # (tokens, weight bytes): 32.5 MB takes qkv_a's 30.3 MB, not the dense MLP's 33.0 MB down
 SKINNY_MAX_TOKENS, SKINNY_MAX_WEIGHT_BYTES = SKINNY_LIMITS  # the ones in force (a benchmark may widen them)
 # KDTREE_NORM_GEMM=1 (off until the rank benchmark measures it: k26_switches norm_gemm): a ResidualStep's first GEMM,
-# where skinny_gemm takes it (SKINNY_GEMM's limits, t <= 8), forms s and rms_norm(s) itself (skinny_gemm_norm): one
-# launch fewer per norm; in the K2.6 AR step (k26-rank.json, H200) each add_rms_norm adds 3-5 µs for 56 KB of bytes
+# where skinny_gemm takes it (SKINNY_GEMM's limits: one token by default), forms s and rms_norm(s) itself
+# (skinny_gemm_norm): one launch fewer per norm; in the K2.6 AR step (k26-rank.json, H200) each add_rms_norm adds
+# 3-5 µs for 56 KB of bytes
 NORM_GEMM = env_flag("KDTREE_NORM_GEMM", False)
 # KDTREE_NORM_TREE=1 (with NORM_GEMM; off until measured: k26_switches norm_tree): the router's GEMM (fp32 out, the
 # one ResidualStep consumer that returns fp32) takes its step on skinny_gemm up to launch.NORM_MAX_TOKENS tokens, a
