@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -177,7 +177,28 @@ def supports_norm(delta: torch.Tensor, res: torch.Tensor, nw: torch.Tensor, w: t
     ok = (res.dtype == nw.dtype == torch.bfloat16 and res.shape == delta.shape and res.stride(1) == 1
           and res.stride(0) % 8 == 0 and res.data_ptr() % 16 == 0 and res.device == delta.device
           and nw.shape == (k,) and nw.is_contiguous() and nw.data_ptr() % 16 == 0 and nw.device == delta.device)
-    return ok and plan_norm(t, w.shape[0], k, out_f32, device_facts(delta.device).sms).smem <= NORM_MAX_SMEM
+    if not ok:
+        return False
+    p = plan_norm(t, w.shape[0], k, out_f32, device_facts(delta.device).sms)
+    return p.smem <= NORM_MAX_SMEM and _has_kernel(delta.device, p)
+
+
+def _has_kernel(device: torch.device, p: Plan) -> bool:
+    """Whether the loaded cubin has plan p's kernel (an artifact's cubin built from an older skinny_gemm.cu lacks
+    the _norm ones): one SkinnyGemmWarning naming it when not, and the residual step stays add_rms_norm's."""
+    mod = _module(device)
+    if p.kernel in mod.funcs:
+        return True
+    if p.kernel in mod.missing:
+        return False
+    try:
+        _function(mod, p, NORM_MAX_SMEM)
+    except RuntimeError as exc:
+        mod.missing.add(p.kernel)
+        warnings.warn(SkinnyGemmWarning(f"skinny_gemm: {p.kernel} is not in the loaded cubin ({exc}); rebuild the "
+                                        f"artifact for it, the residual step stays add_rms_norm's"), stacklevel=2)
+        return False
+    return True
 
 
 class SkinnyGemmWarning(UserWarning):
@@ -218,6 +239,7 @@ class _Module:
     pdl: bool  # ask for PDL (sm_90+ and KDTREE_PDL; plugins/common/driver.launch remembers a refusal)
     parts: torch.Tensor  # [PARTS_FLOATS] fp32
     tickets: torch.Tensor  # [TICKETS] int32, zero between calls
+    missing: set = field(default_factory=set)  # kernel names the loaded cubin lacks (an artifact's older build)
 
 
 _MODULES: dict[int, _Module] = {}
