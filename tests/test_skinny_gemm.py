@@ -176,12 +176,39 @@ def _mma(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc += a[:, kk:kk + 1] * b[kk:kk + 1, :]
 
 
+def _norm_prologue_model(delta: torch.Tensor, res: torch.Tensor, nw: torch.Tensor, eps: float, c0: int, span: int,
+                         threads: int) -> torch.Tensor:
+    """skinny_gemm.cu's norm_prologue for one CTA: pass 1 over each token's 16-byte groups by thread (s = bf16(r + d),
+    the squares summed in fp64 per thread, then per warp, then the warps in order), the groups of [c0, c0 + span)
+    into rows [t][span]; 1 / rms in fp32; pass 2 over the rows: x' = bf16(bf16(s * inv) * nw[c0 + col]) -> rows."""
+    t, k = delta.shape
+    rows = torch.zeros(t, span, dtype=torch.bfloat16)
+    inv = torch.zeros(t, dtype=torch.float32)
+    for tok in range(t):
+        per_thread = torch.zeros(threads, dtype=torch.float64)
+        for i in range(k // 8):
+            sv = (res[tok, 8 * i:8 * i + 8].float() + delta[tok, 8 * i:8 * i + 8].float()).bfloat16()
+            per_thread[i % threads] += (sv.float() * sv.float()).double().sum()
+            col = 8 * i - c0
+            if 0 <= col < span:
+                rows[tok, col:col + 8] = sv
+        ss = per_thread.view(-1, 32).sum(1).sum()  # exact either way: the order is the kernel's
+        inv[tok] = torch.rsqrt((ss / k).float() + eps)
+    for e in range(t * (span // 8)):
+        tok, col = e // (span // 8), (e % (span // 8)) * 8
+        xn = (rows[tok, col:col + 8].float() * inv[tok]).bfloat16()
+        rows[tok, col:col + 8] = (xn.float() * nw[c0 + col:c0 + col + 8].float()).bfloat16()
+    return rows
+
+
 def _kernel_model(x: torch.Tensor, w: torch.Tensor, warps: int, splits: int, row_groups: int = 1,
-                  dtype: torch.dtype = torch.float64) -> torch.Tensor:
+                  dtype: torch.dtype = torch.float64, norm: tuple | None = None) -> torch.Tensor:
     """skinny_gemm.cu's arithmetic on the CPU in `dtype`: per CTA (column, split), warp, block, k step, row group
     and lane, the fragment registers it loads (the token columns once for all row groups), the mma, the C fragments
     stored to shared memory as [W][RG][TT][4][32], the warp-order reduction, the split partials as [column][KS]
-    [RG x TT x 128] and their split-order sum, read back through frag_index -> y [t, n]."""
+    [RG x TT x 128] and their split-order sum, read back through frag_index -> y [t, n].  norm (res, nw, eps, s, hn):
+    the _norm variants, x the deltas: each CTA's prologue (_norm_prologue_model) and its k loop's token columns
+    from the rows in shared memory; column 0's CTAs write their ranges of s and x' into s, hn [t, k]."""
     t, k = x.shape
     n = w.shape[0]
     tt, rg = token_tiles(t), row_groups
@@ -202,6 +229,13 @@ def _kernel_model(x: torch.Tensor, w: torch.Tensor, warps: int, splits: int, row
             lo = min(nkb, s * per)
             hi = min(nkb, lo + per)
             red = torch.zeros(warps * tile, dtype=dtype)  # shared memory
+            if norm is not None:
+                res, nw, eps, s_out, hn_out = norm
+                rows_sm = _norm_prologue_model(x, res, nw, eps, lo * 32, (hi - lo) * 32, 32 * warps)
+                if cta == 0:  # the CTAs of column 0 store s and x' of their range
+                    s_out[:, lo * 32:hi * 32] = (res[:, lo * 32:hi * 32].float() + x[:, lo * 32:hi * 32].float()
+                                                 ).bfloat16()
+                    hn_out[:, lo * 32:hi * 32] = rows_sm
             for wi in range(warps):
                 acc = torch.zeros(rg, tt, 16, 8, dtype=dtype)  # C [row group, tile, row, token col]
                 for kb in range(lo + wi, hi, warps):
@@ -211,7 +245,12 @@ def _kernel_model(x: torch.Tensor, w: torch.Tensor, warps: int, splits: int, row
                             g, q = lane // 4, lane % 4
                             base = kb * 32 + 8 * q  # the lane's 8 contiguous columns
                             for j in range(tt):
-                                xv = xp[8 * j + g, base:base + 8]
+                                tok = 8 * j + g
+                                if norm is not None:  # xs + (tok < t ? tok : 0) * span + (kb - kb_lo) * 32 + q * 8
+                                    col = (kb - lo) * 32 + 8 * q
+                                    xv = rows_sm[tok if tok < t else 0, col:col + 8].to(dtype)
+                                else:
+                                    xv = xp[tok, base:base + 8]
                                 for bi, wrd in enumerate((2 * st, 2 * st + 1)):  # b0, b1
                                     b[j, 2 * q + 8 * bi, g], b[j, 2 * q + 8 * bi + 1, g] = xv[2 * wrd], xv[2 * wrd + 1]
                         for h in range(rg):
@@ -267,6 +306,24 @@ def test_kernel_model_is_the_product(t, n, k, warps, splits, rg):
     x, w = torch.randn(t, k, generator=g), torch.randn(n, k, generator=g)
     want = x.double() @ w.double().t()
     torch.testing.assert_close(_kernel_model(x, w, warps, splits, rg), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("t,n,k,warps,splits", [(1, 16, 64, 1, 1), (3, 40, 128, 2, 2), (9, 24, 256, 2, 3),
+                                                 (17, 16, 96, 1, 3)])
+def test_kernel_model_with_the_residual_norm_is_the_plain_product_of_x_prime(t, n, k, warps, splits):
+    """The _norm variants' model (prologue rows per CTA, the k loop reading them at its range's offset, column 0's
+    stores): y is the plain model's product of x', whatever the splits; s and x' as add_rms_norm forms them (s
+    exactly, x' within the CPU reference's fp32 mean)."""
+    from plugins.common.norm import add_rms_norm_reference
+    gen = torch.Generator().manual_seed(t * 100 + k)
+    delta, res = torch.randn(t, k, generator=gen).bfloat16(), (2 * torch.randn(t, k, generator=gen)).bfloat16()
+    nw, w = (1 + 0.3 * torch.randn(k, generator=gen)).bfloat16(), torch.randn(n, k, generator=gen).bfloat16()
+    s_out, hn_out = torch.full((t, k), float("nan")).bfloat16(), torch.full((t, k), float("nan")).bfloat16()
+    y = _kernel_model(delta, w, warps, splits, norm=(res, nw, 1e-6, s_out, hn_out))
+    s_ref, hn_ref = add_rms_norm_reference(res, delta, None, nw, 1e-6)
+    assert torch.equal(s_out, s_ref)
+    torch.testing.assert_close(hn_out.float(), hn_ref.float(), rtol=1e-2, atol=1e-2)
+    assert torch.equal(y, _kernel_model(hn_out, w, warps, splits))
 
 
 @pytest.mark.parametrize("warps,splits", [(2, 1), (1, 3), (2, 2)])
