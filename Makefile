@@ -23,7 +23,7 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 # on the GPU machine (system python there already has torch, triton, transformers): every GPU test file in its own
-# process, side by side (tests/run_gpu_parallel.sh; one `pytest -q -m gpu` in series ran past 9 minutes)
+# process, side by side (tests/run_gpu_parallel.sh; one `pytest -q -m gpu` in series ran past 9 minutes, H100)
 test-gpu:
 	FILE_TIMEOUT_S=$${FILE_TIMEOUT_S:-570} bash tests/run_gpu_parallel.sh
 

@@ -10,14 +10,15 @@ LOGS=${LOGS:-/tmp/kdtree-gpu-logs}
 mkdir -p "$LOGS"
 files=("$@")
 if (( ! ${#files[@]} )); then
-  # the slowest first (2026-12-06, H100, quick: each over 300 s beside five others; their CPU references and warm
-  # builds dominate), so that they do not start last and set the tail; then the rest in name order
+  # the slowest first (2026-12-06, H100, quick: each over 300 s beside five others; their engines' first-use Triton
+  # compiles and warm builds, most likely: test_graphs_gpu's CPU reference alone takes 13 s on a 2-core CPU machine),
+  # so that they do not start last and set the tail; then the rest in name order
   slow=(tests/test_kernel_cache_gpu.py tests/test_graphs_gpu.py tests/test_budget_auto_gpu.py tests/test_k26_rank.py)
   mapfile -t rest < <(grep -l "mark.gpu" tests/test_*.py | grep -vxF -f <(printf '%s\n' "${slow[@]}"))
   files=("${slow[@]}" "${rest[@]}")
 fi
 # the CPU cores shared among the jobs: each pytest's torch / OpenMP threads (the CPU references of the engine tests)
-# at cores / JOBS, not all cores each (six processes of 16 threads on 16 cores ran their references ~6x slower)
+# at cores / JOBS, not all cores each (six processes of 16 threads each oversubscribe 16 cores; not yet timed)
 threads=$(( $(nproc) / ${JOBS:-6} ))
 export OMP_NUM_THREADS=$(( threads > 0 ? threads : 1 ))
 run_one() {
