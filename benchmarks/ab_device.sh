@@ -5,8 +5,8 @@
 #   bash benchmarks/ab_device.sh [all|tests|switches]   (device tool, repo root as cwd; results under $OUT)
 # k26_switches takes ~15 s per setting after a ~10 s load (H200, 2026-12-05): `all` fits the five default settings;
 # `tests` (tests + kernel benchmarks) and `switches` (every setting) can also go in two calls back to back.
-# Env: BUDGET_S (default 585) for the whole call; SETTINGS / BUDGETS / LAYERS passed to k26_switches;
-# SOURCE=tiny-kimi times the tiny model's step instead (tp 1, context 512: issue 16's figure).
+# Env: BUDGET_S (default 585) for the whole call; SETTINGS / BUDGETS / LAYERS / PROFILE (1: --profile) passed to
+# k26_switches; SOURCE=tiny-kimi times the tiny model's step instead (tp 1, context 512: issue 16's figure).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 R=${OUT:-/tmp/kdtree-out}
@@ -32,6 +32,7 @@ settings=${SETTINGS:-$defaults}
 src=(--budget "${BUDGETS:-15,16}" --settings "$settings")
 [[ ${SOURCE:-} == tiny-kimi ]] && src+=(--source tiny-kimi --tp 1 --context 512)
 [[ -n ${LAYERS:-} ]] && src+=(--layers "$LAYERS")  # e.g. 40 on an 80 GB H100 (61 layers need the H200)
+[[ ${PROFILE:-1} == 1 ]] && src+=(--profile)  # per setting: kernels per layer, each kernel class's µs in the step
 if [[ $what != tests ]]; then
   echo "=== switch A/B at ${SECONDS} s"
   keep=$([[ $what == all ]] && echo 90 || echo 0)  # s kept for the kernel benchmarks

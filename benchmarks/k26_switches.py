@@ -1,6 +1,7 @@
 """A/B of the runtime's performance switches on one K2.6 TP8 rank, loaded once (the load is most of a rank
 benchmark's time): for each setting the AR step and DDTree rounds at one cache length and the given budgets, each
-captured afresh after the switches are set (runtime/bench_rank.measure_mode, no profile).
+captured afresh after the switches are set (runtime/bench_rank.measure_mode; with --profile also each mode's kernels
+per layer and per kernel class what it adds to the step).
 
 Switches (each off unless named in a setting, whatever its default; "base" names none, "default" those on by
 default (DEFAULT_ON), which are set again after the run):
@@ -159,6 +160,9 @@ def main() -> None:
                                           "skinny+skinny_pf+moe_pf+attn_pf")
     ap.add_argument("--budget", default="16", help="DDTree budgets, comma-separated (15,16: T(16) against T(17), "
                     "whether buckets of 2^k - 1 nodes save the padding of 2^k + 1 tokens)")
+    ap.add_argument("--profile", action="store_true", help="also one profiled replay per mode and setting: kernels "
+                    "per layer and, per kernel class, its kernels and the µs it adds to the step (bench_rank's "
+                    "profile), so that a row shows where a switch acted")
     a = ap.parse_args()
     settings = parse_settings(a.settings)
     budgets = [int(b) for b in a.budget.split(",")]
@@ -177,9 +181,14 @@ def main() -> None:
         apply(on)
         row = {"setting": name}
         for spec in (SpecConfig("none", 1), *(SpecConfig("ddtree", b) for b in budgets)):
-            r = measure_mode(target, drafter, replicated, spec, a.context, a.iters, pool, False)
+            r = measure_mode(target, drafter, replicated, spec, a.context, a.iters, pool, a.profile)
             key = "ar" if spec.mode == "none" else f"ddtree{spec.budget}"
             row[f"{key}_step_us"], row[f"{key}_verify_us"] = r["step_us"], r["verify_us"]
+            if "profile" in r:
+                prof = r["profile"]
+                row[f"{key}_kernels_per_layer"] = prof["kernels_per_layer"]
+                row[f"{key}_classes"] = {c: {"kernels": v["kernels"], "step_us": v["step_us"]}
+                                         for c, v in prof["classes"].items()}
             if "drafter_us" in r:
                 row[f"{key}_drafter_us"] = r["drafter_us"]
             torch.cuda.empty_cache()

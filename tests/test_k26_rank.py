@@ -99,12 +99,13 @@ def test_switches_ab_on_artifact(k26_art, tmp_path, monkeypatch):
     every = "skinny+skinny_wide+moe_pf+gemm_pf+attn_pf+moe_w16"  # the MoE's and the GEMMs' weights after the wait
     monkeypatch.setattr(sys, "argv", ["k26_switches", "--source", str(k26_art), "--settings", f"base,{every}",
                                       "--context", "256",
-                                      "--budget", "8", "--iters", "2", "--out", str(tmp_path)])
+                                      "--budget", "8", "--iters", "2", "--profile", "--out", str(tmp_path)])
     ks.main()
     rows = json.loads((tmp_path / "k26-switches.json").read_text())["rows"]
     assert [r["setting"] for r in rows] == ["base", every]
     for r in rows:
         assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("ar_step_us", "ddtree8_step_us", "ddtree8_drafter_us"))
+        assert r["ar_kernels_per_layer"] > 0 and r["ddtree8_classes"]["moe_experts"]["kernels"] > 0  # --profile
     assert layers.SKINNY_GEMM and layers.SKINNY_MAX_TOKENS == 1  # the defaults again
     assert launch_v3.USE_W16 and launch_v3.EARLY_WEIGHTS and skinny_launch.EARLY_WEIGHTS
     from plugins.layer_fusion import kernel as fusion_kernel
