@@ -54,6 +54,8 @@ def _patches(name: str) -> list[tuple[object, str, object]]:
         "mla_glue": [(attention, "mla_rope_kv", lambda *a, **k: None),
                      (attention, "mla_q_absorb", lambda q, w_uk, cos, sin, interleave: _zeros(
                          (q.shape[0], q.shape[1], w_uk.shape[2] + 2 * cos.shape[-1]), q.dtype, q.device)),
+                     (attention, "mla_q_absorb_kv", lambda q, w_uk, cos, sin, interleave, *kv: _zeros(
+                         (q.shape[0], q.shape[1], w_uk.shape[2] + 2 * cos.shape[-1]), q.dtype, q.device)),
                      (attention, "mla_v_absorb", lambda o, w_uv: _zeros((o.shape[0], o.shape[1], w_uv.shape[1]),
                                                                         o.dtype, o.device))],
         "norms": [(layers, "add_rms_norm", lambda x, a, w, eps: (x, x)), (layers, "NORM_GEMM", False)],

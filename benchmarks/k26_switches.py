@@ -24,6 +24,8 @@ default (DEFAULT_ON), which are set again after the run):
             per norm (runtime.model.layers.NORM_GEMM, plugins/skinny_gemm's _norm kernels)
   norm_tree with norm_gemm: the router's GEMM takes its step on skinny_gemm up to 24 tokens (DDTree rounds too;
             layers.NORM_TREE), the other GEMMs of a round stay cuBLAS's
+  norm_q    the query's low-rank norm in q_b's launch (with norm_gemm, where skinny_gemm takes q_b) and the latent
+            rows' norm + rope in q_absorb's: no mla_rope_kv launch (runtime.model.attention.NORM_Q)
 
     python3 benchmarks/k26_switches.py --out DIR [--settings base,skinny,moe_pf,gemm_pf,attn_pf,...]
         [--context 4096] [--budget 16[,15,...]] [--iters 10] [--layers N] [--source tiny-kimi --tp 1 --context 512]
@@ -112,6 +114,11 @@ def _set_norm_tree(on: bool) -> None:
     layers.NORM_TREE = on
 
 
+def _set_norm_q(on: bool) -> None:
+    from runtime.model import attention
+    attention.NORM_Q = on
+
+
 def _set_attn_pf(on: bool) -> None:
     from plugins.tree_verify_mla import launcher
     launcher.CACHE_PREFETCH = on
@@ -123,7 +130,7 @@ SWITCHES = {"skinny": _set_skinny, "moe_pf": _set_moe_pf,  # see the module doc
             "skinny_wide": _set_skinny_wide,
             "skinny_late": _set_skinny_late, "moe_w16": _set_moe_w16, "moe_early": _set_moe_early,
             "skinny_early": _set_skinny_early, "skinny_tree": _set_skinny_tree, "glue_early": _set_glue_early,
-            "norm_gemm": _set_norm_gemm, "norm_tree": _set_norm_tree}
+            "norm_gemm": _set_norm_gemm, "norm_tree": _set_norm_tree, "norm_q": _set_norm_q}
 
 
 # the runtime's defaults among SWITCHES

@@ -107,7 +107,7 @@ def test_layers_send_only_one_token_gemms_of_at_most_the_size_limit(monkeypatch)
 def test_norm_reference_is_the_residual_step_then_the_product():
     """skinny_gemm_norm's oracle (the op on CPU): s = res + delta, x' = rms_norm(s) * nw as add_rms_norm forms them,
     y = x' . w^T as skinny_gemm forms it; bad shapes name the tensor."""
-    from plugins.layer_fusion.reference import add_rms_norm_reference
+    from plugins.layer_fusion.reference import add_rms_norm_reference, rms_norm_reference
     from plugins.skinny_gemm import skinny_gemm_norm
     gen = torch.Generator().manual_seed(11)
     t, n, k = 3, 40, 96
@@ -118,6 +118,9 @@ def test_norm_reference_is_the_residual_step_then_the_product():
         s_ref, hn_ref = add_rms_norm_reference(res, delta, None, nw, 1e-6)
         assert torch.equal(s, s_ref) and torch.equal(hn, hn_ref)
         assert torch.equal(y, skinny_gemm(hn_ref, w, None, out_f32))
+    y, s, hn = skinny_gemm_norm(delta, None, nw, 1e-6, w, True)  # a norm alone: s = delta
+    assert torch.equal(s, delta) and s is not delta
+    assert torch.equal(hn, rms_norm_reference(delta, nw, 1e-6)) and torch.equal(y, skinny_gemm(hn, w, None, True))
     with pytest.raises(ValueError, match="res must be"):
         skinny_gemm_norm(delta, res[:2], nw, 1e-6, w)
     with pytest.raises(ValueError, match="nw"):
@@ -161,6 +164,19 @@ def test_residual_step_through_linear_is_add_rms_norm_then_the_gemm():
     assert torch.equal(flat.normed(), hn_ref.reshape(6, 64))
 
 
+def test_a_norm_alone_through_linear_is_rms_norm_then_the_gemm():
+    """ResidualStep without a residual (delta None: the query's low-rank norm before q_b, attention.NORM_Q): linear()
+    gives the GEMM of rms_norm(x) * weight (off CUDA: the reference), summed() is x."""
+    from plugins.layer_fusion import rms_norm
+    from runtime.model.layers import ResidualStep, linear
+    gen = torch.Generator().manual_seed(9)
+    x, nw = torch.randn(3, 64, generator=gen).bfloat16(), torch.randn(64, generator=gen).bfloat16()
+    w = torch.randn(24, 64, generator=gen).bfloat16()
+    step = ResidualStep(x, None, nw, 1e-6)
+    assert torch.equal(linear(step.reshape(3, -1), w), linear(rms_norm(x, nw, 1e-6), w))
+    assert torch.equal(step.summed(), x) and torch.equal(step.normed(), rms_norm(x, nw, 1e-6))
+
+
 def _frag_index(tok: int, row: int) -> int:
     """skinny_gemm.cu's frag_index: output (token, row of a 16-row group) -> its place in [TT][4][32] fragments."""
     col = tok & 7
@@ -187,7 +203,9 @@ def _norm_prologue_model(delta: torch.Tensor, res: torch.Tensor, nw: torch.Tenso
     for tok in range(t):
         per_thread = torch.zeros(threads, dtype=torch.float64)
         for i in range(k // 8):
-            sv = (res[tok, 8 * i:8 * i + 8].float() + delta[tok, 8 * i:8 * i + 8].float()).bfloat16()
+            sv = delta[tok, 8 * i:8 * i + 8]  # a norm alone (res None): s = delta
+            if res is not None:
+                sv = (res[tok, 8 * i:8 * i + 8].float() + sv.float()).bfloat16()
             per_thread[i % threads] += (sv.float() * sv.float()).double().sum()
             col = 8 * i - c0
             if 0 <= col < span:
@@ -233,8 +251,8 @@ def _kernel_model(x: torch.Tensor, w: torch.Tensor, warps: int, splits: int, row
                 res, nw, eps, s_out, hn_out = norm
                 rows_sm = _norm_prologue_model(x, res, nw, eps, lo * 32, (hi - lo) * 32, 32 * warps)
                 if cta == 0:  # the CTAs of column 0 store s and x' of their range
-                    s_out[:, lo * 32:hi * 32] = (res[:, lo * 32:hi * 32].float() + x[:, lo * 32:hi * 32].float()
-                                                 ).bfloat16()
+                    s_out[:, lo * 32:hi * 32] = x[:, lo * 32:hi * 32] if res is None else (
+                        res[:, lo * 32:hi * 32].float() + x[:, lo * 32:hi * 32].float()).bfloat16()
                     hn_out[:, lo * 32:hi * 32] = rows_sm
             for wi in range(warps):
                 acc = torch.zeros(rg, tt, 16, 8, dtype=dtype)  # C [row group, tile, row, token col]
@@ -308,19 +326,22 @@ def test_kernel_model_is_the_product(t, n, k, warps, splits, rg):
     torch.testing.assert_close(_kernel_model(x, w, warps, splits, rg), want, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("t,n,k,warps,splits", [(1, 16, 64, 1, 1), (3, 40, 128, 2, 2), (9, 24, 256, 2, 3),
-                                                 (17, 16, 96, 1, 3)])
-def test_kernel_model_with_the_residual_norm_is_the_plain_product_of_x_prime(t, n, k, warps, splits):
+@pytest.mark.parametrize("t,n,k,warps,splits,with_res", [(1, 16, 64, 1, 1, True), (3, 40, 128, 2, 2, True),
+                                                          (9, 24, 256, 2, 3, True), (17, 16, 96, 1, 3, True),
+                                                          (1, 24, 128, 2, 2, False), (5, 16, 96, 1, 3, False)])
+def test_kernel_model_with_the_residual_norm_is_the_plain_product_of_x_prime(t, n, k, warps, splits, with_res):
     """The _norm variants' model (prologue rows per CTA, the k loop reading them at its range's offset, column 0's
-    stores): y is the plain model's product of x', whatever the splits; s and x' as add_rms_norm forms them (s
-    exactly, x' within the CPU reference's fp32 mean)."""
-    from plugins.common.norm import add_rms_norm_reference
+    stores): y is the plain model's product of x', whatever the splits; s and x' as add_rms_norm (without a
+    residual: rms_norm) forms them (s exactly, x' within the CPU reference's fp32 mean)."""
+    from plugins.common.norm import add_rms_norm_reference, rms_norm_reference
     gen = torch.Generator().manual_seed(t * 100 + k)
     delta, res = torch.randn(t, k, generator=gen).bfloat16(), (2 * torch.randn(t, k, generator=gen)).bfloat16()
+    res = res if with_res else None
     nw, w = (1 + 0.3 * torch.randn(k, generator=gen)).bfloat16(), torch.randn(n, k, generator=gen).bfloat16()
     s_out, hn_out = torch.full((t, k), float("nan")).bfloat16(), torch.full((t, k), float("nan")).bfloat16()
     y = _kernel_model(delta, w, warps, splits, norm=(res, nw, 1e-6, s_out, hn_out))
-    s_ref, hn_ref = add_rms_norm_reference(res, delta, None, nw, 1e-6)
+    s_ref, hn_ref = ((delta, rms_norm_reference(delta, nw, 1e-6)) if res is None
+                     else add_rms_norm_reference(res, delta, None, nw, 1e-6))
     assert torch.equal(s_out, s_ref)
     torch.testing.assert_close(hn_out.float(), hn_ref.float(), rtol=1e-2, atol=1e-2)
     assert torch.equal(y, _kernel_model(hn_out, w, warps, splits))
@@ -506,7 +527,8 @@ def test_norm_kernel_is_add_rms_norm_then_the_plain_kernel():
     U; bf16 and fp32 out; k split or not): s and x' are the bits of plugins/layer_fusion's
     add_rms_norm kernel (both sum the squares exactly in fp64), y the bits of the plain kernel on that x', also from
     a replayed CUDA graph; x' within a bf16 rounding of the CPU reference."""
-    from plugins.layer_fusion import add_rms_norm
+    from plugins.layer_fusion import add_rms_norm, rms_norm
+    from plugins.layer_fusion.kernel import mla_rope_kv_triton
     from plugins.layer_fusion.reference import add_rms_norm_reference
     from plugins.skinny_gemm.launch import skinny_gemm_cuda, skinny_gemm_norm_cuda, supports_norm
     dev = torch.device("cuda")
@@ -532,6 +554,18 @@ def test_norm_kernel_is_add_rms_norm_then_the_plain_kernel():
             assert torch.equal(y, plain), (n, k, t, u)
         cpu = add_rms_norm_reference(res.cpu(), delta.cpu(), None, nw.cpu(), 1e-6)[1]
         torch.testing.assert_close(hn.cpu().float(), cpu.float(), rtol=1e-2, atol=1e-2)
+        # a norm alone (res None: the query's low-rank norm, attention.NORM_Q): x' the bits of rms_norm's kernel
+        # and of mla_rope_kv's query row (the kernel it replaces), y the plain kernel's on it
+        y1, s1, hn1 = skinny_gemm_norm_cuda(delta, None, nw, 1e-6, w, out_f32)
+        alone = rms_norm(delta, nw, 1e-6)
+        assert torch.equal(s1, delta) and torch.equal(hn1, alone), (n, k, t, "alone")
+        assert torch.equal(y1, skinny_gemm_cuda(alone, w, None, out_f32)), (n, k, t, "alone")
+        lat, wn = torch.randn(t, 64 + 32, device=dev).bfloat16(), torch.randn(64, device=dev).bfloat16()
+        cs = torch.randn(t, 16, device=dev).bfloat16()
+        q_out = torch.empty_like(delta)
+        mla_rope_kv_triton(lat, wn, 1e-6, cs, cs, False, torch.empty(1, t, 96, device=dev).bfloat16(), delta, nw,
+                           q_out)
+        assert torch.equal(q_out, hn1), (n, k, t, "mla_rope_kv's query row")
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         skinny_gemm_norm_cuda(delta, res, nw, 1e-6, w, True)
@@ -552,10 +586,11 @@ def test_engine_with_the_norm_gemm_gives_the_same_tokens(tiny, tmp_path, monkeyp
     """KDTREE_NORM_GEMM on (runtime.model.layers.NORM_GEMM): the tiny INT4 model's one-token GEMMs after a residual
     step take it (counted), graphs on; the AR tokens are those with the switch off, and DDTree's are the AR tokens,
     with the rounds' norms on add_rms_norm and cuBLAS, and with NORM_TREE (the router's GEMM takes its step in the
-    rounds of 9 tokens too: counted)."""
+    rounds of 9 tokens too: counted); and with attention.NORM_Q (q_b takes the query's norm, q_absorb the latent
+    rows: no mla_rope_kv), AR and DDTree again."""
     from build_pipeline.tiny_drafter import make_tiny_drafter
     from runtime.engine.engine import Engine
-    from runtime.model import layers
+    from runtime.model import attention, layers
 
     tokens = []
     real = layers.skinny_gemm_norm
@@ -564,14 +599,18 @@ def test_engine_with_the_norm_gemm_gives_the_same_tokens(tiny, tmp_path, monkeyp
     make_tiny_drafter(path, drafter)
     prompt = list(range(3, 40, 3))
     runs = {}
-    for norm_gemm, norm_tree, spec, budget in ((False, False, "none", None), (True, False, "none", None),
-                                               (True, False, "ddtree", 8), (True, True, "ddtree", 8)):
+    for norm_gemm, norm_tree, norm_q, spec, budget in (
+            (False, False, False, "none", None), (True, False, False, "none", None),
+            (True, False, False, "ddtree", 8), (True, True, False, "ddtree", 8),
+            (True, True, True, "none", None), (True, True, True, "ddtree", 8)):
         monkeypatch.setattr(layers, "NORM_GEMM", norm_gemm)
         monkeypatch.setattr(layers, "NORM_TREE", norm_tree)
+        monkeypatch.setattr(attention, "NORM_Q", norm_q)
         eng = Engine.load(path, device="cuda", drafter=drafter if budget else None, spec=spec, budget=budget)
-        runs[norm_gemm, norm_tree, spec] = list(eng.generate_ids(prompt, 24))
+        runs[norm_gemm, norm_tree, norm_q, spec] = list(eng.generate_ids(prompt, 24))
         assert eng.last_stats["graphs"]
     assert 1 in tokens and max(tokens) > 1, tokens  # AR steps' GEMMs and the rounds' routers took their steps
-    want = runs[False, False, "none"]
-    assert runs[True, False, "none"] == want and runs[True, False, "ddtree"] == want
-    assert runs[True, True, "ddtree"] == want
+    want = runs[False, False, False, "none"]
+    assert runs[True, False, False, "none"] == want and runs[True, False, False, "ddtree"] == want
+    assert runs[True, True, False, "ddtree"] == want
+    assert runs[True, True, True, "none"] == want and runs[True, True, True, "ddtree"] == want

@@ -57,24 +57,26 @@ def _(x, w, c, out_f32):
     return skinny_gemm_reference(x, w, c, out_f32)
 
 
-def skinny_gemm_norm(delta: torch.Tensor, res: torch.Tensor, nw: torch.Tensor, eps: float, w: torch.Tensor,
+def skinny_gemm_norm(delta: torch.Tensor, res: torch.Tensor | None, nw: torch.Tensor, eps: float, w: torch.Tensor,
                      out_f32: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """delta, res [t, k], nw [k], w [n, k] -> (y [t, n], s [t, k], x' [t, k]) (see skinny_gemm_norm_op)."""
+    """delta, res [t, k] (res None: a norm alone, s = delta), nw [k], w [n, k] -> (y [t, n], s [t, k], x' [t, k])
+    (see skinny_gemm_norm_op)."""
     return skinny_gemm_norm_op(delta, res, nw, eps, w, out_f32)
 
 
-def _check_norm(delta: torch.Tensor, res: torch.Tensor, nw: torch.Tensor, w: torch.Tensor) -> None:
+def _check_norm(delta: torch.Tensor, res: Optional[torch.Tensor], nw: torch.Tensor, w: torch.Tensor) -> None:
     _check(delta, w, None, False)
-    if res.shape != delta.shape or res.dtype != delta.dtype or nw.shape != (delta.shape[1],):
+    if (res is not None and (res.shape != delta.shape or res.dtype != delta.dtype)) or nw.shape != (delta.shape[1],):
         raise ValueError(f"skinny_gemm_norm: res must be {delta.dtype} {list(delta.shape)} and nw [{delta.shape[1]}], "
-                         f"got res {res.dtype} {list(res.shape)}, nw {list(nw.shape)}")
+                         f"got res {None if res is None else (res.dtype, list(res.shape))}, nw {list(nw.shape)}")
 
 
 @kdtree_op("skinny_gemm_norm", mutates_args=())
-def skinny_gemm_norm_op(delta: torch.Tensor, res: torch.Tensor, nw: torch.Tensor, eps: float, w: torch.Tensor,
-                        out_f32: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The residual step and the GEMM after it: s = res + delta, x' = rms_norm(s) * nw (plugins/layer_fusion's
-    add_rms_norm), y = x' . w^T summed in fp32 and rounded once (fp32 when out_f32) -> (y, s, x')."""
+def skinny_gemm_norm_op(delta: torch.Tensor, res: Optional[torch.Tensor], nw: torch.Tensor, eps: float,
+                        w: torch.Tensor, out_f32: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The residual step and the GEMM after it: s = res + delta (res None: s = delta), x' = rms_norm(s) * nw
+    (plugins/layer_fusion's add_rms_norm / rms_norm), y = x' . w^T summed in fp32 and rounded once (fp32 when
+    out_f32) -> (y, s, x')."""
     _check_norm(delta, res, nw, w)
     return skinny_gemm_norm_reference(delta, res, nw, eps, w, out_f32)
 

@@ -167,16 +167,18 @@ def supports(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, out_f32: 
     return ok and available(x.device)
 
 
-def supports_norm(delta: torch.Tensor, res: torch.Tensor, nw: torch.Tensor, w: torch.Tensor, out_f32: bool) -> bool:
-    """Whether the residual-norm variant takes these: supports(delta, w) with t <= NORM_MAX_TOKENS, res like delta
-    (bf16 [t, k], 16-byte aligned rows), nw [k] bf16 contiguous and aligned, the plan's shared memory within
+def supports_norm(delta: torch.Tensor, res: torch.Tensor | None, nw: torch.Tensor, w: torch.Tensor,
+                  out_f32: bool) -> bool:
+    """Whether the residual-norm variant takes these: supports(delta, w) with t <= NORM_MAX_TOKENS, res None or like
+    delta (bf16 [t, k], 16-byte aligned rows), nw [k] bf16 contiguous and aligned, the plan's shared memory within
     NORM_MAX_SMEM."""
     if not supports(delta, w, None, out_f32) or delta.shape[0] > NORM_MAX_TOKENS:
         return False
     t, k = delta.shape
-    ok = (res.dtype == nw.dtype == torch.bfloat16 and res.shape == delta.shape and res.stride(1) == 1
-          and res.stride(0) % 8 == 0 and res.data_ptr() % 16 == 0 and res.device == delta.device
-          and nw.shape == (k,) and nw.is_contiguous() and nw.data_ptr() % 16 == 0 and nw.device == delta.device)
+    ok = (res is None or (res.dtype == torch.bfloat16 and res.shape == delta.shape and res.stride(1) == 1
+                          and res.stride(0) % 8 == 0 and res.data_ptr() % 16 == 0 and res.device == delta.device))
+    ok = ok and (nw.dtype == torch.bfloat16 and nw.shape == (k,) and nw.is_contiguous() and nw.data_ptr() % 16 == 0
+                 and nw.device == delta.device)
     if not ok:
         return False
     p = plan_norm(t, w.shape[0], k, out_f32, device_facts(delta.device).sms)
@@ -282,11 +284,12 @@ def _flags(p: Plan, pf: bool | None) -> int:
             | FLAG_EARLY_WEIGHTS * EARLY_WEIGHTS)
 
 
-def skinny_gemm_norm_cuda(delta: torch.Tensor, res: torch.Tensor, nw: torch.Tensor, eps: float, w: torch.Tensor,
-                          out_f32: bool, u: int | None = None
+def skinny_gemm_norm_cuda(delta: torch.Tensor, res: torch.Tensor | None, nw: torch.Tensor, eps: float,
+                          w: torch.Tensor, out_f32: bool, u: int | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The residual step and the GEMM in one launch: s = res + delta, x' = rms_norm(s) * nw, y = x' . w^T, fp32
-    accumulation, bf16 (or fp32) out -> (y [t, n], s [t, k], x' [t, k]); the inputs as supports_norm() takes them."""
+    """The residual step and the GEMM in one launch: s = res + delta (res None: s = delta, a norm alone), x' =
+    rms_norm(s) * nw, y = x' . w^T, fp32 accumulation, bf16 (or fp32) out -> (y [t, n], s [t, k], x' [t, k]); the
+    inputs as supports_norm() takes them."""
     t, k = delta.shape
     n = w.shape[0]
     y = torch.empty(t, n, dtype=torch.float32 if out_f32 else torch.bfloat16, device=delta.device)
@@ -297,7 +300,8 @@ def skinny_gemm_norm_cuda(delta: torch.Tensor, res: torch.Tensor, nw: torch.Tens
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     args = (delta.data_ptr(), w.data_ptr(), y.data_ptr(), 0, mod.parts.data_ptr(), mod.tickets.data_ptr(), t, n, k,
             delta.stride(0), y.stride(0), 0, p.splits, _flags(p, None),
-            res.data_ptr(), nw.data_ptr(), s.data_ptr(), hn.data_ptr(), res.stride(0), s.stride(0), float(eps))
+            0 if res is None else res.data_ptr(), nw.data_ptr(), s.data_ptr(), hn.data_ptr(),
+            0 if res is None else res.stride(0), s.stride(0), float(eps))
     types = (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32, i32,
              ptr, ptr, ptr, ptr, i32, i32, ctypes.c_float)
     stream = mod.cu.CUstream(torch.cuda.current_stream(delta.device).cuda_stream)

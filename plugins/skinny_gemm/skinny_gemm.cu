@@ -125,8 +125,9 @@ __device__ __forceinline__ float rsqrt_approx(float v) {
 }
 
 // The residual step's inputs and outputs (the _norm variants): s = res + x, x' = rms_norm(s) * nw; rows of t tokens.
+// res null: a norm alone (s = x, stored as given: the query's low-rank norm before q_b).
 struct NormArgs {
-    const u16* res;  // [t, k] (row stride ldr): the residual stream
+    const u16* res;  // [t, k] (row stride ldr): the residual stream, or null
     const u16* nw;  // [k]: the norm's weight
     u16* s_out;  // [t, k] (row stride lds): s, written by the CTAs of column 0; never res's or x's storage
     u16* hn_out;  // [t, k] (row stride lds): x', likewise; may be null
@@ -134,15 +135,17 @@ struct NormArgs {
     float eps;
 };
 
-// s = bf16(r + d) element by element for a packed 16-byte group of 8, its squares added to ss (in fp64: the square
-// of a bf16 value is exact, and so is a sum of them while they span less than 53 bits, i.e. in any order)
-__device__ __forceinline__ uint4 residual_sum(const uint4& d, const uint4& r, double& ss) {
+// s = bf16(r + d) element by element for a packed 16-byte group of 8 (without a residual: s = d), its squares added
+// to ss (in fp64: the square of a bf16 value is exact, and so is a sum of them while they span less than 53 bits,
+// i.e. in any order)
+__device__ __forceinline__ uint4 residual_sum(const uint4& d, const uint4& r, bool has_res, double& ss) {
     uint4 o;
     u32* ow = reinterpret_cast<u32*>(&o);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const float a = from_bf16(to_bf16(lo_bf16(word(r, i)) + lo_bf16(word(d, i))));
-        const float b = from_bf16(to_bf16(hi_bf16(word(r, i)) + hi_bf16(word(d, i))));
+        const float dl = lo_bf16(word(d, i)), dh = hi_bf16(word(d, i));
+        const float a = has_res ? from_bf16(to_bf16(lo_bf16(word(r, i)) + dl)) : dl;
+        const float b = has_res ? from_bf16(to_bf16(hi_bf16(word(r, i)) + dh)) : dh;
         ss += (double)(a * a);
         ss += (double)(b * b);
         ow[i] = pack_bf16(a, b);
@@ -188,11 +191,13 @@ __device__ __forceinline__ void norm_prologue(const u16* __restrict__ delta, con
     const int groups = k >> 3;  // 16-byte groups of 8 columns in a row
     for (int tok = 0; tok < t; ++tok) {
         const uint4* d = reinterpret_cast<const uint4*>(delta + (u64)tok * ldx);
-        const uint4* r = reinterpret_cast<const uint4*>(na.res + (u64)tok * na.ldr);
+        const bool has_res = na.res != nullptr;
+        const uint4* r = reinterpret_cast<const uint4*>(has_res ? na.res + (u64)tok * na.ldr : delta);
         double ss = 0.0;
 #pragma unroll 2
         for (int i = threadIdx.x; i < groups; i += blockDim.x) {
-            const uint4 sv = residual_sum(ld_tokens(d + i), ld_tokens(r + i), ss);
+            const uint4 dv = ld_tokens(d + i);
+            const uint4 sv = residual_sum(dv, has_res ? ld_tokens(r + i) : dv, has_res, ss);
             const int col = i * 8 - c0;
             if (col >= 0 && col < span) *reinterpret_cast<uint4*>(rows + tok * span + col) = sv;
         }

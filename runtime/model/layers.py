@@ -44,12 +44,13 @@ _MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype") and \
 
 
 class ResidualStep:
-    """A layer's residual step not taken yet: s = x + delta, x' = rms_norm(s) * weight (x, delta [..., d]).  The
-    first linear() that reads x' may take it in its own launch (NORM_GEMM); else x' is add_rms_norm's, launched where
-    it is first asked for (normed(), summed(), or a linear() that does not take it): the kernels and their order are
-    those of add_rms_norm right before that GEMM.  reshape() gives a view of the same step (its s and x' shared)."""
+    """A layer's residual step not taken yet: s = x + delta, x' = rms_norm(s) * weight (x, delta [..., d]; delta
+    None: a norm alone, s = x).  The first linear() that reads x' may take it in its own launch (NORM_GEMM); else x'
+    is add_rms_norm's (rms_norm's), launched where it is first asked for (normed(), summed(), or a linear() that does
+    not take it): the kernels and their order are those of add_rms_norm right before that GEMM.  reshape() gives a
+    view of the same step (its s and x' shared)."""
 
-    def __init__(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+    def __init__(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
                  _out: dict | None = None):
         self.x, self.delta, self.weight, self.eps = x, delta, weight, eps
         self._out = {} if _out is None else _out  # "s", "hn": [t, d] or any shape of the same rows, once taken
@@ -60,7 +61,8 @@ class ResidualStep:
     is_cuda = property(lambda self: self.x.is_cuda)
 
     def reshape(self, *shape: int) -> ResidualStep:
-        return ResidualStep(self.x.reshape(*shape), self.delta.reshape(*shape), self.weight, self.eps, self._out)
+        delta = None if self.delta is None else self.delta.reshape(*shape)
+        return ResidualStep(self.x.reshape(*shape), delta, self.weight, self.eps, self._out)
 
     @property
     def taken(self) -> bool:
@@ -73,7 +75,10 @@ class ResidualStep:
     def normed(self) -> torch.Tensor:
         """x' [..., d] (add_rms_norm's launch when no GEMM has taken the step)."""
         if not self.taken:
-            self.take(*add_rms_norm(self.x, self.delta, self.weight, self.eps))
+            if self.delta is None:
+                self.take(self.x, rms_norm(self.x, self.weight, self.eps))
+            else:
+                self.take(*add_rms_norm(self.x, self.delta, self.weight, self.eps))
         return self._out["hn"].reshape(self.x.shape)
 
     def summed(self) -> torch.Tensor:
@@ -138,7 +143,9 @@ def _skinny_norm(step: ResidualStep, w: torch.Tensor, c: torch.Tensor | None, ou
                                                                                              torch.float32):
         return None
     n, k = w.shape
-    delta, res = step.delta.reshape(-1, k), step.x.reshape(-1, k)  # [t, k] each
+    rows = step.x if step.delta is None else step.delta
+    delta = rows.reshape(-1, k)  # [t, k]: the kernel's x rows (a norm alone: the rows it normalises)
+    res = None if step.delta is None else step.x.reshape(-1, k)  # [t, k]
     out_f32 = out_dtype == torch.float32
     tokens = NORM_MAX_TOKENS if NORM_TREE and out_f32 else SKINNY_MAX_TOKENS
     if delta.shape[0] > tokens or w.numel() * w.element_size() > SKINNY_MAX_WEIGHT_BYTES:
