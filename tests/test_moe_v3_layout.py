@@ -293,15 +293,15 @@ def test_loader_serves_v2c_where_v3_does_not():
 def test_prefetch_variable_names_the_kernels(monkeypatch):
     """KDTREE_MOE_PREFETCH: unset / 0 neither kernel's L2 prefetch, 1 both; anything else is a ValueError naming the
     variable."""
-    from plugins.moe_w4a16.launch_v3 import PREFETCH_ENV, prefetch_kernels
-    want = {None: (False, False), "0": (False, False), "1": (True, True)}
-    for value, pair in want.items():
+    from plugins.moe_w4a16.launch_v3 import PREFETCH_ENV, prefetch_on
+    want = {None: False, "0": False, "1": True}
+    for value, on in want.items():
         if value is None:
             monkeypatch.delenv(PREFETCH_ENV, raising=False)
         else:
             monkeypatch.setenv(PREFETCH_ENV, value)
-        assert prefetch_kernels() == pair, value
+        assert prefetch_on() is on, value
     for bad in ("on", "down"):
         monkeypatch.setenv(PREFETCH_ENV, bad)
         with pytest.raises(ValueError, match=PREFETCH_ENV):
-            prefetch_kernels()
+            prefetch_on()

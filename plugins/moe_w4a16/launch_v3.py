@@ -41,13 +41,13 @@ SOURCE = Path(__file__).with_name("moe_v3.cu")
 PREFETCH_ENV = "KDTREE_MOE_PREFETCH"
 
 
-def prefetch_kernels() -> tuple[bool, bool]:
-    """(gate_up, down) prefetch into L2, from KDTREE_MOE_PREFETCH: unset / 0 neither, 1 both; anything else is a
-    ValueError naming the variable."""
+def prefetch_on() -> bool:
+    """Whether gate_up and down prefetch their experts into L2, from KDTREE_MOE_PREFETCH: unset / 0 no, 1 yes;
+    anything else is a ValueError naming the variable."""
     value = os.environ.get(PREFETCH_ENV, "")
     if value not in ("", "0", "1"):
         raise ValueError(f"{PREFETCH_ENV} must be 0 or 1, got {value!r}")
-    return (value == "1",) * 2
+    return value == "1"
 
 
 # Weights before the PDL wait (down_kernel's kdtree_moe_v3_down_early_*, combine_shared_kernel's EARLY): down builds
@@ -313,11 +313,11 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
     ws = MoEWorkspace.carve(workspace, t, top_k, e_local, d, i, x.dtype,
                             launch_plan(t, top_k, e_local, d, i, x.device).splits)
     mod = kernels(x.device)  # before the route kernel: a failure here leaves counts zero
-    pf_gate_up, pf_down = prefetch_kernels()
+    pf_on = prefetch_on()
     sms = device_facts(x.device).sms
     i32, ptr = ctypes.c_int, ctypes.c_void_p
-    # the flags argument (values, ctypes), where the cubin takes one: gate_up's and down's
-    pf, pf2 = (((PF_L2 * on,), (i32,)) if mod.prefetch_arg else ((), ()) for on in (pf_gate_up, pf_down))
+    # the flags argument (values, ctypes) of gate_up and down, where the cubin takes one
+    pf = ((PF_L2 * pf_on,), (i32,)) if mod.prefetch_arg else ((), ())
     nt = TOKEN_TILE_OVERRIDE or token_tile(t)
     n_items = max_entries(t, top_k, e_local, nt) * pairs13
     args = (w13.data_ptr(), w13_scale.data_ptr(), x.data_ptr(), ws.counts.data_ptr(), ws.lists.data_ptr(),
@@ -337,8 +337,8 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
     smem = down_smem(t, top_k, e_local, nt2)
     _launch(mod, down_kernel(mod, nt2), min(cdiv(n_items, WARPS), 2 * sms), smem,
             (w2.data_ptr(), w2_scale.data_ptr(), ws.h.data_ptr(), ws.topk_w.data_ptr(), ws.counts.data_ptr(),
-             ws.lists.data_ptr(), ws.out.data_ptr(), t, e_local, i // GROUP, c2, pairs2, d, *pf2[0]),
-            (ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, *pf2[1]))
+             ws.lists.data_ptr(), ws.out.data_ptr(), t, e_local, i // GROUP, c2, pairs2, d, *pf[0]),
+            (ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, *pf[1]))
     launch_combine(ws.out, ws.topk_idx, y, ws.counts, e_start, e_local, top_k, mod.pdl and not pdl_refused(mod.index),
                    shared_h, shared_down, early=EARLY_WEIGHTS)
     return y
