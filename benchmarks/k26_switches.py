@@ -35,6 +35,7 @@ Writes OUT/k26-switches.json; prints a table with each setting's change against 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -42,11 +43,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import add_rank_arguments, parse_combinations, print_table, write_result  # noqa: E402
-
-
-def _set_skinny(on: bool) -> None:
-    from runtime.model import layers
-    layers.SKINNY_GEMM = on
 
 
 def _set_skinny_wide(on: bool) -> None:
@@ -69,68 +65,31 @@ def _set_moe_pf(on: bool) -> None:
         os.environ.pop("KDTREE_MOE_PREFETCH", None)
 
 
-def _set_gemm_pf(on: bool) -> None:
-    from runtime.model import attention
-    attention.GEMM_PREFETCH = on  # read at each forward (runtime/model/target.py reads it through the module)
-
-
 def _set_skinny_pf(on: bool) -> None:
     from plugins.skinny_gemm import launch
     launch.PREFETCH = True if on else None
 
 
-def _set_skinny_late(on: bool) -> None:
-    from plugins.skinny_gemm import launch
-    launch.LATE_TRIGGER = on
+def _set_flag(module: str, attr: str):
+    """A switch that sets one module attribute (read at each launch or forward) to its on / off."""
+    return lambda on: setattr(importlib.import_module(module), attr, on)
 
 
-def _set_skinny_early(on: bool) -> None:
-    from plugins.skinny_gemm import launch
-    launch.EARLY_WEIGHTS = on
-
-
-def _set_moe_w16(on: bool) -> None:
-    from plugins.moe_w4a16 import launch_v3
-    launch_v3.USE_W16 = on
-
-
-def _set_moe_early(on: bool) -> None:
-    from plugins.moe_w4a16 import launch_v3
-    launch_v3.EARLY_WEIGHTS = on
-
-
-def _set_glue_early(on: bool) -> None:
-    from plugins.layer_fusion import kernel
-    kernel.EARLY_WEIGHTS = on  # read at each launch
-
-
-def _set_norm_gemm(on: bool) -> None:
-    from runtime.model import layers
-    layers.NORM_GEMM = on
-
-
-def _set_norm_tree(on: bool) -> None:
-    from runtime.model import layers
-    layers.NORM_TREE = on
-
-
-def _set_norm_q(on: bool) -> None:
-    from runtime.model import attention
-    attention.NORM_Q = on
-
-
-def _set_attn_pf(on: bool) -> None:
-    from plugins.tree_verify_mla import launcher
-    launcher.CACHE_PREFETCH = on
-
-
-SWITCHES = {"skinny": _set_skinny, "moe_pf": _set_moe_pf,  # see the module doc
-            "gemm_pf": _set_gemm_pf,
-            "attn_pf": _set_attn_pf, "skinny_pf": _set_skinny_pf,
-            "skinny_wide": _set_skinny_wide,
-            "skinny_late": _set_skinny_late, "moe_w16": _set_moe_w16, "moe_early": _set_moe_early,
-            "skinny_early": _set_skinny_early, "skinny_tree": _set_skinny_tree, "glue_early": _set_glue_early,
-            "norm_gemm": _set_norm_gemm, "norm_tree": _set_norm_tree, "norm_q": _set_norm_q}
+# switch -> (module, attribute) it sets to on / off
+_FLAGS = {"skinny": ("runtime.model.layers", "SKINNY_GEMM"),
+          "gemm_pf": ("runtime.model.attention", "GEMM_PREFETCH"),
+          "attn_pf": ("plugins.tree_verify_mla.launcher", "CACHE_PREFETCH"),
+          "skinny_late": ("plugins.skinny_gemm.launch", "LATE_TRIGGER"),
+          "skinny_early": ("plugins.skinny_gemm.launch", "EARLY_WEIGHTS"),
+          "moe_w16": ("plugins.moe_w4a16.launch_v3", "USE_W16"),
+          "moe_early": ("plugins.moe_w4a16.launch_v3", "EARLY_WEIGHTS"),
+          "glue_early": ("plugins.layer_fusion.kernel", "EARLY_WEIGHTS"),
+          "norm_gemm": ("runtime.model.layers", "NORM_GEMM"),
+          "norm_tree": ("runtime.model.layers", "NORM_TREE"),
+          "norm_q": ("runtime.model.attention", "NORM_Q")}
+# see the module doc; skinny_wide before skinny_tree (which widens only what skinny_wide left)
+SWITCHES = {"moe_pf": _set_moe_pf, "skinny_pf": _set_skinny_pf, "skinny_wide": _set_skinny_wide,
+            "skinny_tree": _set_skinny_tree, **{name: _set_flag(*at) for name, at in _FLAGS.items()}}
 
 
 # the runtime's defaults among SWITCHES
