@@ -20,6 +20,7 @@ from plugins.layer_fusion.reference import (
     embed_norm_rope_reference,
     embed_range_reference,
     kv_norm_rope_store_reference,
+    mla_q_absorb_kv_reference,
     mla_q_absorb_reference,
     mla_rope_kv_reference,
     mla_v_absorb_reference,
@@ -208,16 +209,14 @@ def mla_q_absorb_kv(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin:
     for a query whose low-rank norm another kernel formed (runtime.model.attention.NORM_Q).  The same bits as the
     two kernels (the same row code; the norm's exact fp64 sum of squares makes the warp count immaterial)."""
     if not _fused(q, w_uk, cos, sin, latent, kv_weight, kv_out):
-        mla_rope_kv_reference(latent, kv_weight, eps, cos, sin, interleave, kv_out)
-        return mla_q_absorb_reference(q, w_uk, cos, sin, interleave)
+        return mla_q_absorb_kv_reference(q, w_uk, cos, sin, interleave, latent, kv_weight, eps, kv_out)
     return mla_q_absorb_kv_op(q, w_uk, cos, sin, interleave, latent, kv_weight, eps, kv_out)
 
 
 @kdtree_op("mla_q_absorb_kv", mutates_args=("kv_out",))
 def mla_q_absorb_kv_op(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool,
                        latent: torch.Tensor, kv_weight: torch.Tensor, eps: float, kv_out: torch.Tensor) -> torch.Tensor:
-    mla_rope_kv_reference(latent, kv_weight, eps, cos, sin, interleave, kv_out)
-    return mla_q_absorb_reference(q, w_uk, cos, sin, interleave)
+    return mla_q_absorb_kv_reference(q, w_uk, cos, sin, interleave, latent, kv_weight, eps, kv_out)
 
 
 @mla_q_absorb_kv_op.register_fake
@@ -230,8 +229,7 @@ def _mla_q_absorb_kv_cuda(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor
                           interleave: bool, latent: torch.Tensor, kv_weight: torch.Tensor, eps: float,
                           kv_out: torch.Tensor) -> torch.Tensor:
     if not _fused(q, w_uk, cos, sin, latent, kv_weight, kv_out):
-        mla_rope_kv_reference(latent, kv_weight, eps, cos, sin, interleave, kv_out)
-        return mla_q_absorb_reference(q, w_uk, cos, sin, interleave)
+        return mla_q_absorb_kv_reference(q, w_uk, cos, sin, interleave, latent, kv_weight, eps, kv_out)
     b, n, width = kv_out.shape
     t, r2 = q.shape[0], cos.shape[-1]
     _check_rows("mla_q_absorb_kv", width, latent=latent)

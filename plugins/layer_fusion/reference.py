@@ -78,6 +78,15 @@ def mla_rope_kv_reference(latent: torch.Tensor, weight: torch.Tensor, eps: float
     out.copy_(torch.cat([c_kv, k_pe], dim=-1).view(out.shape))
 
 
+def mla_q_absorb_kv_reference(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                              interleave: bool, latent: torch.Tensor, kv_weight: torch.Tensor, eps: float,
+                              kv_out: torch.Tensor) -> torch.Tensor:
+    """mla_rope_kv's latent rows into kv_out (no query row), then mla_q_absorb: the two stages mla_q_absorb_kv's
+    one launch forms."""
+    mla_rope_kv_reference(latent, kv_weight, eps, cos, sin, interleave, kv_out)
+    return mla_q_absorb_reference(q, w_uk, cos, sin, interleave)
+
+
 def head_norm_rope_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                              interleave: bool) -> torch.Tensor:
     """Per-head q / k norm then rope (the DFlash drafter's heads): x [t, h, e], weight [e], cos/sin [t, e/2]

@@ -285,9 +285,8 @@ __device__ __forceinline__ void skinny(const u16* __restrict__ x, const u16* __r
 
     // NORM: the residual step (see the top of the file): x' rows of the CTA's k range into shared memory
     const int span = (kb_hi - kb_lo) * 32;  // k columns of this CTA's range
-    const u16* xs = reinterpret_cast<const u16*>(red + norm_rows_offset(warps, RG * TT * 128));  // [t][span]
-    if constexpr (NORM) norm_prologue(x, na, reinterpret_cast<u16*>(red + norm_rows_offset(warps, RG * TT * 128)),
-                                      t, k, ldx, kb_lo * 32, span);
+    u16* xs = reinterpret_cast<u16*>(red + norm_rows_offset(warps, RG * TT * 128));  // [t][span]
+    if constexpr (NORM) norm_prologue(x, na, xs, t, k, ldx, kb_lo * 32, span);
     const uint4* xr[TT];
 #pragma unroll
     for (int j = 0; j < TT; ++j) {
