@@ -23,12 +23,9 @@ if [[ $what != switches ]]; then
     bash benchmarks/device_run.sh tests >"$R/tests.log" 2>&1 || status=1
   tail -15 "$R/tests.log"
 fi
-# default = skinny+moe_early+skinny_early+glue_early+moe_w16 (2026-12-06); with the norms taken by the GEMMs after
-# them (norm_gemm, unmeasured), and by the router's in DDTree rounds too (norm_tree), and the query's norm by q_b
-# with the latent rows in q_absorb (norm_q, no mla_rope_kv); the previous default (8-warp gate_up, the glue kernels'
-# weights after the wait)
-d=skinny+moe_early+skinny_early+glue_early+moe_w16
-defaults=default,$d+norm_gemm,$d+norm_gemm+norm_tree,$d+norm_gemm+norm_tree+norm_q,skinny+moe_early+skinny_early
+# default = skinny+moe_early+skinny_early+glue_early+moe_w16 (2026-12-06); the previous default (8-warp gate_up, the
+# glue kernels' weights after the wait); without the MoE's early down; neither early switch
+defaults=default,skinny+moe_early+skinny_early,skinny+skinny_early+glue_early+moe_w16,skinny
 settings=${SETTINGS:-$defaults}
 src=(--budget "${BUDGETS:-15,16}" --settings "$settings")
 [[ ${SOURCE:-} == tiny-kimi ]] && src+=(--source tiny-kimi --tp 1 --context 512)

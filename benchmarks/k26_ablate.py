@@ -10,8 +10,7 @@ Classes (the target's forward; the speculative ops are never touched, the drafte
 functions: under "gemm" its MLP GEMMs (layers.swiglu_mlp) and its logits (the target's lm_head) go too):
   attention  kdtree::tree_verify_mla (split + combine kernels): no-op, its output keeps the workspace's values
   mla_glue   the latent norms + rope, the q and v absorptions (layer_fusion's three MLA kernels): zeros stand in
-  norms      the target's residual steps (layers.ResidualStep's add_rms_norm, 2 per layer; the GEMMs then take none):
-             the residual passes unchanged
+  norms      the target's add_rms_norm after attention and after the MLP (2 per layer): the residual passes unchanged
   moe        the routed experts (route, gate_up, down, combine + shared down): the MoE input stands in for its output
   gemm       every dense GEMM of the target (cuBLAS or skinny_gemm; lm_head included): zeros stand in
 
@@ -54,11 +53,9 @@ def _patches(name: str) -> list[tuple[object, str, object]]:
         "mla_glue": [(attention, "mla_rope_kv", lambda *a, **k: None),
                      (attention, "mla_q_absorb", lambda q, w_uk, cos, sin, interleave: _zeros(
                          (q.shape[0], q.shape[1], w_uk.shape[2] + 2 * cos.shape[-1]), q.dtype, q.device)),
-                     (attention, "mla_q_absorb_kv", lambda q, w_uk, cos, sin, interleave, *kv: _zeros(
-                         (q.shape[0], q.shape[1], w_uk.shape[2] + 2 * cos.shape[-1]), q.dtype, q.device)),
                      (attention, "mla_v_absorb", lambda o, w_uv: _zeros((o.shape[0], o.shape[1], w_uv.shape[1]),
                                                                         o.dtype, o.device))],
-        "norms": [(layers, "add_rms_norm", lambda x, a, w, eps: (x, x)), (layers, "NORM_GEMM", False)],
+        "norms": [(target, "add_rms_norm", lambda x, a, w, eps: (x, x))],
         "moe": [(moe, "moe_w4a16", lambda x, *a, **k: x)],
         "gemm": [(m, "linear", _linear) for m in (attention, layers, moe, target)],
     }[name]

@@ -19,13 +19,7 @@ default (DEFAULT_ON), which are set again after the run):
   moe_w16   the MoE's 16-warp gate_up where it applies (plugins/moe_w4a16/launch_v3.USE_W16)
   moe_early the MoE's down kernel loads its weights before its PDL wait (launch_v3.EARLY_WEIGHTS; on by default)
   glue_early the attention's two absorb kernels load their W_UK / W_UV tile before the PDL wait
-            (plugins/layer_fusion/kernel.EARLY_WEIGHTS; on by default), the norms their weight row
-  norm_gemm with skinny: each residual step (add_rms_norm) taken by the one-token GEMM after it, one launch fewer
-            per norm (runtime.model.layers.NORM_GEMM, plugins/skinny_gemm's _norm kernels)
-  norm_tree with norm_gemm: the router's GEMM takes its step on skinny_gemm up to 24 tokens (DDTree rounds too;
-            layers.NORM_TREE), the other GEMMs of a round stay cuBLAS's
-  norm_q    the query's low-rank norm in q_b's launch (with norm_gemm, where skinny_gemm takes q_b) and the latent
-            rows' norm + rope in q_absorb's: no mla_rope_kv launch (runtime.model.attention.NORM_Q)
+            (plugins/layer_fusion/kernel.EARLY_WEIGHTS)
 
     python3 benchmarks/k26_switches.py --out DIR [--settings base,skinny,moe_pf,gemm_pf,attn_pf,...]
         [--context 4096] [--budget 16[,15,...]] [--iters 10] [--layers N] [--source tiny-kimi --tp 1 --context 512]
@@ -83,10 +77,7 @@ _FLAGS = {"skinny": ("runtime.model.layers", "SKINNY_GEMM"),
           "skinny_early": ("plugins.skinny_gemm.launch", "EARLY_WEIGHTS"),
           "moe_w16": ("plugins.moe_w4a16.launch_v3", "USE_W16"),
           "moe_early": ("plugins.moe_w4a16.launch_v3", "EARLY_WEIGHTS"),
-          "glue_early": ("plugins.layer_fusion.kernel", "EARLY_WEIGHTS"),
-          "norm_gemm": ("runtime.model.layers", "NORM_GEMM"),
-          "norm_tree": ("runtime.model.layers", "NORM_TREE"),
-          "norm_q": ("runtime.model.attention", "NORM_Q")}
+          "glue_early": ("plugins.layer_fusion.kernel", "EARLY_WEIGHTS")}
 # see the module doc; skinny_wide before skinny_tree (which widens only what skinny_wide left)
 SWITCHES = {"moe_pf": _set_moe_pf, "skinny_pf": _set_skinny_pf, "skinny_wide": _set_skinny_wide,
             "skinny_tree": _set_skinny_tree, **{name: _set_flag(*at) for name, at in _FLAGS.items()}}

@@ -29,29 +29,3 @@ def test_skinny_tree_widens_the_token_limit_and_the_defaults_restore_it():
     finally:
         apply(DEFAULT_ON)
     assert (layers.SKINNY_MAX_TOKENS, layers.SKINNY_MAX_WEIGHT_BYTES) == layers.SKINNY_LIMITS
-
-
-def test_norm_switches_keep_the_tiny_forward_bits(monkeypatch):
-    """norm_gemm / norm_tree / norm_q move launches, never values: the tiny K2.6-layout forward on the CPU (the
-    references: the query's norm through ResidualStep and rms_norm, the latent rows through mla_q_absorb_kv) gives
-    the bits it gives with them off.  (On the GPU: tests/test_skinny_gemm.py's engine test.)"""
-    import torch
-
-    from runtime.bench_rank import load_rank_models
-    from runtime.model import attention, layers
-
-    model, _, _, _ = load_rank_models("tiny-kimi", 1, 0, None, 0, torch.device("cpu"), False)
-    tokens, positions = torch.tensor([[1, 2, 3]]), torch.tensor([[0, 1, 2]])
-    mask = torch.tensor([[[1], [3], [7]]])  # [1, 3, 1]: a chain
-
-    def forward():
-        cache = model.new_cache(1, 64, 4)
-        hidden, feats = model.forward(tokens, positions, cache, mask)
-        return hidden, cache.scratch.clone()
-
-    want = forward()
-    for name in ("NORM_GEMM", "NORM_TREE"):
-        monkeypatch.setattr(layers, name, True)
-    monkeypatch.setattr(attention, "NORM_Q", True)
-    got = forward()
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -186,18 +186,6 @@ def run_cases(device: str, count: int, seed: int = 0) -> list[dict]:
                         ok=ok_rows and ok_pe and ok_q and torch.equal(scratch[:, n:], want[:, n:]),
                         err=max(err, q_err)))
 
-        # mla_q_absorb_kv: q_absorb with those latent rows in the same launch: the bits of mla_rope_kv's rows (the
-        # other kernel, another warp count: the norm's fp64 sum is exact) and of the plain q_absorb
-        qk = rnd(bq * n, h * (p + 2 * r2), dtype=dt).view(bq * n, h, p + 2 * r2)
-        plain = torch.empty(bq * n, h, c + 2 * r2, dtype=dt, device=device)
-        mla_q_absorb_triton(qk, w_uk, cos, sin, interleave, plain)
-        both, kv_rows = torch.empty_like(plain), scratch.clone()
-        kv_rows[:, :n] = 0
-        mla_q_absorb_triton(qk, w_uk, cos, sin, interleave, both, latent=latent, kv_weight=wn, eps=1e-6,
-                            kv_out=kv_rows[:, :n])
-        out.append(dict(op="mla_q_absorb_kv", case=f"b{bq} n{n} h{h} c{c} r{2 * r2} {dt} il={interleave}",
-                        ok=torch.equal(both, plain) and torch.equal(kv_rows, scratch), err=0.0))
-
         # silu_mul: gate_up [t, 2i] rows of a wider buffer
         hh, e = pick((1, 4, 8)), pick((128, 16, 6))
         # kv_norm_rope_store: the drafter's k heads (norm + rope) of 1-3 layers into the cache rows of their
@@ -294,7 +282,7 @@ def interpreter_results():
 
 
 @pytest.mark.parametrize("op", ["add_rms_norm", "rms_norm", "rope_cos_sin", "mla_q_absorb", "mla_v_absorb",
-                                "mla_rope_kv", "mla_q_absorb_kv", "silu_mul", "kv_norm_rope_store",
+                                "mla_rope_kv", "silu_mul", "kv_norm_rope_store",
                                 "drafter_block", "embed_range", "embed_norm_rope"])
 def test_kernel_matches_reference_in_interpreter(interpreter_results, op):
     cases = [c for c in interpreter_results if c["op"] == op]

@@ -2,8 +2,7 @@
 m16n8k16 fragments: A register r of lane (g, q) holds row g + 8 (r % 2), logical k 2q + 8 (r // 2) + (0, 1); B
 register b holds logical k 2q + 8 b + (0, 1) of token column g; C element i is row g + 8 (i // 2), column
 2q + i % 2) with one or two row groups per CTA and 1-4 token tiles, the source's compile for sm_90 / sm_120 / sm_80
-(every planned kernel, no spill on sm_90), and on the GPU the kernel against the reference; the residual-norm
-variant (skinny_gemm_norm) and runtime.model.layers.ResidualStep, which hands a layer's residual step to it."""
+(every planned kernel, no spill on sm_90), and on the GPU the kernel against the reference."""
 
 from __future__ import annotations
 
@@ -15,8 +14,8 @@ import pytest
 import torch
 
 from plugins.skinny_gemm import skinny_gemm
-from plugins.skinny_gemm.launch import (MAX_TOKENS, NORM_MAX_SMEM, NORM_MAX_TOKENS, SOURCE, U_VARIANTS, plan,
-                                        plan_norm, row_groups_per_cta, split_shape, token_tiles)
+from plugins.skinny_gemm.launch import (MAX_TOKENS, SOURCE, U_VARIANTS, plan, row_groups_per_cta, split_shape,
+                                        token_tiles)
 
 NVCC = shutil.which("nvcc")
 
@@ -104,79 +103,6 @@ def test_layers_send_only_one_token_gemms_of_at_most_the_size_limit(monkeypatch)
     assert seen == [(1, 64)]
 
 
-def test_norm_reference_is_the_residual_step_then_the_product():
-    """skinny_gemm_norm's oracle (the op on CPU): s = res + delta, x' = rms_norm(s) * nw as add_rms_norm forms them,
-    y = x' . w^T as skinny_gemm forms it; bad shapes name the tensor."""
-    from plugins.layer_fusion.reference import add_rms_norm_reference, rms_norm_reference
-    from plugins.skinny_gemm import skinny_gemm_norm
-    gen = torch.Generator().manual_seed(11)
-    t, n, k = 3, 40, 96
-    delta, res = (torch.randn(t, k, generator=gen).bfloat16() for _ in range(2))
-    nw, w = torch.randn(k, generator=gen).bfloat16(), torch.randn(n, k, generator=gen).bfloat16()
-    for out_f32 in (False, True):
-        y, s, hn = skinny_gemm_norm(delta, res, nw, 1e-6, w, out_f32)
-        s_ref, hn_ref = add_rms_norm_reference(res, delta, None, nw, 1e-6)
-        assert torch.equal(s, s_ref) and torch.equal(hn, hn_ref)
-        assert torch.equal(y, skinny_gemm(hn_ref, w, None, out_f32))
-    y, s, hn = skinny_gemm_norm(delta, None, nw, 1e-6, w, True)  # a norm alone: s = delta
-    assert torch.equal(s, delta) and s is not delta
-    assert torch.equal(hn, rms_norm_reference(delta, nw, 1e-6)) and torch.equal(y, skinny_gemm(hn, w, None, True))
-    with pytest.raises(ValueError, match="res must be"):
-        skinny_gemm_norm(delta, res[:2], nw, 1e-6, w)
-    with pytest.raises(ValueError, match="nw"):
-        skinny_gemm_norm(delta, res, nw[:8], 1e-6, w)
-
-
-def test_norm_plan_keeps_the_plain_sum_order_and_sizes_its_rows():
-    """plan_norm takes plan()'s W and KS (the same sum order as the plain kernel on x'), one row group per CTA, the
-    plain kernels' U, and adds the CTA's k range of x' for t tokens to the shared memory, after the warp tiles
-    rounded up to 16 bytes: K2.6's router (k split 4 ways) fits 23 tokens, its qkv_a 6."""
-    for n, k in ((2112, 7168), (896, 7168), (40, 64)):
-        for t in (1, 8, 9, 17, 24):
-            p, q = plan_norm(t, n, k, False, 132), plan(t, n, k, False, False, 132)
-            assert (p.warps, p.splits, p.groups, p.row_groups) == (q.warps, q.splits, q.groups, 1)
-            tt, per = token_tiles(t), -(-(k // 32) // p.splits)
-            assert p.smem == ((p.warps * tt * 128 + 1 + 3) // 4 * 4) * 4 + t * per * 32 * 2
-            assert p.kernel == f"kdtree_skinny_gemm_t{tt}_u{U_VARIANTS[tt, 1][0]}_bf16_norm"
-    assert plan_norm(1, 896, 7168, True, 132, u=4).kernel == "kdtree_skinny_gemm_t1_u4_f32_norm"
-    assert plan_norm(23, 896, 7168, True, 132).smem <= NORM_MAX_SMEM < plan_norm(24, 896, 7168, True, 132).smem
-    assert plan_norm(6, 2112, 7168, False, 132).smem <= NORM_MAX_SMEM < plan_norm(7, 2112, 7168, False, 132).smem
-    with pytest.raises(ValueError, match=f"1 to {NORM_MAX_TOKENS} tokens"):
-        plan_norm(NORM_MAX_TOKENS + 1, 64, 64, False, 132)
-
-
-def test_residual_step_through_linear_is_add_rms_norm_then_the_gemm():
-    """runtime.model.layers.ResidualStep: linear() of a step is the GEMM of its x' (off CUDA: add_rms_norm's
-    reference, then the product), the step taken once and shared by its reshaped views; summed() is s."""
-    from plugins.layer_fusion import add_rms_norm
-    from runtime.model.layers import ResidualStep, linear
-    gen = torch.Generator().manual_seed(5)
-    x, delta = (torch.randn(2, 3, 64, generator=gen).bfloat16() for _ in range(2))
-    nw, w = torch.randn(64, generator=gen).bfloat16(), torch.randn(24, 64, generator=gen).bfloat16()
-    s_ref, hn_ref = add_rms_norm(x, delta, nw, 1e-6)
-    step = ResidualStep(x, delta, nw, 1e-6)
-    flat = step.reshape(6, -1)
-    assert not step.taken and flat.shape == (6, 64) and flat.dtype == torch.bfloat16
-    y = linear(flat, w, out_dtype=torch.float32)
-    assert step.taken and y.shape == (6, 24) and torch.equal(y, linear(hn_ref.reshape(6, 64), w,
-                                                                       out_dtype=torch.float32))
-    assert torch.equal(step.summed(), s_ref) and torch.equal(step.normed(), hn_ref)
-    assert torch.equal(flat.normed(), hn_ref.reshape(6, 64))
-
-
-def test_a_norm_alone_through_linear_is_rms_norm_then_the_gemm():
-    """ResidualStep without a residual (delta None: the query's low-rank norm before q_b, attention.NORM_Q): linear()
-    gives the GEMM of rms_norm(x) * weight (off CUDA: the reference), summed() is x."""
-    from plugins.layer_fusion import rms_norm
-    from runtime.model.layers import ResidualStep, linear
-    gen = torch.Generator().manual_seed(9)
-    x, nw = torch.randn(3, 64, generator=gen).bfloat16(), torch.randn(64, generator=gen).bfloat16()
-    w = torch.randn(24, 64, generator=gen).bfloat16()
-    step = ResidualStep(x, None, nw, 1e-6)
-    assert torch.equal(linear(step.reshape(3, -1), w), linear(rms_norm(x, nw, 1e-6), w))
-    assert torch.equal(step.summed(), x) and torch.equal(step.normed(), rms_norm(x, nw, 1e-6))
-
-
 def _frag_index(tok: int, row: int) -> int:
     """skinny_gemm.cu's frag_index: output (token, row of a 16-row group) -> its place in [TT][4][32] fragments."""
     col = tok & 7
@@ -192,41 +118,12 @@ def _mma(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc += a[:, kk:kk + 1] * b[kk:kk + 1, :]
 
 
-def _norm_prologue_model(delta: torch.Tensor, res: torch.Tensor, nw: torch.Tensor, eps: float, c0: int, span: int,
-                         threads: int) -> torch.Tensor:
-    """skinny_gemm.cu's norm_prologue for one CTA: pass 1 over each token's 16-byte groups by thread (s = bf16(r + d),
-    the squares summed in fp64 per thread, then per warp, then the warps in order), the groups of [c0, c0 + span)
-    into rows [t][span]; 1 / rms in fp32; pass 2 over the rows: x' = bf16(bf16(s * inv) * nw[c0 + col]) -> rows."""
-    t, k = delta.shape
-    rows = torch.zeros(t, span, dtype=torch.bfloat16)
-    inv = torch.zeros(t, dtype=torch.float32)
-    for tok in range(t):
-        per_thread = torch.zeros(threads, dtype=torch.float64)
-        for i in range(k // 8):
-            sv = delta[tok, 8 * i:8 * i + 8]  # a norm alone (res None): s = delta
-            if res is not None:
-                sv = (res[tok, 8 * i:8 * i + 8].float() + sv.float()).bfloat16()
-            per_thread[i % threads] += (sv.float() * sv.float()).double().sum()
-            col = 8 * i - c0
-            if 0 <= col < span:
-                rows[tok, col:col + 8] = sv
-        ss = per_thread.view(-1, 32).sum(1).sum()  # exact either way: the order is the kernel's
-        inv[tok] = torch.rsqrt((ss / k).float() + eps)
-    for e in range(t * (span // 8)):
-        tok, col = e // (span // 8), (e % (span // 8)) * 8
-        xn = (rows[tok, col:col + 8].float() * inv[tok]).bfloat16()
-        rows[tok, col:col + 8] = (xn.float() * nw[c0 + col:c0 + col + 8].float()).bfloat16()
-    return rows
-
-
 def _kernel_model(x: torch.Tensor, w: torch.Tensor, warps: int, splits: int, row_groups: int = 1,
-                  dtype: torch.dtype = torch.float64, norm: tuple | None = None) -> torch.Tensor:
+                  dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """skinny_gemm.cu's arithmetic on the CPU in `dtype`: per CTA (column, split), warp, block, k step, row group
     and lane, the fragment registers it loads (the token columns once for all row groups), the mma, the C fragments
     stored to shared memory as [W][RG][TT][4][32], the warp-order reduction, the split partials as [column][KS]
-    [RG x TT x 128] and their split-order sum, read back through frag_index -> y [t, n].  norm (res, nw, eps, s, hn):
-    the _norm variants, x the deltas: each CTA's prologue (_norm_prologue_model) and its k loop's token columns
-    from the rows in shared memory; column 0's CTAs write their ranges of s and x' into s, hn [t, k]."""
+    [RG x TT x 128] and their split-order sum, read back through frag_index -> y [t, n]."""
     t, k = x.shape
     n = w.shape[0]
     tt, rg = token_tiles(t), row_groups
@@ -247,13 +144,6 @@ def _kernel_model(x: torch.Tensor, w: torch.Tensor, warps: int, splits: int, row
             lo = min(nkb, s * per)
             hi = min(nkb, lo + per)
             red = torch.zeros(warps * tile, dtype=dtype)  # shared memory
-            if norm is not None:
-                res, nw, eps, s_out, hn_out = norm
-                rows_sm = _norm_prologue_model(x, res, nw, eps, lo * 32, (hi - lo) * 32, 32 * warps)
-                if cta == 0:  # the CTAs of column 0 store s and x' of their range
-                    s_out[:, lo * 32:hi * 32] = x[:, lo * 32:hi * 32] if res is None else (
-                        res[:, lo * 32:hi * 32].float() + x[:, lo * 32:hi * 32].float()).bfloat16()
-                    hn_out[:, lo * 32:hi * 32] = rows_sm
             for wi in range(warps):
                 acc = torch.zeros(rg, tt, 16, 8, dtype=dtype)  # C [row group, tile, row, token col]
                 for kb in range(lo + wi, hi, warps):
@@ -263,12 +153,7 @@ def _kernel_model(x: torch.Tensor, w: torch.Tensor, warps: int, splits: int, row
                             g, q = lane // 4, lane % 4
                             base = kb * 32 + 8 * q  # the lane's 8 contiguous columns
                             for j in range(tt):
-                                tok = 8 * j + g
-                                if norm is not None:  # xs + (tok < t ? tok : 0) * span + (kb - kb_lo) * 32 + q * 8
-                                    col = (kb - lo) * 32 + 8 * q
-                                    xv = rows_sm[tok if tok < t else 0, col:col + 8].to(dtype)
-                                else:
-                                    xv = xp[tok, base:base + 8]
+                                xv = xp[8 * j + g, base:base + 8]
                                 for bi, wrd in enumerate((2 * st, 2 * st + 1)):  # b0, b1
                                     b[j, 2 * q + 8 * bi, g], b[j, 2 * q + 8 * bi + 1, g] = xv[2 * wrd], xv[2 * wrd + 1]
                         for h in range(rg):
@@ -326,27 +211,6 @@ def test_kernel_model_is_the_product(t, n, k, warps, splits, rg):
     torch.testing.assert_close(_kernel_model(x, w, warps, splits, rg), want, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("t,n,k,warps,splits,with_res", [(1, 16, 64, 1, 1, True), (3, 40, 128, 2, 2, True),
-                                                          (9, 24, 256, 2, 3, True), (17, 16, 96, 1, 3, True),
-                                                          (1, 24, 128, 2, 2, False), (5, 16, 96, 1, 3, False)])
-def test_kernel_model_with_the_residual_norm_is_the_plain_product_of_x_prime(t, n, k, warps, splits, with_res):
-    """The _norm variants' model (prologue rows per CTA, the k loop reading them at its range's offset, column 0's
-    stores): y is the plain model's product of x', whatever the splits; s and x' as add_rms_norm (without a
-    residual: rms_norm) forms them (s exactly, x' within the CPU reference's fp32 mean)."""
-    from plugins.common.norm import add_rms_norm_reference, rms_norm_reference
-    gen = torch.Generator().manual_seed(t * 100 + k)
-    delta, res = torch.randn(t, k, generator=gen).bfloat16(), (2 * torch.randn(t, k, generator=gen)).bfloat16()
-    res = res if with_res else None
-    nw, w = (1 + 0.3 * torch.randn(k, generator=gen)).bfloat16(), torch.randn(n, k, generator=gen).bfloat16()
-    s_out, hn_out = torch.full((t, k), float("nan")).bfloat16(), torch.full((t, k), float("nan")).bfloat16()
-    y = _kernel_model(delta, w, warps, splits, norm=(res, nw, 1e-6, s_out, hn_out))
-    s_ref, hn_ref = ((delta, rms_norm_reference(delta, nw, 1e-6)) if res is None
-                     else add_rms_norm_reference(res, delta, None, nw, 1e-6))
-    assert torch.equal(s_out, s_ref)
-    torch.testing.assert_close(hn_out.float(), hn_ref.float(), rtol=1e-2, atol=1e-2)
-    assert torch.equal(y, _kernel_model(hn_out, w, warps, splits))
-
-
 @pytest.mark.parametrize("warps,splits", [(2, 1), (1, 3), (2, 2)])
 def test_kernel_model_sums_a_row_the_same_whatever_the_row_groups_and_tokens(warps, splits):
     """In fp32 (where the order shows) row i of 17 tokens, one or two row groups per CTA, is the bits of the
@@ -364,14 +228,10 @@ def test_kernel_model_sums_a_row_the_same_whatever_the_row_groups_and_tokens(war
 
 
 def _planned_kernels() -> set[str]:
-    """Every kernel a plan names: token counts of each tile count, both row-group counts, each U, each output; and
-    the residual norm's (plan_norm: each U, each output)."""
-    plain = {plan(t, 64, 64, f32, c, 132, u=u, row_groups=rg).kernel for t in (1, 16, 17, 32) for rg in (1, 2)
-             if (token_tiles(t), rg) in U_VARIANTS for f32, c in ((0, 0), (0, 1), (1, 0))
-             for u in U_VARIANTS[token_tiles(t), rg]}
-    norm = {plan_norm(t, 64, 64, f32, 132, u).kernel for t in (1, 16, 17) for f32 in (0, 1)
-            for u in U_VARIANTS[token_tiles(t), 1]}
-    return plain | norm
+    """Every kernel a plan names: token counts of each tile count, both row-group counts, each U, each output."""
+    return {plan(t, 64, 64, f32, c, 132, u=u, row_groups=rg).kernel for t in (1, 16, 17, 32) for rg in (1, 2)
+            if (token_tiles(t), rg) in U_VARIANTS for f32, c in ((0, 0), (0, 1), (1, 0))
+            for u in U_VARIANTS[token_tiles(t), rg]}
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
@@ -381,7 +241,7 @@ def test_source_compiles_with_every_planned_kernel(tmp_path, arch):
     subprocess.run([NVCC, "-O3", "-std=c++17", "-ptx", f"-arch={arch}", "-o", str(ptx), str(SOURCE)], check=True)
     text = ptx.read_text()
     names = _planned_kernels()
-    assert len(names) == 54
+    assert len(names) == 42
     for name in names:
         assert f".entry {name}(" in text, name
     assert ("cp.async.bulk.prefetch.L2" in text) == (arch != "sm_80")
@@ -518,99 +378,3 @@ def test_engine_with_the_switch_is_lossless(tiny, tmp_path, monkeypatch):
     assert calls, "no GEMM of the tiny model went through skinny_gemm"
     assert runs["ddtree"] == runs["none"]
 
-
-
-@pytest.mark.gpu
-@GPU
-def test_norm_kernel_is_add_rms_norm_then_the_plain_kernel():
-    """skinny_gemm_norm on the GPU, fresh random rows (K2.6's qkv_a and router shapes among them, 1-24 tokens; each
-    U; bf16 and fp32 out; k split or not): s and x' are the bits of plugins/layer_fusion's
-    add_rms_norm kernel (both sum the squares exactly in fp64), y the bits of the plain kernel on that x', also from
-    a replayed CUDA graph; x' within a bf16 rounding of the CPU reference."""
-    from plugins.layer_fusion import add_rms_norm, rms_norm
-    from plugins.layer_fusion.kernel import mla_rope_kv_triton
-    from plugins.layer_fusion.reference import add_rms_norm_reference
-    from plugins.skinny_gemm.launch import skinny_gemm_cuda, skinny_gemm_norm_cuda, supports_norm
-    dev = torch.device("cuda")
-    gen = torch.Generator().manual_seed(13)
-    cases = [(2112, 7168, 1), (896, 7168, 1), (2112, 7168, 4), (896, 7168, 17), (896, 7168, 23), (1536, 1536, 2),
-             (40, 64, 8), (130, 2304, 13)]
-    cases += [(int(torch.randint(1, 600, (1,), generator=gen)), 32 * int(torch.randint(1, 80, (1,), generator=gen)),
-               int(torch.randint(1, NORM_MAX_TOKENS + 1, (1,), generator=gen))) for _ in range(8)]
-    for i, (n, k, t) in enumerate(cases):
-        delta = torch.randn(t, k, generator=gen).bfloat16().to(dev)
-        res = (3 * torch.randn(t, k, generator=gen)).bfloat16().to(dev)
-        nw = (1 + 0.5 * torch.randn(k, generator=gen)).bfloat16().to(dev)
-        w = (torch.randn(n, k, generator=gen) / k ** 0.5).bfloat16().to(dev)
-        out_f32 = bool(i % 2)
-        if not supports_norm(delta, res, nw, w, out_f32):
-            assert plan_norm(t, n, k, out_f32, 132).smem > NORM_MAX_SMEM, (n, k, t)  # only past the x' rows' room
-            continue
-        s_ref, hn_ref = add_rms_norm(res, delta, nw, 1e-6)  # the Triton kernel
-        plain = skinny_gemm_cuda(hn_ref, w, None, out_f32)
-        for u in U_VARIANTS[token_tiles(t), 1]:
-            y, s, hn = skinny_gemm_norm_cuda(delta, res, nw, 1e-6, w, out_f32, u=u)
-            assert torch.equal(s, s_ref) and torch.equal(hn, hn_ref), (n, k, t, u)
-            assert torch.equal(y, plain), (n, k, t, u)
-        cpu = add_rms_norm_reference(res.cpu(), delta.cpu(), None, nw.cpu(), 1e-6)[1]
-        torch.testing.assert_close(hn.cpu().float(), cpu.float(), rtol=1e-2, atol=1e-2)
-        # a norm alone (res None: the query's low-rank norm, attention.NORM_Q): x' the bits of rms_norm's kernel
-        # and of mla_rope_kv's query row (the kernel it replaces), y the plain kernel's on it
-        y1, s1, hn1 = skinny_gemm_norm_cuda(delta, None, nw, 1e-6, w, out_f32)
-        alone = rms_norm(delta, nw, 1e-6)
-        assert torch.equal(s1, delta) and torch.equal(hn1, alone), (n, k, t, "alone")
-        assert torch.equal(y1, skinny_gemm_cuda(alone, w, None, out_f32)), (n, k, t, "alone")
-        lat, wn = torch.randn(t, 64 + 32, device=dev).bfloat16(), torch.randn(64, device=dev).bfloat16()
-        cs = torch.randn(t, 16, device=dev).bfloat16()
-        q_out = torch.empty_like(delta)
-        mla_rope_kv_triton(lat, wn, 1e-6, cs, cs, False, torch.empty(1, t, 96, device=dev).bfloat16(), delta, nw,
-                           q_out)
-        assert torch.equal(q_out, hn1), (n, k, t, "mla_rope_kv's query row")
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        skinny_gemm_norm_cuda(delta, res, nw, 1e-6, w, True)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=stream):
-            y_g, s_g, hn_g = skinny_gemm_norm_cuda(delta, res, nw, 1e-6, w, True)
-    g.replay()
-    g.replay()
-    torch.cuda.synchronize()
-    s_ref, hn_ref = add_rms_norm(res, delta, nw, 1e-6)
-    assert torch.equal(s_g, s_ref) and torch.equal(hn_g, hn_ref)
-    assert torch.equal(y_g, skinny_gemm_cuda(hn_ref, w, None, True))
-
-
-@pytest.mark.gpu
-@GPU
-def test_engine_with_the_norm_gemm_gives_the_same_tokens(tiny, tmp_path, monkeypatch):
-    """KDTREE_NORM_GEMM on (runtime.model.layers.NORM_GEMM): the tiny INT4 model's one-token GEMMs after a residual
-    step take it (counted), graphs on; the AR tokens are those with the switch off, and DDTree's are the AR tokens,
-    with the rounds' norms on add_rms_norm and cuBLAS, and with NORM_TREE (the router's GEMM takes its step in the
-    rounds of 9 tokens too: counted); and with attention.NORM_Q (q_b takes the query's norm, q_absorb the latent
-    rows: no mla_rope_kv), AR and DDTree again."""
-    from build_pipeline.tiny_drafter import make_tiny_drafter
-    from runtime.engine.engine import Engine
-    from runtime.model import attention, layers
-
-    tokens = []
-    real = layers.skinny_gemm_norm
-    monkeypatch.setattr(layers, "skinny_gemm_norm", lambda *a: tokens.append(a[0].shape[0]) or real(*a))
-    path, drafter = tiny.get("kimi", int4=True, kimi25=True), tmp_path / "drafter"
-    make_tiny_drafter(path, drafter)
-    prompt = list(range(3, 40, 3))
-    runs = {}
-    for norm_gemm, norm_tree, norm_q, spec, budget in (
-            (False, False, False, "none", None), (True, False, False, "none", None),
-            (True, False, False, "ddtree", 8), (True, True, False, "ddtree", 8),
-            (True, True, True, "none", None), (True, True, True, "ddtree", 8)):
-        monkeypatch.setattr(layers, "NORM_GEMM", norm_gemm)
-        monkeypatch.setattr(layers, "NORM_TREE", norm_tree)
-        monkeypatch.setattr(attention, "NORM_Q", norm_q)
-        eng = Engine.load(path, device="cuda", drafter=drafter if budget else None, spec=spec, budget=budget)
-        runs[norm_gemm, norm_tree, norm_q, spec] = list(eng.generate_ids(prompt, 24))
-        assert eng.last_stats["graphs"]
-    assert 1 in tokens and max(tokens) > 1, tokens  # AR steps' GEMMs and the rounds' routers took their steps
-    want = runs[False, False, False, "none"]
-    assert runs[True, False, False, "none"] == want and runs[True, False, False, "ddtree"] == want
-    assert runs[True, True, False, "ddtree"] == want
-    assert runs[True, True, True, "none"] == want and runs[True, True, True, "ddtree"] == want

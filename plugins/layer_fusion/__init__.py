@@ -20,7 +20,6 @@ from plugins.layer_fusion.reference import (
     embed_norm_rope_reference,
     embed_range_reference,
     kv_norm_rope_store_reference,
-    mla_q_absorb_kv_reference,
     mla_q_absorb_reference,
     mla_rope_kv_reference,
     mla_v_absorb_reference,
@@ -30,9 +29,8 @@ from plugins.layer_fusion.reference import (
     silu_mul_reference,
 )
 
-__all__ = ["rms_norm", "add_rms_norm", "rope_cos_sin", "mla_q_absorb", "mla_q_absorb_kv", "mla_v_absorb",
-           "mla_rope_kv", "silu_mul", "kv_norm_rope_store", "drafter_block", "embed_range", "embed_norm_rope",
-           "rotate_reference"]
+__all__ = ["rms_norm", "add_rms_norm", "rope_cos_sin", "mla_q_absorb", "mla_v_absorb", "mla_rope_kv", "silu_mul",
+           "kv_norm_rope_store", "drafter_block", "embed_range", "embed_norm_rope", "rotate_reference"]
 
 # KDTREE_FUSION=0 (read once, at import): the references on CUDA too, i.e. the unfused torch ops, the peer
 # benchmarks/layer_fusion.py measures in the same run
@@ -182,12 +180,6 @@ def _mla_q_absorb_cuda(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, s
                        interleave: bool) -> torch.Tensor:
     if not _fused(q, w_uk, cos, sin):
         return mla_q_absorb_reference(q, w_uk, cos, sin, interleave)
-    return _q_absorb_launch(q, w_uk, cos, sin, interleave)
-
-
-def _q_absorb_launch(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool,
-                     **kv: torch.Tensor | float) -> torch.Tensor:
-    """mla_q_absorb's kernel on inputs it takes (checked here); kv: mla_q_absorb_kv's latent rows too."""
     from plugins.layer_fusion.kernel import mla_q_absorb_triton
     t, h = q.shape[:2]
     p, c, r2 = w_uk.shape[1], w_uk.shape[2], cos.shape[-1]
@@ -198,48 +190,8 @@ def _q_absorb_launch(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin
                          f"strides; got q {tuple(q.shape)} {q.stride()}, w_uk {tuple(w_uk.shape)} {w_uk.stride()}, "
                          f"cos {tuple(cos.shape)} {cos.stride()}, sin {tuple(sin.shape)} {sin.stride()}")
     out = torch.empty(t, h, c + 2 * r2, dtype=q.dtype, device=q.device)
-    mla_q_absorb_triton(q, w_uk, cos, sin, interleave, out, **kv)  # kv: mla_q_absorb_kv's latent rows
+    mla_q_absorb_triton(q, w_uk, cos, sin, interleave, out)
     return out
-
-
-def mla_q_absorb_kv(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool,
-                    latent: torch.Tensor, kv_weight: torch.Tensor, eps: float, kv_out: torch.Tensor) -> torch.Tensor:
-    """mla_q_absorb, and in the same launch mla_rope_kv's latent rows (latent [t, c+r] -> kv_out [b, n, c+r] =
-    [rms_norm(c_kv) * kv_weight | rope(k_pe)], b * n = t): one launch where mla_rope_kv and mla_q_absorb were two,
-    for a query whose low-rank norm another kernel formed (runtime.model.attention.NORM_Q).  The same bits as the
-    two kernels (the same row code; the norm's exact fp64 sum of squares makes the warp count immaterial)."""
-    if not _fused(q, w_uk, cos, sin, latent, kv_weight, kv_out):
-        return mla_q_absorb_kv_reference(q, w_uk, cos, sin, interleave, latent, kv_weight, eps, kv_out)
-    return mla_q_absorb_kv_op(q, w_uk, cos, sin, interleave, latent, kv_weight, eps, kv_out)
-
-
-@kdtree_op("mla_q_absorb_kv", mutates_args=("kv_out",))
-def mla_q_absorb_kv_op(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool,
-                       latent: torch.Tensor, kv_weight: torch.Tensor, eps: float, kv_out: torch.Tensor) -> torch.Tensor:
-    return mla_q_absorb_kv_reference(q, w_uk, cos, sin, interleave, latent, kv_weight, eps, kv_out)
-
-
-@mla_q_absorb_kv_op.register_fake
-def _(q, w_uk, cos, sin, interleave, latent, kv_weight, eps, kv_out):
-    return q.new_empty(q.shape[0], q.shape[1], w_uk.shape[2] + 2 * cos.shape[-1])
-
-
-@mla_q_absorb_kv_op.register_kernel("cuda")
-def _mla_q_absorb_kv_cuda(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                          interleave: bool, latent: torch.Tensor, kv_weight: torch.Tensor, eps: float,
-                          kv_out: torch.Tensor) -> torch.Tensor:
-    if not _fused(q, w_uk, cos, sin, latent, kv_weight, kv_out):
-        return mla_q_absorb_kv_reference(q, w_uk, cos, sin, interleave, latent, kv_weight, eps, kv_out)
-    b, n, width = kv_out.shape
-    t, r2 = q.shape[0], cos.shape[-1]
-    _check_rows("mla_q_absorb_kv", width, latent=latent)
-    if latent.shape[0] != t or b * n != t or width != kv_weight.shape[0] + 2 * r2 or kv_out.stride(2) != 1 \
-            or w_uk.shape[2] != kv_weight.shape[0]:
-        raise ValueError(f"mla_q_absorb_kv: need latent [{t}, c+r], kv_out [b, n, c+r] with b * n = {t}, kv_weight "
-                         f"[c] (c = w_uk's {w_uk.shape[2]}); got latent {tuple(latent.shape)}, kv_out "
-                         f"{tuple(kv_out.shape)} {kv_out.stride()}, kv_weight {tuple(kv_weight.shape)}")
-    return _q_absorb_launch(q, w_uk, cos, sin, interleave, latent=latent, kv_weight=kv_weight, eps=eps,
-                            kv_out=kv_out)
 
 
 def mla_v_absorb(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:

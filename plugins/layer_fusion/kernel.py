@@ -78,10 +78,7 @@ def _add_rms_norm_kernel(x_ptr, a_ptr, b_ptr, s_ptr, w_ptr, y_ptr, D, s_x, s_a, 
         s = (x + a).to(s_ptr.dtype.element_ty)
         tl.store(s_ptr + row * s_s + offs, s, mask=m)
         x = s.to(tl.float32)
-    # the squares summed in fp64: exact for bf16 rows (a bf16 square is exact, their sum while it spans < 53 bits),
-    # so the same 1 / rms in any order: skinny_gemm.cu's _norm kernels form it from the same sum
-    x64 = x.to(tl.float64)
-    var = (tl.sum(x64 * x64, axis=0) / D).to(tl.float32)
+    var = tl.sum(x * x, axis=0) / D
     xn = (x * tl.math.rsqrt(var + eps)).to(y_ptr.dtype.element_ty).to(tl.float32)
     if not EARLY:
         w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
@@ -179,15 +176,12 @@ def rope_cos_sin_triton(positions: torch.Tensor, inv_freq: torch.Tensor, scale: 
 
 @triton.jit
 def _mla_q_absorb_kernel(q_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, T, P, C, R2, s_qt, s_qh, s_wh, s_wp, s_ct, s_ot,
-                         s_oh, lat_ptr, kvw_ptr, kvo_ptr, NKV, s_lt, s_kb, s_kn, eps,
-                         INTERLEAVE: tl.constexpr, IEEE: tl.constexpr, N_CB: tl.constexpr, BT: tl.constexpr,
+                         s_oh, INTERLEAVE: tl.constexpr, IEEE: tl.constexpr, N_CB: tl.constexpr, BT: tl.constexpr,
                          BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, EARLY: tl.constexpr,
-                         HAS_KV: tl.constexpr, BLOCK_KV: tl.constexpr, PDL: tl.constexpr):
+                         PDL: tl.constexpr):
     """Program (token block, head, c block): out[rows, h, c block] = q_nope[rows, h] . W_UK[h][:, c block],
     fp32 accumulation rounded once; the program past the last c block ropes the rows' q_pe instead.  EARLY: the
-    W_UK tile loaded before the PDL wait (EARLY_WEIGHTS).  HAS_KV (launched with one more c block): program
-    (token block, 0, N_CB + 1) also forms the block's latent rows as _mla_rope_kv_kernel does (kvo [b, NKV, C+2R2]
-    = [rms_norm(c_kv) * kvw | rope(k_pe)] of lat's rows): that kernel's launch folded into this one."""
+    W_UK tile loaded before the PDL wait (EARLY_WEIGHTS)."""
     h = tl.program_id(1).to(tl.int64)
     cb = tl.program_id(2)
     rp = tl.arange(0, BLOCK_P)
@@ -219,7 +213,7 @@ def _mla_q_absorb_kernel(q_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, T, P, C, R2, s
         lo, hi = _rotate(x1, x2, cos, sin, dt)
         tl.store(o_rows[:, None] + C + j[None, :], lo.to(dt), mask=m)
         tl.store(o_rows[:, None] + C + R2 + j[None, :], hi.to(dt), mask=m)
-    elif cb < N_CB:
+    else:
         qn = tl.load(q_rows[:, None] + rp[None, :], mask=tm[:, None] & pm[None, :], other=0.0)  # [BT, BLOCK_P]
         if not EARLY:
             w = tl.load(w_tile, mask=w_mask, other=0.0)  # [BLOCK_P, BLOCK_C]
@@ -228,25 +222,11 @@ def _mla_q_absorb_kernel(q_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, T, P, C, R2, s
         else:
             acc = tl.dot(qn, w)  # [BT, BLOCK_C] fp32
         tl.store(o_rows[:, None] + rc[None, :], acc.to(dt), mask=tm[:, None] & (rc < C)[None, :])
-    elif HAS_KV:  # cb == N_CB + 1: the latent rows of the token block, one after another (head 0's program)
-        if h == 0:
-            for i in range(BT):
-                tok = tl.program_id(0) * BT + i
-                if tok < T:
-                    tok64 = tok.to(tl.int64)
-                    dst = kvo_ptr + (tok64 // NKV) * s_kb + (tok64 % NKV) * s_kn
-                    src = lat_ptr + tok64 * s_lt
-                    _norm_row(src, kvw_ptr, dst, C, eps, BLOCK_KV)
-                    _rotate_store(src + C, cos_ptr + tok64 * s_ct, sin_ptr + tok64 * s_ct, dst + C, R2, INTERLEAVE,
-                                  BLOCK_R)
 
 
 def mla_q_absorb_triton(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool,
-                        out: torch.Tensor, latent: torch.Tensor | None = None, kv_weight: torch.Tensor | None = None,
-                        eps: float = 0.0, kv_out: torch.Tensor | None = None) -> None:
-    """q [t, h, p+r], w_uk [h, p, c], cos/sin [t, r/2] (unit stride along each last dim) -> out [t, h, c+r].  With
-    latent [t, c+r] (kv_a's output), kv_weight [c] and kv_out [b, n, c+r] (b * n = t, unit last stride): also
-    mla_rope_kv's kv rows into kv_out, in the same launch (one more program column)."""
+                        out: torch.Tensor) -> None:
+    """q [t, h, p+r], w_uk [h, p, c], cos/sin [t, r/2] (unit stride along each last dim) -> out [t, h, c+r]."""
     t, h, _ = q.shape
     p, c = w_uk.shape[1], w_uk.shape[2]
     r2 = cos.shape[-1]
@@ -255,16 +235,11 @@ def mla_q_absorb_triton(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, 
     bt = min(64, max(16, triton.next_power_of_2(t)))
     block_c = min(64, max(16, triton.next_power_of_2(c)))  # 8 heads x 8 blocks of the 512 latent columns
     n_cb = triton.cdiv(c, block_c)
-    has_kv = latent is not None
-    lat, kvw, kvo = (latent, kv_weight, kv_out) if has_kv else (q, w_uk, out)  # unused without the kv rows
-    nkv, s_kb, s_kn = (kv_out.shape[1], kv_out.stride(0), kv_out.stride(1)) if has_kv else (1, 0, 0)
-    _mla_q_absorb_kernel[(triton.cdiv(t, bt), h, n_cb + 1 + has_kv)](
+    _mla_q_absorb_kernel[(triton.cdiv(t, bt), h, n_cb + 1)](
         q, w_uk, cos, sin, out, t, p, c, r2, q.stride(0), q.stride(1), w_uk.stride(0), w_uk.stride(1),
-        cos.stride(0), out.stride(0), out.stride(1), lat, kvw, kvo, nkv, lat.stride(0) if has_kv else 0, s_kb, s_kn,
-        float(eps), INTERLEAVE=interleave, IEEE=q.dtype == torch.float32,
+        cos.stride(0), out.stride(0), out.stride(1), INTERLEAVE=interleave, IEEE=q.dtype == torch.float32,
         N_CB=n_cb, BT=bt, BLOCK_P=max(16, triton.next_power_of_2(p)), BLOCK_C=block_c,
-        BLOCK_R=triton.next_power_of_2(r2), EARLY=EARLY_WEIGHTS, HAS_KV=has_kv,
-        BLOCK_KV=triton.next_power_of_2(c) if has_kv else 16, num_warps=4, **_opts(q))
+        BLOCK_R=triton.next_power_of_2(r2), EARLY=EARLY_WEIGHTS, num_warps=4, **_opts(q))
 
 
 @triton.jit
@@ -332,9 +307,7 @@ def _norm_row(src, w_ptr, dst, D, eps, BLOCK: tl.constexpr):
 def _normed(x, w_ptr, offs, m, D, eps, dt: tl.constexpr):
     """rms_norm(x) * w of one row held in registers (x fp32 [BLOCK], 0 in masked lanes) in dt, rounded where
     transformers' RMSNorm rounds."""
-    x64 = x.to(tl.float64)  # the squares summed exactly, as _add_rms_norm_kernel sums them (its comment)
-    var = (tl.sum(x64 * x64, axis=0) / D).to(tl.float32)
-    xn = (x * tl.math.rsqrt(var + eps)).to(dt).to(tl.float32)
+    xn = (x * tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)).to(dt).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
     return (w * xn).to(dt)
 

@@ -13,8 +13,24 @@ from __future__ import annotations
 
 import torch
 
-from plugins.common.activation import silu_mul_reference  # noqa: F401  (this module's stages, shared ones)
-from plugins.common.norm import add_rms_norm_reference, rms_norm_reference  # noqa: F401
+from plugins.common.activation import silu_mul_reference  # noqa: F401  (this module's stages, one shared)
+from plugins.common.precision import acc
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm: normalise in fp32 (fp64 stays fp64), cast back, then scale.  x [..., d]."""
+    xf = acc(x)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm_reference(x: torch.Tensor, delta: torch.Tensor, delta2: torch.Tensor | None, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual step: s = x + (delta + delta2) (delta2 optional, summed first), then (s, rms_norm(s))."""
+    if delta2 is not None:
+        delta = delta + delta2
+    s = x + delta  # [..., d]
+    return s, rms_norm_reference(s, weight, eps)
 
 
 def rotate_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
@@ -76,15 +92,6 @@ def mla_rope_kv_reference(latent: torch.Tensor, weight: torch.Tensor, eps: float
     c_kv = rms_norm_reference(latent[..., :c], weight, eps)  # [t, c]
     k_pe = rotate_reference(latent[..., c:], cos, sin, interleave)  # [t, r]
     out.copy_(torch.cat([c_kv, k_pe], dim=-1).view(out.shape))
-
-
-def mla_q_absorb_kv_reference(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                              interleave: bool, latent: torch.Tensor, kv_weight: torch.Tensor, eps: float,
-                              kv_out: torch.Tensor) -> torch.Tensor:
-    """mla_rope_kv's latent rows into kv_out (no query row), then mla_q_absorb: the two stages mla_q_absorb_kv's
-    one launch forms."""
-    mla_rope_kv_reference(latent, kv_weight, eps, cos, sin, interleave, kv_out)
-    return mla_q_absorb_reference(q, w_uk, cos, sin, interleave)
 
 
 def head_norm_rope_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,

@@ -4,10 +4,7 @@ registers with no shared-memory staging, and whose sum order does not depend on 
 
 `kdtree::skinny_gemm(x, w, c, out_f32)`: the reference on CPU (reference.py), the kernel on CUDA where it takes the
 inputs (launch.supports), else the reference there too.  runtime.model.layers.linear calls it on CUDA only with
-KDTREE_SKINNY_GEMM=1, until benchmarks/skinny_gemm.py and the rank benchmark show it beats cuBLAS.
-`kdtree::skinny_gemm_norm(delta, res, nw, eps, w, out_f32)`: a layer's residual step taken by the GEMM that reads its
-result (s = res + delta, x' = rms_norm(s) * nw, y = x' . w^T), one launch where add_rms_norm and the GEMM were two.
-See NOTES.md."""
+KDTREE_SKINNY_GEMM=1, until benchmarks/skinny_gemm.py and the rank benchmark show it beats cuBLAS.  See NOTES.md."""
 
 from __future__ import annotations
 
@@ -16,9 +13,9 @@ from typing import Optional
 import torch
 
 from plugins.common.op import kdtree_op
-from plugins.skinny_gemm.reference import skinny_gemm_norm_reference, skinny_gemm_reference
+from plugins.skinny_gemm.reference import skinny_gemm_reference
 
-__all__ = ["skinny_gemm", "skinny_gemm_norm", "skinny_gemm_norm_op", "skinny_gemm_op"]
+__all__ = ["skinny_gemm", "skinny_gemm_op"]
 
 
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None, out_f32: bool = False
@@ -55,42 +52,3 @@ def _(x, w, c, out_f32):
     if supports(x, w, c, out_f32):
         return skinny_gemm_cuda(x, w, c, out_f32)
     return skinny_gemm_reference(x, w, c, out_f32)
-
-
-def skinny_gemm_norm(delta: torch.Tensor, res: torch.Tensor | None, nw: torch.Tensor, eps: float, w: torch.Tensor,
-                     out_f32: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """delta, res [t, k] (res None: a norm alone, s = delta), nw [k], w [n, k] -> (y [t, n], s [t, k], x' [t, k])
-    (see skinny_gemm_norm_op)."""
-    return skinny_gemm_norm_op(delta, res, nw, eps, w, out_f32)
-
-
-def _check_norm(delta: torch.Tensor, res: Optional[torch.Tensor], nw: torch.Tensor, w: torch.Tensor) -> None:
-    _check(delta, w, None, False)
-    if (res is not None and (res.shape != delta.shape or res.dtype != delta.dtype)) or nw.shape != (delta.shape[1],):
-        raise ValueError(f"skinny_gemm_norm: res must be {delta.dtype} {list(delta.shape)} and nw [{delta.shape[1]}], "
-                         f"got res {None if res is None else (res.dtype, list(res.shape))}, nw {list(nw.shape)}")
-
-
-@kdtree_op("skinny_gemm_norm", mutates_args=())
-def skinny_gemm_norm_op(delta: torch.Tensor, res: Optional[torch.Tensor], nw: torch.Tensor, eps: float,
-                        w: torch.Tensor, out_f32: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The residual step and the GEMM after it: s = res + delta (res None: s = delta), x' = rms_norm(s) * nw
-    (plugins/layer_fusion's add_rms_norm / rms_norm), y = x' . w^T summed in fp32 and rounded once (fp32 when
-    out_f32) -> (y, s, x')."""
-    _check_norm(delta, res, nw, w)
-    return skinny_gemm_norm_reference(delta, res, nw, eps, w, out_f32)
-
-
-@skinny_gemm_norm_op.register_fake
-def _(delta, res, nw, eps, w, out_f32):
-    y = delta.new_empty(delta.shape[0], w.shape[0], dtype=torch.float32 if out_f32 else delta.dtype)
-    return y, torch.empty_like(delta), torch.empty_like(delta)
-
-
-@skinny_gemm_norm_op.register_kernel("cuda")
-def _(delta, res, nw, eps, w, out_f32):
-    _check_norm(delta, res, nw, w)
-    from plugins.skinny_gemm.launch import skinny_gemm_norm_cuda, supports_norm
-    if supports_norm(delta, res, nw, w, out_f32):
-        return skinny_gemm_norm_cuda(delta, res, nw, eps, w, out_f32)
-    return skinny_gemm_norm_reference(delta, res, nw, eps, w, out_f32)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -57,12 +57,6 @@ LATE_TRIGGER = False
 # GEMMs are cuBLAS's).  An older cubin ignores the flag
 EARLY_WEIGHTS = True
 FLAG_PREFETCH, FLAG_LATE_TRIGGER, FLAG_EARLY_WEIGHTS = 1, 2, 4  # skinny_gemm.cu's flags
-# the residual norm's variants (skinny_gemm.cu's _norm kernels): up to three token tiles, one row group per CTA, the
-# plain kernels' U (U_VARIANTS[tt, 1]; no spill on sm_90, at most 128 registers), and a plan's shared memory (warp
-# tiles and x' rows) at most NORM_MAX_SMEM, within every target's opt-in ceiling (sm_120: 99 KB): K2.6's qkv_a (k
-# not split) up to t = 6 (8 + 6 x 14 KB), the router (k split 4 ways, 8 warps) up to t = 23 (12 + 23 x 3.5 KB)
-NORM_MAX_TOKENS = 24
-NORM_MAX_SMEM = 96 << 10
 # weights larger than this stay cuBLAS's: the lm_head slice (294 MB at K2.6 TP8) already runs at 93 % of HBM there
 MAX_WEIGHT_BYTES = 128 << 20
 
@@ -128,25 +122,6 @@ def plan(t: int, n: int, k: int, out_f32: bool, add_c: bool, sms: int, u: int | 
     return Plan(name, w, ks, groups, (w * rg * tt * 128 + 1) * 4, rg)
 
 
-def norm_rows_offset(warps: int, tile: int) -> int:
-    """Floats of a norm plan's shared memory before its x' rows (skinny_gemm.cu's norm_rows_offset)."""
-    return (warps * tile + 1 + 3) & ~3
-
-
-def plan_norm(t: int, n: int, k: int, out_f32: bool, sms: int, u: int | None = None) -> Plan:
-    """The launch of the residual-norm variant for delta [t <= 24, k] . w [n, k]^T: plan()'s W and KS (the same sum
-    order as the plain kernel's), one row group per CTA, with the CTA's k range of x' for t tokens in shared memory
-    after the warp tiles.  u: one of U_VARIANTS[tt, 1] (default the first)."""
-    if not 1 <= t <= NORM_MAX_TOKENS:
-        raise ValueError(f"skinny_gemm: the residual norm takes 1 to {NORM_MAX_TOKENS} tokens, got {t}")
-    tt = token_tiles(t)
-    w, ks = split_shape(n, k, sms)
-    u = u or U_VARIANTS[tt, 1][0]
-    per = -(-(k // BLOCK_K) // ks)  # blocks of the widest k range
-    name = f"kdtree_skinny_gemm_t{tt}_u{u}_{'f32' if out_f32 else 'bf16'}_norm"
-    return Plan(name, w, ks, -(-n // ROWS), norm_rows_offset(w, tt * 128) * 4 + t * per * BLOCK_K * 2, 1)
-
-
 def prefetch_for(p: Plan) -> bool:
     """Whether a launch of plan p prefetches its weights by default (PREFETCH)."""
     return p.splits > 1 if PREFETCH is None else PREFETCH
@@ -165,42 +140,6 @@ def supports(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, out_f32: 
         ok = ok and not out_f32 and c.dtype == torch.bfloat16 and c.shape == (t, w.shape[0]) and c.stride(1) == 1 \
             and c.device == x.device
     return ok and available(x.device)
-
-
-def supports_norm(delta: torch.Tensor, res: torch.Tensor | None, nw: torch.Tensor, w: torch.Tensor,
-                  out_f32: bool) -> bool:
-    """Whether the residual-norm variant takes these: supports(delta, w) with t <= NORM_MAX_TOKENS, res None or like
-    delta (bf16 [t, k], 16-byte aligned rows), nw [k] bf16 contiguous and aligned, the plan's shared memory within
-    NORM_MAX_SMEM."""
-    if not supports(delta, w, None, out_f32) or delta.shape[0] > NORM_MAX_TOKENS:
-        return False
-    t, k = delta.shape
-    ok = (res is None or (res.dtype == torch.bfloat16 and res.shape == delta.shape and res.stride(1) == 1
-                          and res.stride(0) % 8 == 0 and res.data_ptr() % 16 == 0 and res.device == delta.device))
-    ok = ok and (nw.dtype == torch.bfloat16 and nw.shape == (k,) and nw.is_contiguous() and nw.data_ptr() % 16 == 0
-                 and nw.device == delta.device)
-    if not ok:
-        return False
-    p = plan_norm(t, w.shape[0], k, out_f32, device_facts(delta.device).sms)
-    return p.smem <= NORM_MAX_SMEM and _has_kernel(delta.device, p)
-
-
-def _has_kernel(device: torch.device, p: Plan) -> bool:
-    """Whether the loaded cubin has plan p's kernel (an artifact's cubin built from an older skinny_gemm.cu lacks
-    the _norm ones): one SkinnyGemmWarning naming it when not, and the residual step stays add_rms_norm's."""
-    mod = _module(device)
-    if p.kernel in mod.funcs:
-        return True
-    if p.kernel in mod.missing:
-        return False
-    try:
-        _function(mod, p, NORM_MAX_SMEM)
-    except RuntimeError as exc:
-        mod.missing.add(p.kernel)
-        warnings.warn(SkinnyGemmWarning(f"skinny_gemm: {p.kernel} is not in the loaded cubin ({exc}); rebuild the "
-                                        f"artifact for it, the residual step stays add_rms_norm's"), stacklevel=2)
-        return False
-    return True
 
 
 class SkinnyGemmWarning(UserWarning):
@@ -241,7 +180,6 @@ class _Module:
     pdl: bool  # ask for PDL (sm_90+ and KDTREE_PDL; plugins/common/driver.launch remembers a refusal)
     parts: torch.Tensor  # [PARTS_FLOATS] fp32
     tickets: torch.Tensor  # [TICKETS] int32, zero between calls
-    missing: set = field(default_factory=set)  # kernel names the loaded cubin lacks (an artifact's older build)
 
 
 _MODULES: dict[int, _Module] = {}
@@ -264,52 +202,6 @@ def _module(device: torch.device) -> _Module:
     return mod
 
 
-def _function(mod: _Module, p: Plan, most_smem: int):
-    """The CUfunction of plan p's kernel, its dynamic shared memory ceiling raised once to most_smem past 48 KB."""
-    cu = mod.cu
-    func = mod.funcs.get(p.kernel)
-    if func is None:
-        func = checked(cu, cu.cuModuleGetFunction(mod.module, p.kernel.encode()),
-                       f"skinny_gemm: cuModuleGetFunction {p.kernel}")
-        if most_smem > 48 << 10:
-            checked(cu, cu.cuFuncSetAttribute(
-                func, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, most_smem),
-                f"skinny_gemm: cuFuncSetAttribute {p.kernel}")
-        mod.funcs[p.kernel] = func
-    return func
-
-
-def _flags(p: Plan, pf: bool | None) -> int:
-    return (FLAG_PREFETCH * bool(prefetch_for(p) if pf is None else pf) | FLAG_LATE_TRIGGER * LATE_TRIGGER
-            | FLAG_EARLY_WEIGHTS * EARLY_WEIGHTS)
-
-
-def skinny_gemm_norm_cuda(delta: torch.Tensor, res: torch.Tensor | None, nw: torch.Tensor, eps: float,
-                          w: torch.Tensor, out_f32: bool, u: int | None = None
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The residual step and the GEMM in one launch: s = res + delta (res None: s = delta, a norm alone), x' =
-    rms_norm(s) * nw, y = x' . w^T, fp32 accumulation, bf16 (or fp32) out -> (y [t, n], s [t, k], x' [t, k]); the
-    inputs as supports_norm() takes them."""
-    t, k = delta.shape
-    n = w.shape[0]
-    y = torch.empty(t, n, dtype=torch.float32 if out_f32 else torch.bfloat16, device=delta.device)
-    s, hn = torch.empty(2, t, k, dtype=torch.bfloat16, device=delta.device).unbind(0)  # [t, k] each, not res's
-    p = plan_norm(t, n, k, out_f32, device_facts(delta.device).sms, u)
-    mod = _module(delta.device)
-    func = _function(mod, p, NORM_MAX_SMEM)
-    ptr, i32 = ctypes.c_void_p, ctypes.c_int
-    args = (delta.data_ptr(), w.data_ptr(), y.data_ptr(), 0, mod.parts.data_ptr(), mod.tickets.data_ptr(), t, n, k,
-            delta.stride(0), y.stride(0), 0, p.splits, _flags(p, None),
-            0 if res is None else res.data_ptr(), nw.data_ptr(), s.data_ptr(), hn.data_ptr(),
-            0 if res is None else res.stride(0), s.stride(0), float(eps))
-    types = (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32, i32,
-             ptr, ptr, ptr, ptr, i32, i32, ctypes.c_float)
-    stream = mod.cu.CUstream(torch.cuda.current_stream(delta.device).cuda_stream)
-    launch(mod.cu, func, p.grid, 32 * p.warps, p.smem, stream, args, types, mod.pdl,
-           f"skinny_gemm: launch {p.kernel}", delta.device.index)
-    return y, s, hn
-
-
 def skinny_gemm_cuda(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, out_f32: bool, pf: bool | None = None,
                      u: int | None = None, warps: int | None = None, splits: int | None = None,
                      row_groups: int | None = None) -> torch.Tensor:
@@ -321,15 +213,26 @@ def skinny_gemm_cuda(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, o
     y = torch.empty(t, n, dtype=torch.float32 if out_f32 else torch.bfloat16, device=x.device)
     p = plan(t, n, k, out_f32, c is not None, device_facts(x.device).sms, u, warps, splits, row_groups)
     mod = _module(x.device)
-    # a plan's dynamic shared memory reaches 64 KB (W = 16, RG = 2, TT = 4: forced, the default pairs groups only at
-    # W <= 8): the kernel's ceiling, set once, is the most any plan of it asks
-    func = _function(mod, p, (MAX_WARPS * p.row_groups * token_tiles(t) * 128 + 1) * 4)
+    cu = mod.cu
+    func = mod.funcs.get(p.kernel)
+    if func is None:
+        func = checked(cu, cu.cuModuleGetFunction(mod.module, p.kernel.encode()),
+                       f"skinny_gemm: cuModuleGetFunction {p.kernel}")
+        # a plan's dynamic shared memory reaches 64 KB (W = 16, RG = 2, TT = 4: forced, the default pairs groups
+        # only at W <= 8): set the kernel's ceiling once to the most any plan of it asks
+        most = (MAX_WARPS * p.row_groups * token_tiles(t) * 128 + 1) * 4
+        if most > 48 << 10:
+            checked(cu, cu.cuFuncSetAttribute(
+                func, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, most),
+                f"skinny_gemm: cuFuncSetAttribute {p.kernel}")
+        mod.funcs[p.kernel] = func
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     args = (x.data_ptr(), w.data_ptr(), y.data_ptr(), c.data_ptr() if c is not None else 0, mod.parts.data_ptr(),
             mod.tickets.data_ptr(), t, n, k, x.stride(0), y.stride(0), c.stride(0) if c is not None else 0, p.splits,
-            _flags(p, pf))
+            FLAG_PREFETCH * bool(prefetch_for(p) if pf is None else pf) | FLAG_LATE_TRIGGER * LATE_TRIGGER
+            | FLAG_EARLY_WEIGHTS * EARLY_WEIGHTS)
     types = (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32, i32)
-    stream = mod.cu.CUstream(torch.cuda.current_stream(x.device).cuda_stream)
-    launch(mod.cu, func, p.grid, 32 * p.warps, p.smem, stream, args, types, mod.pdl,
-           f"skinny_gemm: launch {p.kernel}", x.device.index)
+    stream = cu.CUstream(torch.cuda.current_stream(x.device).cuda_stream)
+    launch(cu, func, p.grid, 32 * p.warps, p.smem, stream, args, types, mod.pdl, f"skinny_gemm: launch {p.kernel}",
+           x.device.index)
     return y

@@ -24,16 +24,6 @@
 // FLAG_LATE_TRIGGER, once every CTA has finished its k loop (its waiting CTAs then do not take SM slots from this
 // kernel's later CTAs).
 //
-// Residual norm in the prologue (the _norm variants, t <= 24, one row group per CTA): x holds the rows delta of a
-// residual step the GEMM takes itself, s = res + delta, x' = rms_norm(s) * nw, each rounded to bf16 as
-// plugins/layer_fusion's add_rms_norm rounds them (its kernel, one launch fewer: in the K2.6 AR step each norm adds 3-5
-// µs for 56 KB of bytes).  After the wait every CTA reads the whole rows of delta and res from L2 for the sum of
-// squares (every CTA needs 1/rms), keeps its k range of x' in shared memory, and its k loop reads the token columns
-// from there; the CTAs of column 0 also write s (the residual stream's next value) and x' (for the GEMMs' other
-// readers, the MoE's) for their range.  Both kernels sum the squares in fp64, exactly (see residual_sum), so they form
-// the same 1 / rms in any order: the same bits as add_rms_norm then the plain kernel, and an AR step's rows those of a
-// tree round's.
-//
 // No headers: NVRTC compiles this file as it stands (bf16 through PTX on raw 32-bit registers).
 
 typedef unsigned int u32;
@@ -113,59 +103,6 @@ __device__ __forceinline__ u16 to_bf16(float f) {
 
 __device__ __forceinline__ float from_bf16(u16 v) { return __uint_as_float(((u32)v) << 16); }
 
-__device__ __forceinline__ float lo_bf16(u32 v) { return __uint_as_float(v << 16); }  // element 2i of a packed pair
-__device__ __forceinline__ float hi_bf16(u32 v) { return __uint_as_float(v & 0xffff0000u); }  // element 2i + 1
-__device__ __forceinline__ u32 pack_bf16(float lo, float hi) { return (u32)to_bf16(lo) | ((u32)to_bf16(hi) << 16); }
-
-// The instruction Triton 3.6 emits for add_rms_norm's tl.math.rsqrt on sm_90 (its PTX, 2026-12-06): the same bits
-__device__ __forceinline__ float rsqrt_approx(float v) {
-    float r;
-    asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
-    return r;
-}
-
-// The residual step's inputs and outputs (the _norm variants): s = res + x, x' = rms_norm(s) * nw; rows of t tokens.
-// res null: a norm alone (s = x, stored as given: the query's low-rank norm before q_b).
-struct NormArgs {
-    const u16* res;  // [t, k] (row stride ldr): the residual stream, or null
-    const u16* nw;  // [k]: the norm's weight
-    u16* s_out;  // [t, k] (row stride lds): s, written by the CTAs of column 0; never res's or x's storage
-    u16* hn_out;  // [t, k] (row stride lds): x', likewise; may be null
-    int ldr, lds;
-    float eps;
-};
-
-// s = bf16(r + d) element by element for a packed 16-byte group of 8 (without a residual: s = d), its squares added
-// to ss (in fp64: the square of a bf16 value is exact, and so is a sum of them while they span less than 53 bits,
-// i.e. in any order)
-__device__ __forceinline__ uint4 residual_sum(const uint4& d, const uint4& r, bool has_res, double& ss) {
-    uint4 o;
-    u32* ow = reinterpret_cast<u32*>(&o);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float dl = lo_bf16(word(d, i)), dh = hi_bf16(word(d, i));
-        const float a = has_res ? from_bf16(to_bf16(lo_bf16(word(r, i)) + dl)) : dl;
-        const float b = has_res ? from_bf16(to_bf16(hi_bf16(word(r, i)) + dh)) : dh;
-        ss += (double)(a * a);
-        ss += (double)(b * b);
-        ow[i] = pack_bf16(a, b);
-    }
-    return o;
-}
-
-// x' = bf16(nw * bf16(s * inv)) for a packed group of 8
-__device__ __forceinline__ uint4 normed(const uint4& s, const uint4& w, float inv) {
-    uint4 o;
-    u32* ow = reinterpret_cast<u32*>(&o);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float a = from_bf16(to_bf16(lo_bf16(word(s, i)) * inv)) * lo_bf16(word(w, i));
-        const float b = from_bf16(to_bf16(hi_bf16(word(s, i)) * inv)) * hi_bf16(word(w, i));
-        ow[i] = pack_bf16(a, b);
-    }
-    return o;
-}
-
 // Output element e of a CTA's tile (token tok = e / 16, row = e % 16: 16 threads write 16 consecutive rows of one
 // token) -> its place in the fragment tiles [TT][4][32]: C register i of lane (g, q) is row g + 8 (i / 2), token
 // column 2 q + i % 2 of tile tok / 8.
@@ -176,67 +113,12 @@ __device__ __forceinline__ int frag_index(int tok, int row) {
     return ((tok >> 3) * 4 + i) * 32 + lane;
 }
 
-// Floats of dynamic shared memory before the x' rows (the warp tiles and the ticket, rounded up to 16 bytes);
-// launch.py's Plan.smem adds t * span * 2 bytes for the rows
-__device__ __forceinline__ int norm_rows_offset(int warps, int tile) { return (warps * tile + 1 + 3) & ~3; }
-
-// The residual step for the _norm variants, after the PDL wait, every thread of the CTA: sum of squares of s = res +
-// delta over each token's whole row (every CTA reads both rows from L2: 2 x 14 KB a token at K2.6), 1 / rms, then
-// x' for the columns [c0, c0 + span) into rows [t][span] of shared memory; the CTAs of column 0 write s and x' there.
-__device__ __forceinline__ void norm_prologue(const u16* __restrict__ delta, const NormArgs& na, u16* rows, int t,
-                                              int k, int ldx, int c0, int span) {
-    __shared__ double warp_ss[16][24];  // [warp][token]
-    __shared__ float inv[24];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    const int groups = k >> 3;  // 16-byte groups of 8 columns in a row
-    for (int tok = 0; tok < t; ++tok) {
-        const uint4* d = reinterpret_cast<const uint4*>(delta + (u64)tok * ldx);
-        const bool has_res = na.res != nullptr;
-        const uint4* r = reinterpret_cast<const uint4*>(has_res ? na.res + (u64)tok * na.ldr : delta);
-        double ss = 0.0;
-#pragma unroll 2
-        for (int i = threadIdx.x; i < groups; i += blockDim.x) {
-            const uint4 dv = ld_tokens(d + i);
-            const uint4 sv = residual_sum(dv, has_res ? ld_tokens(r + i) : dv, has_res, ss);
-            const int col = i * 8 - c0;
-            if (col >= 0 && col < span) *reinterpret_cast<uint4*>(rows + tok * span + col) = sv;
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-        if (lane == 0) warp_ss[warp][tok] = ss;
-    }
-    __syncthreads();
-    if (threadIdx.x < t) {  // the warps' sums; 1 / rms as add_rms_norm's kernel forms it from the same exact sum
-        double ss = 0.0;
-        for (int v = 0; v < warps; ++v) ss += warp_ss[v][threadIdx.x];
-        inv[threadIdx.x] = rsqrt_approx((float)(ss / (double)k) + na.eps);
-    }
-    __syncthreads();
-    const bool store = blockIdx.x == 0;  // column 0's CTAs (one per k split) cover the whole row between them
-    for (int e = threadIdx.x; e < t * (span >> 3); e += blockDim.x) {
-        const int tok = e / (span >> 3), col = (e - tok * (span >> 3)) * 8;
-        uint4* slot = reinterpret_cast<uint4*>(rows + tok * span + col);
-        const uint4 sv = *slot;
-        const uint4 hv = normed(sv, ld_stream(reinterpret_cast<const uint4*>(na.nw + c0 + col)), inv[tok]);
-        *slot = hv;
-        if (store) {
-            *reinterpret_cast<uint4*>(na.s_out + (u64)tok * na.lds + c0 + col) = sv;
-            if (na.hn_out) *reinterpret_cast<uint4*>(na.hn_out + (u64)tok * na.lds + c0 + col) = hv;
-        }
-    }
-    __syncthreads();
-}
-
-template <int TT, int RG, int U, bool OUT_F32, bool ADD_C, bool NORM = false>
+template <int TT, int RG, int U, bool OUT_F32, bool ADD_C>
 __device__ __forceinline__ void skinny(const u16* __restrict__ x, const u16* __restrict__ w, void* __restrict__ y,
                                        const u16* __restrict__ c, float* __restrict__ parts, int* __restrict__ tickets,
-                                       int t, int n, int k, int ldx, int ldy, int ldc, int ks, int flags,
-                                       NormArgs na = NormArgs{}) {
-    // [W warps][RG][TT][4][32] accumulators in fragment order, then the ticket; with NORM, from norm_rows_offset
-    // floats on, the CTA's k range of x' for each token [t][span] bf16
-    extern __shared__ float red[];
+                                       int t, int n, int k, int ldx, int ldy, int ldc, int ks, int flags) {
+    extern __shared__ float red[];  // [W warps][RG][TT][4][32] accumulators in fragment order, then the ticket
     static_assert(RG == 1 || RG == 2, "one or two row groups per CTA");
-    static_assert(!NORM || (TT <= 3 && RG == 1 && !ADD_C), "the residual norm: t <= 24, one row group, no c");
     constexpr int CTA_ROWS = 16 * RG;  // RG row groups of 16 consecutive weight rows
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int g = lane >> 2, q = lane & 3;
@@ -283,10 +165,6 @@ __device__ __forceinline__ void skinny(const u16* __restrict__ x, const u16* __r
     pdl_wait();
     if (!(flags & FLAG_LATE_TRIGGER)) pdl_trigger();
 
-    // NORM: the residual step (see the top of the file): x' rows of the CTA's k range into shared memory
-    const int span = (kb_hi - kb_lo) * 32;  // k columns of this CTA's range
-    u16* xs = reinterpret_cast<u16*>(red + norm_rows_offset(warps, RG * TT * 128));  // [t][span]
-    if constexpr (NORM) norm_prologue(x, na, xs, t, k, ldx, kb_lo * 32, span);
     const uint4* xr[TT];
 #pragma unroll
     for (int j = 0; j < TT; ++j) {
@@ -309,12 +187,7 @@ __device__ __forceinline__ void skinny(const u16* __restrict__ x, const u16* __r
             const int kb = kb0 + u * warps;
             if (kb < kb_hi) {
 #pragma unroll
-                for (int j = 0; j < TT; ++j) {
-                    const int tok = 8 * j + g;  // NORM: its 8 columns of the block from shared memory (past t: token 0)
-                    const int col = (kb - kb_lo) * 32 + q * 8;
-                    xv[u][j] = NORM ? *reinterpret_cast<const uint4*>(xs + (tok < t ? tok : 0) * span + col)
-                                    : ld_tokens(xr[j] + kb * 4);
-                }
+                for (int j = 0; j < TT; ++j) xv[u][j] = ld_tokens(xr[j] + kb * 4);
             }
         }
 #pragma unroll
@@ -400,19 +273,6 @@ __device__ __forceinline__ void skinny(const u16* __restrict__ x, const u16* __r
     SKINNY(TT, RG, U, TAG, f32, true, false)
 #define OUTS(TT, U) OUTS_RG(TT, 1, U, )
 #define OUTS_R2(TT, U) OUTS_RG(TT, 2, U, _r2)
-// The residual norm's variants (launch.plan_norm): TT token tiles (t <= 24), one row group, the plain kernels' U,
-// bf16 or fp32 out, no c: kdtree_skinny_gemm_t<TT>_u<U>_<out>_norm
-#define SKINNY_NORM(TT, U, NAME, OUT_F32)                                                                           \
-    extern "C" __global__ void __launch_bounds__(512) kdtree_skinny_gemm_t##TT##_u##U##_##NAME##_norm(             \
-        const u16* x, const u16* w, void* y, const u16* c, float* parts, int* tickets, int t, int n, int k,          \
-        int ldx, int ldy, int ldc, int ks, int flags, const u16* res, const u16* nw, u16* s_out, u16* hn_out,      \
-        int ldr, int lds, float eps) {                                                                             \
-        skinny<TT, 1, U, OUT_F32, false, true>(x, w, y, c, parts, tickets, t, n, k, ldx, ldy, ldc, ks, flags,      \
-                                               NormArgs{res, nw, s_out, hn_out, ldr, lds, eps});                   \
-    }
-#define NORM_OUTS(TT, U) SKINNY_NORM(TT, U, bf16, false) SKINNY_NORM(TT, U, f32, true)
-NORM_OUTS(1, 8) NORM_OUTS(1, 4) NORM_OUTS(2, 6) NORM_OUTS(2, 4) NORM_OUTS(3, 5) NORM_OUTS(3, 3)
-
 // launch.U_VARIANTS: <= 128 registers, no spill (ptxas -v, sm_90)
 OUTS(1, 8) OUTS(1, 4) OUTS(2, 6) OUTS(2, 4) OUTS(3, 5) OUTS(3, 3) OUTS(4, 4) OUTS(4, 2)
 OUTS_R2(2, 4) OUTS_R2(2, 2) OUTS_R2(3, 3) OUTS_R2(3, 2) OUTS_R2(4, 2) OUTS_R2(4, 1)

@@ -22,9 +22,9 @@ import torch
 from core.config import ModelConfig
 from core.env_flags import env_flag
 from plugins.l2_prefetch import l2_prefetch
-from plugins.layer_fusion import mla_q_absorb, mla_q_absorb_kv, mla_rope_kv, mla_v_absorb
+from plugins.layer_fusion import mla_q_absorb, mla_rope_kv, mla_v_absorb
 from plugins.tree_verify_mla import tree_verify_mla
-from runtime.model.layers import ResidualStep, linear
+from runtime.model.layers import linear
 from runtime.model.rope import Rope
 from runtime.model.weights import AttentionWeights
 from runtime.model.workspace import ForwardWorkspace
@@ -32,20 +32,14 @@ from runtime.model.workspace import ForwardWorkspace
 # KDTREE_GEMM_PREFETCH=1: the L2 prefetch of the layer's post-attention weights (off until measured on the GPU:
 # benchmarks/l2_prefetch.py, then the rank benchmark with and without it)
 GEMM_PREFETCH = env_flag("KDTREE_GEMM_PREFETCH", False)
-# KDTREE_NORM_Q=1 (off until measured: k26_switches norm_q): the query's low-rank norm goes to q_b's GEMM (a
-# ResidualStep without residual, which it takes in its own launch with layers.NORM_GEMM where skinny_gemm takes q_b,
-# else rms_norm before it) and the latent rows' norm and rope to q_absorb's launch (mla_q_absorb_kv): mla_rope_kv's
-# launch gone from a one-token step (k26-rank.json, H200: it adds 2.2-2.4 µs a layer).  The same bits either way
-NORM_Q = env_flag("KDTREE_NORM_Q", False)
 
 
-def mla_forward(cfg: ModelConfig, w: AttentionWeights, rope: Rope, x: torch.Tensor | ResidualStep, cos: torch.Tensor,
+def mla_forward(cfg: ModelConfig, w: AttentionWeights, rope: Rope, x: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, kv: torch.Tensor, lens: torch.Tensor, scratch: torch.Tensor,
                 tree_mask: torch.Tensor, ws: ForwardWorkspace, prefetch: Sequence[torch.Tensor] = ()
                 ) -> torch.Tensor:
-    """x [b, n, d] (the normed rows, or the residual step that forms them, taken by the first GEMM where it can)
-    -> [b, n, d] (under TP this rank's partial sum over its heads).  Writes the n tokens' latent rows into
-    scratch[:, :n] ([b, n_max, c+r]).
+    """x [b, n, d] -> [b, n, d] (under TP this rank's partial sum over its heads).  Writes the n
+    tokens' latent rows into scratch[:, :n] ([b, n_max, c+r]).
 
     kv [b, l_max, c+r] is this layer's committed cache, lens [b] its lengths, tree_mask [b, n, w]
     which of the n tokens each token sees (itself and its ancestors); ws holds the attention's outputs.
@@ -56,7 +50,7 @@ def mla_forward(cfg: ModelConfig, w: AttentionWeights, rope: Rope, x: torch.Tens
     t = b * n
     h, p, r, c = w.w_uk.shape[0], cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     u = w.w_uv.shape[1]
-    xt = x.reshape(t, -1)  # [t, d] (a ResidualStep stays one: linear takes it)
+    xt = x.reshape(t, -1)  # [t, d]
     joint = w.latent_inputs()  # [q+c+r, d] or None
     if joint is not None:  # q_a and kv_a in one GEMM
         both = linear(xt, joint)  # [t, q+c+r]
@@ -65,18 +59,12 @@ def mla_forward(cfg: ModelConfig, w: AttentionWeights, rope: Rope, x: torch.Tens
         q_low, latent = (linear(xt, w.q_a) if w.q_a is not None else None), linear(xt, w.kv_a)
     cos_t, sin_t = cos.reshape(t, -1), sin.reshape(t, -1)  # [t, r/2]
     tree_kv = scratch[:, :n]  # [b, n, c+r]: [rms_norm(c_kv) | rope(k_pe)] written in place
-    eps = cfg.rms_norm_eps
-    if NORM_Q and q_low is not None:  # the query's norm in q_b's launch, the latent rows in q_absorb's
-        q = linear(ResidualStep(q_low, None, w.q_a_norm, eps), w.q_b).view(t, h, p + r)  # [t, h, p+r]
-        q_full = mla_q_absorb_kv(q, w.w_uk, cos_t, sin_t, rope.interleave, latent, w.kv_a_norm, eps, tree_kv)
-    else:
-        # both latent rows' norms in one kernel: the kv row into tree_kv, the query's low-rank row into q_n
-        q_n = None if q_low is None else torch.empty(q_low.shape, dtype=q_low.dtype, device=q_low.device)  # [t, q]
-        mla_rope_kv(latent, w.kv_a_norm, eps, cos_t, sin_t, rope.interleave, tree_kv,
-                    q_low, w.q_a_norm if q_low is not None else None, q_n)
-        q = linear(q_n if q_n is not None else xt, w.q_b).view(t, h, p + r)  # [t, h, p+r]
-        q_full = mla_q_absorb(q, w.w_uk, cos_t, sin_t, rope.interleave)  # [t, h, c+r]: [q_nope . W_UK | rope]
-    q_full = q_full.view(b, n, h, c + r)
+    # both latent rows' norms in one kernel: the kv row into tree_kv, the query's low-rank row into q_n
+    q_n = None if q_low is None else torch.empty(q_low.shape, dtype=q_low.dtype, device=q_low.device)  # [t, q]
+    mla_rope_kv(latent, w.kv_a_norm, cfg.rms_norm_eps, cos_t, sin_t, rope.interleave, tree_kv,
+                q_low, w.q_a_norm if q_low is not None else None, q_n)
+    q = linear(q_n if q_n is not None else xt, w.q_b).view(t, h, p + r)  # [t, h, p+r]
+    q_full = mla_q_absorb(q, w.w_uk, cos_t, sin_t, rope.interleave).view(b, n, h, c + r)  # [q_nope . W_UK | rope]
 
     if GEMM_PREFETCH and x.is_cuda:  # a hint (plugins/l2_prefetch): the weights of the GEMMs after the attention
         l2_prefetch([t for t in (w.o, w.w_uv, *prefetch) if t is not None and t.is_contiguous()][:4])

@@ -16,7 +16,7 @@ import torch
 from core.config import ModelConfig
 from plugins.common.precision import acc_dtype
 from plugins.moe_w4a16 import moe_w4a16
-from runtime.model.layers import ResidualStep, linear, swiglu_mlp
+from runtime.model.layers import linear, swiglu_mlp
 from runtime.model.weights import MoEWeights
 
 
@@ -29,10 +29,9 @@ def router_logits(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return linear(x, gate, out_dtype=acc_dtype(x.dtype))
 
 
-def moe_forward(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor | ResidualStep, e_start: int = 0,
+def moe_forward(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor, e_start: int = 0,
                 workspace: torch.Tensor | None = None) -> torch.Tensor:
-    """x [b, n, d] -> [b, n, d]: routed experts (weighted, scaled) plus the shared expert.  x may be the residual
-    step that forms the normed rows: the router's GEMM takes it where it can (runtime/model/layers.ResidualStep).
+    """x [b, n, d] -> [b, n, d]: routed experts (weighted, scaled) plus the shared expert.
 
     Expert parallel: w holds the routed experts [e_start, e_start + e_local) only, and the result is
     this rank's partial sum (the caller all-reduces).  workspace: the op's buffer for >= b*n tokens
@@ -47,8 +46,6 @@ def moe_forward(cfg: ModelConfig, w: MoEWeights, x: torch.Tensor | ResidualStep,
         logits, gate_up = both[:, :e], both[:, e:]  # [t, e] router logits, [t, 2i] fp32
     else:
         logits = router_logits(xt, w.gate)  # [t, e] fp32 (fp64 in fp64 runs)
-    if isinstance(xt, ResidualStep):  # the experts read the normed rows (the router's GEMM formed them, or now)
-        xt = xt.normed()  # [t, d]
     ex = w.experts
     # the shared expert's activation h [t, i'] from its gate_up columns, formed by the op's routing kernel, and its
     # down projection added to the routed sum by the op's combine kernel

@@ -30,13 +30,13 @@ import torch.nn.functional as F
 from core.config import ModelConfig
 from core.plan import ParallelPlan
 from plugins.common.precision import acc_dtype
-from plugins.layer_fusion import embed_norm_rope, embed_range
+from plugins.layer_fusion import add_rms_norm, embed_norm_rope, embed_range
 from plugins.moe_w4a16 import MoEWorkspace, expert_dims
 from plugins.tree_accept.vocab_argmax import vocab_argmax_local, vocab_argmax_pick
 from runtime.model import attention
 from runtime.model.attention import mla_forward
 from runtime.model.cache import LatentCache
-from runtime.model.layers import ResidualStep, linear, rms_norm, swiglu_mlp
+from runtime.model.layers import linear, rms_norm, swiglu_mlp
 from runtime.model.moe import moe_forward
 from runtime.model.rope import Rope
 from runtime.model.weights import MoEWeights, TargetWeights
@@ -96,26 +96,20 @@ class TargetModel:
         layers, eps = self.w.layers, cfg.rms_norm_eps
         first_norm = layers[0].attn_norm if layers else self.w.norm
         x, hn, cos, sin = self.embed_norm_rope(tokens, first_norm, eps, positions, self.rope)
-        # each residual step (the residual, then the next block's norm) is a ResidualStep that the next block's first
-        # GEMM takes where it can (layers.NORM_GEMM), else add_rms_norm right before that GEMM
-        inp: torch.Tensor | ResidualStep = hn  # the attention's input [b, n, d]
         for li, lw in enumerate(layers):
-            a = mla_forward(cfg, lw.attn, self.rope, inp, cos, sin, cache.kv[li], cache.lens, cache.scratch[li],
+            a = mla_forward(cfg, lw.attn, self.rope, hn, cos, sin, cache.kv[li], cache.lens, cache.scratch[li],
                             tree_mask, cache.work, self._next_gemms(lw) if attention.GEMM_PREFETCH else ())  # [b, n, d]
-            if isinstance(inp, ResidualStep):
-                x = inp.summed()
-            step = ResidualStep(x, self._reduce(a), lw.mlp_norm, eps)  # residual, then the MLP's norm
+            x, hn = add_rms_norm(x, self._reduce(a), lw.mlp_norm, eps)  # residual, then the MLP's norm
             if isinstance(lw.mlp, MoEWeights):
-                m = moe_forward(cfg, lw.mlp, step, self.experts[0], cache.work.moe)  # ep: experts from experts[0]
+                m = moe_forward(cfg, lw.mlp, hn, self.experts[0], cache.work.moe)  # ep: experts from experts[0]
             else:
-                m = swiglu_mlp(step, lw.mlp.gate_up, lw.mlp.down)
-            x = step.summed()
+                m = swiglu_mlp(hn, lw.mlp.gate_up, lw.mlp.down)
             # routed + shared (or dense) partial sums, one all-reduce; the next layer's norm (the final one last)
             nxt = layers[li + 1].attn_norm if li + 1 < len(layers) else self.w.norm
-            inp = ResidualStep(x, self._reduce(m), nxt, eps)  # [b, n, d]
+            x, hn = add_rms_norm(x, self._reduce(m), nxt, eps)  # [b, n, d] each
             if features and li in self.feature_layers:
-                feats[li] = inp.summed()
-        hidden = inp.normed() if isinstance(inp, ResidualStep) else inp
+                feats[li] = x
+        hidden = hn
         features = torch.cat([feats[i] for i in self.feature_layers], dim=-1) if feats else None
         return hidden, features
 
