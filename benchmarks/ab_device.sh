@@ -5,8 +5,8 @@
 #   bash benchmarks/ab_device.sh [all|tests|switches]   (device tool, repo root as cwd; results under $OUT)
 # k26_switches takes ~15 s per setting after a ~10 s load (H200, 2026-12-05): `all` fits the five default settings;
 # `tests` (tests + kernel benchmarks) and `switches` (every setting) can also go in two calls back to back.
-# Env: BUDGET_S (default 585) for the whole call; SETTINGS / BUDGETS / LAYERS / PROFILE (1: --profile) passed to
-# k26_switches; SOURCE=tiny-kimi times the tiny model's step instead (tp 1, context 512: issue 16's figure).
+# Env: BUDGET_S (default 585) for the whole call; TEST_FILES (the GPU test files); BENCH (device_run.sh's); SETTINGS / BUDGETS / LAYERS /
+# PROFILE (1: --profile) passed to k26_switches; SOURCE=tiny-kimi times the tiny model's step instead (tp 1, context 512: issue 16's figure).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 R=${OUT:-/tmp/kdtree-out}
@@ -18,14 +18,14 @@ status=0
 if [[ $what != switches ]]; then
   echo "=== GPU tests of the switched kernels"
   files="tests/test_skinny_gemm.py tests/test_moe_v3_gpu.py tests/test_tree_verify_mla_kernel.py"
-  files+=" tests/test_l2_prefetch.py tests/test_layer_fusion.py"
+  files=${TEST_FILES:-$files tests/test_l2_prefetch.py tests/test_layer_fusion.py}
   OUT=$R/tests PARALLEL=1 KDTREE_GPU_QUICK=1 TEST_TIMEOUT=${TEST_TIMEOUT:-170} TESTS="$files" \
     bash benchmarks/device_run.sh tests >"$R/tests.log" 2>&1 || status=1
   tail -15 "$R/tests.log"
 fi
-# default = skinny+moe_early+skinny_early+glue_early+moe_w16 (2026-12-06); the previous default (8-warp gate_up, the
-# glue kernels' weights after the wait); without the MoE's early down; neither early switch
-defaults=default,skinny+moe_early+skinny_early,skinny+skinny_early+glue_early+moe_w16,skinny
+# default = skinny+moe_early+skinny_early+glue_early+moe_w16 (2026-12-06); with gate_up's shared-memory ring
+# (moe_sring, unmeasured); the previous default (8-warp gate_up, the glue kernels' weights after the wait)
+defaults=default,skinny+moe_early+skinny_early+glue_early+moe_w16+moe_sring,skinny+moe_early+skinny_early
 settings=${SETTINGS:-$defaults}
 src=(--budget "${BUDGETS:-15,16}" --settings "$settings")
 [[ ${SOURCE:-} == tiny-kimi ]] && src+=(--source tiny-kimi --tp 1 --context 512)
@@ -42,7 +42,7 @@ fi
 if [[ $what != switches ]]; then
   left=$(( budget - SECONDS ))
   echo "=== kernel benchmarks, ${left} s left"
-  OUT=$R/bench BUDGET_S=$left BENCH="moe_w4a16_v3:--quick skinny_gemm:--quick" bash benchmarks/device_run.sh bench \
+  OUT=$R/bench BUDGET_S=$left BENCH="${BENCH:-moe_w4a16_v3:--quick skinny_gemm:--quick}" bash benchmarks/device_run.sh bench \
     >"$R/bench.log" 2>&1 || status=1
   tail -40 "$R/bench.log"
 fi
