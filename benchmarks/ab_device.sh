@@ -5,8 +5,8 @@
 #   bash benchmarks/ab_device.sh [all|tests|switches]   (device tool, repo root as cwd; results under $OUT)
 # k26_switches takes ~15 s per setting after a ~10 s load (H200, 2026-12-05): `all` fits the five default settings;
 # `tests` (tests + kernel benchmarks) and `switches` (every setting) can also go in two calls back to back.
-# Env: BUDGET_S (default 585) for the whole call; TEST_FILES (the GPU test files); BENCH (device_run.sh's); SETTINGS / BUDGETS / LAYERS /
-# PROFILE (1: --profile) passed to k26_switches; SOURCE=tiny-kimi times the tiny model's step instead (tp 1, context 512: issue 16's figure).
+# Env: BUDGET_S (default 585) for the whole call; TEST_FILES (the GPU test files); BENCH (device_run.sh's);
+# SETTINGS / BUDGETS / LAYERS / PROFILE (1: --profile) passed to k26_switches; SOURCE=tiny-kimi times the tiny model's step instead (tp 1, context 512: issue 16's figure).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 R=${OUT:-/tmp/kdtree-out}
