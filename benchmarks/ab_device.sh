@@ -6,7 +6,8 @@
 # k26_switches takes ~15 s per setting after a ~10 s load (H200, 2026-12-05): `all` fits the five default settings;
 # `tests` (tests + kernel benchmarks) and `switches` (every setting) can also go in two calls back to back.
 # Env: BUDGET_S (default 585) for the whole call; TEST_FILES (the GPU test files); BENCH (device_run.sh's);
-# SETTINGS / BUDGETS / LAYERS / PROFILE (1: --profile) passed to k26_switches; SOURCE=tiny-kimi times the tiny model's step instead (tp 1, context 512: issue 16's figure).
+# SETTINGS / BUDGETS / LAYERS / PROFILE (1: --profile) passed to k26_switches; SOURCE=tiny-kimi times the tiny
+# model's step instead (tp 1, context 512: issue 16's figure).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 R=${OUT:-/tmp/kdtree-out}
@@ -42,7 +43,8 @@ fi
 if [[ $what != switches ]]; then
   left=$(( budget - SECONDS ))
   echo "=== kernel benchmarks, ${left} s left"
-  OUT=$R/bench BUDGET_S=$left BENCH="${BENCH:-moe_w4a16_v3:--quick skinny_gemm:--quick}" bash benchmarks/device_run.sh bench \
+  bench=${BENCH:-moe_w4a16_v3:--quick skinny_gemm:--quick}
+  OUT=$R/bench BUDGET_S=$left BENCH="$bench" bash benchmarks/device_run.sh bench \
     >"$R/bench.log" 2>&1 || status=1
   tail -40 "$R/bench.log"
 fi
