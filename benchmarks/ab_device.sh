@@ -24,9 +24,9 @@ if [[ $what != switches ]]; then
     bash benchmarks/device_run.sh tests >"$R/tests.log" 2>&1 || status=1
   tail -15 "$R/tests.log"
 fi
-# default = skinny+moe_early+skinny_early+glue_early+moe_w16 (2026-12-06); with gate_up's shared-memory ring
-# (moe_sring, unmeasured); the previous default (8-warp gate_up, the glue kernels' weights after the wait)
-defaults=default,skinny+moe_early+skinny_early+glue_early+moe_w16+moe_sring,skinny+moe_early+skinny_early
+# default = skinny+moe_early+skinny_early+glue_early+moe_w16 (2026-12-06); the previous default (8-warp gate_up, the
+# glue kernels' weights after the wait); without the MoE's early down; neither early switch
+defaults=default,skinny+moe_early+skinny_early,skinny+skinny_early+glue_early+moe_w16,skinny
 settings=${SETTINGS:-$defaults}
 src=(--budget "${BUDGETS:-15,16}" --settings "$settings")
 [[ ${SOURCE:-} == tiny-kimi ]] && src+=(--source tiny-kimi --tp 1 --context 512)

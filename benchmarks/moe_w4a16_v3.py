@@ -6,10 +6,9 @@ t in {1, 8, 16, 17, 33, 64, 256, 512}, EP8 rank (48 whole experts x 2048) at t i
 tokens share experts) and "uniform" routing.  Roofline bytes: the touched experts' packed weights + scales
 + x, y, logits (benchmarks/moe_w4a16.py's count; v3's layout holds the same bytes per expert).  Both kernel
 paths are timed as CUDA graph replays (scratch from a MoEWorkspace allocated once), the peer eagerly.
-v3 is timed six times: with the defaults (launch_v3: down's weights before its PDL wait, the 16-warp gate_up where
+v3 is timed five times: with the defaults (launch_v3: down's weights before its PDL wait, the 16-warp gate_up where
 it applies: t = 1), with its L2 prefetch of the expert weights (v3_pf, KDTREE_MOE_PREFETCH=1), with down's weights
-after the wait (v3_late_w8, v3_late_w16 with the 16-warp gate_up), early with the 8-warp gate_up (v3_early_w8), and
-with gate_up's shared-memory ring (v3_sring: launch_v3.SMEM_RING, its bits checked against v3's first); at
+after the wait (v3_late_w8, v3_late_w16 with the 16-warp gate_up), and early with the 8-warp gate_up (v3_early_w8); at
 t = 8, 9, 16, 17, 33, 64, 256, 512 also with another token tile (v3_nt{1,2,4}_us: launch_v3.token_tile's choice
 checked).
 Before timing: v3 against the fp32 reference on the dequantised experts and against v2c at t = 16.
@@ -97,29 +96,22 @@ def bench_shape(name: str, t: int, routing: str, ex: dict, e_start: int, dev, de
     # v3_pf: v3 with its L2 prefetch of the expert weights (KDTREE_MOE_PREFETCH, read when the graph is captured);
     # v3_late_w8 / _w16: down's weights loaded after its PDL wait (launch_v3.EARLY_WEIGHTS off), with the 8- / 16-warp
     # gate_up (launch_v3.USE_W16: the 16-warp one where it applies, t = 1); v3_early_w8: before the wait, 8 warps
-    # v3_sring: the defaults with gate_up's shared-memory ring (launch_v3.SMEM_RING)
-    w16_default, early_default, sring_default = launch_v3.USE_W16, launch_v3.EARLY_WEIGHTS, launch_v3.SMEM_RING
-    want = None
-    for label, experts, pf, w16, early, sring in (
-            ("v3", ex["frag"], "0", w16_default, early_default, sring_default),
-            ("v3_pf", ex["frag"], "1", w16_default, early_default, sring_default),
-            ("v3_late_w8", ex["frag"], "0", False, False, sring_default),
-            ("v3_late_w16", ex["frag"], "0", True, False, sring_default),
-            ("v3_early_w8", ex["frag"], "0", False, True, sring_default),
-            ("v3_sring", ex["frag"], "0", w16_default, early_default, True),
-            ("v2c", ex["planar"], "0", True, False, sring_default)):
+    w16_default, early_default = launch_v3.USE_W16, launch_v3.EARLY_WEIGHTS
+    for label, experts, pf, w16, early in (
+            ("v3", ex["frag"], "0", w16_default, early_default),
+            ("v3_pf", ex["frag"], "1", w16_default, early_default),
+            ("v3_late_w8", ex["frag"], "0", False, False),
+            ("v3_late_w16", ex["frag"], "0", True, False),
+            ("v3_early_w8", ex["frag"], "0", False, True),
+            ("v2c", ex["planar"], "0", True, False)):
         os.environ[PREFETCH_ENV] = pf
-        launch_v3.USE_W16, launch_v3.EARLY_WEIGHTS, launch_v3.SMEM_RING = w16, early, sring
+        launch_v3.USE_W16, launch_v3.EARLY_WEIGHTS = w16, early
         call = lambda: moe_w4a16(x, logits, None, bias, *experts, K, 1, 1, True, SCALING, e_start,  # noqa: E731,B023
                                  ws.buffer)
-        if label == "v3":
-            want = call()
-        elif label == "v3_sring":
-            row["v3_sring_same_bits"] = bool(torch.equal(call(), want))
         us = time_us(call, graph=True)
         row[f"{label}_us"], row[f"{label}_fraction"] = us, roof / us
     os.environ.pop(PREFETCH_ENV)
-    launch_v3.USE_W16, launch_v3.EARLY_WEIGHTS, launch_v3.SMEM_RING = w16_default, early_default, sring_default
+    launch_v3.USE_W16, launch_v3.EARLY_WEIGHTS = w16_default, early_default
     # another token tile than the choice (launch_v3.token_tile: NT = 1 to t = 17, then 2): is the switch at the right
     # t under tree routing, where most experts see a few of the tokens, and does NT = 4 still lose at many tokens?
     other = {8: 2, 9: 2, 16: 2, 17: 2, 33: 1, 64: 4, 256: 4, 512: 4}.get(t)
@@ -214,7 +206,6 @@ def main() -> None:
                   f"{r['v3_pf_us']:.1f} us ({r['v3_pf_fraction']:.2f}), "
                   f"late down {r['v3_late_w8_us']:.1f} / {r['v3_late_w16_us']:.1f} us (8 / 16 warps), "
                   f"early down with 8 warps {r['v3_early_w8_us']:.1f} us, "
-                  f"shared-memory ring {r['v3_sring_us']:.1f} us (same bits: {r['v3_sring_same_bits']}), "
                   f"v2c {r['v2c_us']:.1f} us "
                   f"({r['v2c_fraction']:.2f})", flush=True)
     del tp8, dense
@@ -229,8 +220,7 @@ def main() -> None:
     plot(rows, Path(path).with_suffix(".png"))
     print(f"wrote {path}")
     print_table(rows, ["shape", "routing", "experts_touched", "roofline_us", "v3_us", "v3_fraction", "v3_pf_us",
-                       "v3_pf_fraction", "v3_late_w8_us", "v3_late_w16_us", "v3_early_w8_us", "v3_sring_us",
-                       "v3_sring_fraction", "v2c_us",
+                       "v3_pf_fraction", "v3_late_w8_us", "v3_late_w16_us", "v3_early_w8_us", "v2c_us",
                        "v2c_fraction", "bf16_grouped_mm_us"])
 
 

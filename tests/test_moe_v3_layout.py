@@ -173,7 +173,6 @@ def test_every_variant_the_launcher_picks_is_compiled(tmp_path):
         PREFETCH_MARKER,
         SOURCE,
         WARPS,
-        SR_KERNELS,
         gate_up_variant,
         gate_up_w16,
     )
@@ -185,7 +184,6 @@ def test_every_variant_the_launcher_picks_is_compiled(tmp_path):
             names.add(gate_up_w16(nt, per_warp * WARPS, 100, 132))
     names.discard(None)
     assert "kdtree_moe_v3_gate_up_w16_nt1_p7" in names
-    names |= SR_KERNELS
     for arch in ("sm_90", "sm_120"):
         data = _nvcc(SOURCE.read_bytes(), SOURCE.name, arch)
         assert data[:4] == b"\x7fELF"
@@ -243,34 +241,6 @@ def test_the_16_warp_gate_up_takes_one_token_at_k26_only(monkeypatch):
     assert gate_up_kernel(token_tile(17), 224, items(17), 132) == ("kdtree_moe_v3_gate_up_nt1_p7", 8)
     assert gate_up_kernel(token_tile(64), 224, items(64), 132) == ("kdtree_moe_v3_gate_up_nt2_p4", 8)
     assert gate_up_kernel(1, 8, 16, 132) == ("kdtree_moe_v3_gate_up_nt1_p1", 8)
-
-
-def test_the_shared_memory_ring_is_taken_where_its_ctas_fit(monkeypatch):
-    """launch_v3.gate_up_launch with SMEM_RING: the _sr form of the chosen kernel at the K2.6 rank's one-token (16
-    warps), 17-token and 64-token rounds on an SM of 228 KB, with the ring's 2P slots of 768 B a warp added to the
-    kernel's shared memory and the CTAs per SM unchanged; on a 100 KB SM (sm_120) two 8-warp CTAs with the ring do
-    not fit: the register ring; no _sr form compiled (P = 1, the tiny models): the register ring; off (the default
-    until measured): the register ring everywhere."""
-    from plugins.moe_w4a16 import launch_v3
-    from plugins.moe_w4a16.launch_v3 import gate_up_launch, gate_up_smem, max_entries, token_tile
-
-    def choice(t, smem_per_sm=228 << 10, n_groups=224):
-        nt = token_tile(t)
-        return gate_up_launch(t, 8, 384, nt, n_groups, max_entries(t, 8, 384, nt) * 16, 132, smem_per_sm)
-
-    assert not launch_v3.SMEM_RING and choice(17).kernel == "kdtree_moe_v3_gate_up_nt1_p7"
-    monkeypatch.setattr(launch_v3, "SMEM_RING", True)
-    one, seventeen, many = choice(1), choice(17), choice(64)
-    assert (one.kernel, one.warps, one.ctas_per_sm) == ("kdtree_moe_v3_gate_up_w16_sr_nt1_p7", 16, 1)
-    assert one.smem == gate_up_smem(1, 8, 384, 1, 16) + 16 * 14 * 768
-    assert (seventeen.kernel, seventeen.ctas_per_sm) == ("kdtree_moe_v3_gate_up_sr_nt1_p7", 2)
-    assert seventeen.smem == gate_up_smem(17, 8, 384, 1) + 8 * 14 * 768
-    assert (many.kernel, many.smem) == ("kdtree_moe_v3_gate_up_sr_nt2_p4", gate_up_smem(64, 8, 384, 2) + 8 * 8 * 768)
-    assert choice(17, smem_per_sm=100 << 10).kernel == "kdtree_moe_v3_gate_up_nt1_p7"
-    assert choice(1, n_groups=8).kernel == "kdtree_moe_v3_gate_up_nt1_p1"
-    # a cubin without the _sr kernels (an older artifact's): the register ring
-    assert gate_up_launch(17, 8, 384, 1, 224, 2448, 132, 228 << 10, lambda n: "_sr_" not in n).kernel == \
-        "kdtree_moe_v3_gate_up_nt1_p7"
 
 
 def test_v3_inputs_are_checked_by_name():

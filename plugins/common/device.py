@@ -25,9 +25,6 @@ RATES: dict[tuple[int, int], tuple[float, float, str]] = {
 DEFAULT_CAPABILITY = (9, 0)  # the table row for an unlisted arch, and the arch assumed without a CUDA device
 DEFAULT_SMS = 132  # the H200's SM count, used without a CUDA device
 DEFAULT_L2_BYTES = 50 << 20  # the H200's L2 (as the H100's), used without a CUDA device
-# shared memory per SM by capability where the driver's figure is not at hand (the CUDA programming guide's table:
-# 228 KB on sm_90, 100 KB on sm_120); an unlisted arch takes the smallest
-SMEM_PER_SM: dict[tuple[int, int], int] = {(9, 0): 228 << 10, (12, 0): 100 << 10}
 
 
 @dataclass(frozen=True)
@@ -36,7 +33,6 @@ class DeviceFacts:
     capability: tuple[int, int]  # (major, minor); (9, 0) without a CUDA device
     bytes_per_flop: float  # memory bandwidth / dense bf16 tensor rate (from RATES)
     l2_bytes: int = DEFAULT_L2_BYTES  # the L2 cache
-    smem_per_sm: int = SMEM_PER_SM[DEFAULT_CAPABILITY]  # shared memory of one SM (the CTAs resident on it share it)
 
     @property
     def arch(self) -> str:
@@ -61,14 +57,10 @@ def device_facts(device: torch.device | str | None) -> DeviceFacts:
 @functools.lru_cache(maxsize=None)
 def _cuda_facts(index: int) -> DeviceFacts:
     props = torch.cuda.get_device_properties(index)
-    return facts_for(props.multi_processor_count, (props.major, props.minor), props.L2_cache_size,
-                     getattr(props, "shared_memory_per_multiprocessor", None))
+    return facts_for(props.multi_processor_count, (props.major, props.minor), props.L2_cache_size)
 
 
-def facts_for(sms: int, capability: tuple[int, int], l2_bytes: int = DEFAULT_L2_BYTES,
-              smem_per_sm: int | None = None) -> DeviceFacts:
-    """The facts of a device with this SM count, compute capability, L2 and shared memory per SM (None: the table's,
-    SMEM_PER_SM) (e.g. to plan for another GPU)."""
+def facts_for(sms: int, capability: tuple[int, int], l2_bytes: int = DEFAULT_L2_BYTES) -> DeviceFacts:
+    """The facts of a device with this SM count, compute capability and L2 (e.g. to plan for another GPU)."""
     bandwidth, flops, _ = RATES.get(capability, RATES[DEFAULT_CAPABILITY])
-    smem = smem_per_sm or SMEM_PER_SM.get(capability, min(SMEM_PER_SM.values()))
-    return DeviceFacts(sms, capability, bandwidth / flops, l2_bytes, smem)
+    return DeviceFacts(sms, capability, bandwidth / flops, l2_bytes)

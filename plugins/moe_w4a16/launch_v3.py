@@ -89,15 +89,6 @@ GATE_UP_W16_P = {1: 7}  # their (NT, ring depth)
 # The op alone still measures it level or slower (t = 1: 31.3 against 30.8 µs): in the round its CTAs start under
 # the predecessor's tail and down's early CTAs find no room either way
 USE_W16 = True
-# KDTREE_MOE_SRING=1 (off until the K2.6 rank measures it: k26_switches moe_sring): gate_up's weights and scales
-# through a shared-memory ring of 2P k groups a warp (cp.async, moe_v3.cu's _sr kernels), two chunks ahead of the
-# math, where the register ring keeps one chunk in flight; the same bits.  Taken where the kernel exists (SR_KERNELS)
-# and its CTAs per SM still fit the SM's shared memory, else the register ring.
-SMEM_RING = env_flag("KDTREE_MOE_SRING", False)
-SR_SLOT_BYTES = 32 * (16 + 8)  # one warp's ring slot: 32 lanes x (a 16-byte weight word + its own 8 bytes of scales)
-SR_KERNELS = frozenset({"kdtree_moe_v3_gate_up_sr_nt1_p7", "kdtree_moe_v3_gate_up_sr_nt2_p4",
-                        "kdtree_moe_v3_gate_up_w16_sr_nt1_p7"})
-SMEM_PER_CTA_RESERVED = 1 << 10  # the driver's shared memory per resident CTA (sm_80+)
 # NT for every t (1, 2 or 4; down takes min(NT, 2)): the benchmark's other choice; None: token_tile(t)
 TOKEN_TILE_OVERRIDE: int | None = None
 DOWN_P = {1: 8, 2: 4}
@@ -127,32 +118,6 @@ def gate_up_kernel(nt: int, n_groups: int, n_items: int, sms: int) -> tuple[str,
     8-warp kernel with the deepest ring (gate_up_variant)."""
     name = gate_up_w16(nt, n_groups, n_items, sms) if USE_W16 else None
     return (name, W16) if name is not None else (gate_up_variant(nt, n_groups), WARPS)
-
-
-@dataclass(frozen=True)
-class GateUpLaunch:
-    kernel: str
-    warps: int
-    smem: int  # dynamic shared memory bytes of one CTA
-    ctas_per_sm: int
-
-
-def gate_up_launch(t: int, top_k: int, e_local: int, nt: int, n_groups: int, n_items: int, sms: int,
-                   smem_per_sm: int, has=lambda name: True) -> GateUpLaunch:
-    """gate_up's kernel, warps, shared memory and CTAs per SM: gate_up_kernel's choice (the 8-warp kernel where
-    `has` says the cubin lacks the 16-warp one), and with SMEM_RING its _sr form where the cubin has it and its
-    CTAs per SM fit smem_per_sm."""
-    name, warps = gate_up_kernel(nt, n_groups, n_items, sms)
-    if warps == W16 and not has(name):  # an older cubin: the 8-warp kernel
-        name, warps = gate_up_variant(nt, n_groups), WARPS
-    smem = gate_up_smem(t, top_k, e_local, nt, warps)
-    per_sm = 1 if warps == W16 else GATE_UP_CTAS_PER_SM[nt]
-    sr = name.replace("_w16_", "_w16_sr_") if warps == W16 else name.replace("_gate_up_", "_gate_up_sr_")
-    if SMEM_RING and sr in SR_KERNELS and has(sr):
-        sr_smem = smem + warps * 2 * int(name.rsplit("_p", 1)[1]) * SR_SLOT_BYTES
-        if per_sm * (sr_smem + SMEM_PER_CTA_RESERVED) <= smem_per_sm:
-            return GateUpLaunch(sr, warps, sr_smem, per_sm)
-    return GateUpLaunch(name, warps, smem, per_sm)
 
 
 def down_kernel(mod: _Module, nt: int) -> str:
@@ -361,10 +326,12 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
     # counts [e_local + 1] is zero here (MoEWorkspace.allocate zeroes it, every call's combine re-zeroes it)
     launch_route(logits, bias, ws.topk_idx, ws.topk_w, ws.counts, ws.active, ws.lists, e_start, e_local,
                  scaling, top_k, n_group, topk_group, norm_topk_prob, shared_gate_up, shared_h, active_list=False)
-    gu = gate_up_launch(t, top_k, e_local, nt, c1, n_items, sms, device_facts(x.device).smem_per_sm,
-                        lambda name: mod.prefetch_arg and _has(mod, name))
-    # one 16-warp CTA per SM, or GATE_UP_CTAS_PER_SM[nt] of 8 warps: a persistent grid, every CTA resident
-    _launch(mod, gu.kernel, min(n_items, gu.ctas_per_sm * sms), gu.smem, args, types, gu.warps)
+    name, warps = gate_up_kernel(nt, c1, n_items, sms)
+    if warps == W16 and not (mod.prefetch_arg and _has(mod, name)):  # an older cubin: the 8-warp kernel
+        name, warps = gate_up_variant(nt, c1), WARPS
+    smem = gate_up_smem(t, top_k, e_local, nt, warps)
+    # one 16-warp CTA per SM, or GATE_UP_CTAS_PER_SM[nt] of 8 warps
+    _launch(mod, name, min(n_items, sms if warps == W16 else GATE_UP_CTAS_PER_SM[nt] * sms), smem, args, types, warps)
     nt2 = down_tile(nt)
     n_items = max_entries(t, top_k, e_local, nt2) * pairs2
     smem = down_smem(t, top_k, e_local, nt2)

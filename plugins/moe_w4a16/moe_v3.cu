@@ -67,25 +67,6 @@ __device__ __forceinline__ uint4 ld_tokens_or_zero(const uint4* p, bool on) {
     return r;
 }
 
-// The shared-memory ring of gate_up's SR variants (sm_80+ cp.async; each lane copies, and later reads, only its own
-// bytes, so no barrier orders a lane's copies against another lane's reads): weights 16 bytes a lane through L2 only
-// (.cg, streamed once), scales 8 bytes a lane (each lane its own copy of its row pair's scales).  One commit group per
-// k group; cp_async_wait<N> returns once at most N of this thread's groups are still in flight.
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    unsigned long long a;
-    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
-    return (unsigned)a;
-}
-__device__ __forceinline__ void cp_async_weights(uint4* dst, const uint4* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_scales(uint2* dst, const uint2* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
-
 // L2 prefetch (sm_90+: the bulk prefetch, one request per `bytes`, not waited for): a hint that puts a work item's
 // weights in flight at once, where the register ring alone keeps only P groups per warp in flight.  Nothing reads
 // what it fetched, so it cannot change a result.  p and bytes: multiples of 16.
@@ -345,22 +326,15 @@ struct Ring {
 
 // ---------------------------------------------------------------------------------------------------------
 // gate_up: item = (entry, row pair); the CTA's W warps split the item's k groups (warp w: groups w + W m)
-// SR: the weights and scales go through a shared-memory ring of 2P groups a warp (cp.async), two chunks ahead of the
-// math where the register ring keeps one chunk in flight: twice the bytes in flight per SM, the registers of the
-// weights freed.  The tokens stay in the register ring (from L1 / L2, one chunk ahead).  The same groups in the same
-// order into the same sums: the same bits as the register ring.
 // ---------------------------------------------------------------------------------------------------------
-template <int NT, int P, int W, bool SR = false>
+template <int NT, int P, int W>
 __device__ void gate_up(const uint4* __restrict__ w13, const uint2* __restrict__ s13, const uint4* __restrict__ x,
                         const int* __restrict__ counts, const int* __restrict__ lists, u16* __restrict__ h,
                         int t, int top_k, int e_local, int c_real, int n_groups, int n_pairs, int inter, int pf) {
     extern __shared__ __align__(16) unsigned char smem[];
     constexpr int TT = 8 * NT;            // token slots per tile
     constexpr int RED = 2 * NT * 4 * 32;  // floats one warp leaves per item
-    constexpr int D = SR ? 2 * P : 0;     // k groups in a warp's shared-memory ring (SR)
-    uint4* s_wr = reinterpret_cast<uint4*>(smem);                   // [W][D][32 lanes] weight words (SR)
-    uint2* s_sr = reinterpret_cast<uint2*>(s_wr + W * D * 32);      // [W][D][32 lanes] scales (SR)
-    float* s_red = reinterpret_cast<float*>(s_sr + W * D * 32);     // [2 parity][W][2 m][NT][4][32]
+    float* s_red = reinterpret_cast<float*>(smem);                  // [2 parity][W][2 m][NT][4][32]
     u16* s_h = reinterpret_cast<u16*>(s_red + 2 * W * RED);         // [TT tokens][16 rows] bf16
     int* s_ws = reinterpret_cast<int*>(s_h + TT * 16);
     int* s_cnt = s_ws + W;
@@ -406,39 +380,8 @@ __device__ void gate_up(const uint4* __restrict__ w13, const uint2* __restrict__
         }
     };
     l_setup(l_wi);
-    // SR's weight cursor (item q_wi, chunk q_chunk), two chunks ahead of the math
-    const uint4* q_pw = ring.pw;
-    const uint2* q_ps = ring.ps;
-    int q_wi = l_wi, q_chunk = 0;
-    auto q_next = [&]() {  // as l_next
-        if (q_chunk + 1 < chunks) {
-            ++q_chunk;
-        } else if (q_wi + (int)gridDim.x < n_work) {
-            q_wi += gridDim.x;
-            const long blk = ((long)(s_ent[q_wi / n_pairs] >> 16) * n_pairs + q_wi % n_pairs) * n_groups;
-            q_pw = w13 + blk * 32 + lane;
-            q_ps = s13 + blk * 8 + g;
-            q_chunk = 0;
-        }
-    };
-    auto q_issue = [&](int slot, int c) {  // group c of the cursor's item into ring slot `slot`, one commit group
-        cp_async_weights(s_wr + (warp * D + slot) * 32 + lane, q_pw + (long)c * 32);
-        cp_async_scales(s_sr + (warp * D + slot) * 32 + lane, q_ps + (long)c * 8);
-        cp_async_commit();
-    };
-    if constexpr (SR) {
 #pragma unroll
-        for (int k = 0; k < 2 * P; ++k) {
-            if (k == P) q_next();
-            q_issue(k, warp + W * (P * q_chunk + k % P));
-        }
-        q_next();
-#pragma unroll
-        for (int k = 0; k < P; ++k) ring.load_tokens(k, warp + W * k, c_real);
-    } else {
-#pragma unroll
-        for (int k = 0; k < P; ++k) ring.load(k, warp + W * k, c_real);
-    }
+    for (int k = 0; k < P; ++k) ring.load(k, warp + W * k, c_real);
     l_next();
 
     // the writer threads (tid < 2 * TT) of the item's h rows: token tid / 2, rows 8 (tid % 2) ..
@@ -452,23 +395,10 @@ __device__ void gate_up(const uint4* __restrict__ w13, const uint2* __restrict__
 
     for (int ch = 0; ch < total; ++ch) {
         const int base = warp + W * P * ring.chunk;
-        if constexpr (SR) {
-            const int q_base = warp + W * P * q_chunk, half = (ch & 1) * P;  // ring slots of chunk ch: half + k
 #pragma unroll
-            for (int k = 0; k < P; ++k) {
-                cp_async_wait<2 * P - 1>();  // 2P groups in flight: the oldest, chunk ch's group k, has landed
-                const int at = (warp * D + half + k) * 32 + lane;
-                group_mma<NT>(acc, s_wr[at], s_sr[at], ring.x[k]);
-                q_issue(half + k, q_base + W * k);  // chunk ch + 2's group k into the slot just read
-                ring.load_tokens(k, base + W * k, c_real);
-            }
-            q_next();
-        } else {
-#pragma unroll
-            for (int k = 0; k < P; ++k) {
-                group_mma<NT>(acc, ring.w[k], ring.s[k], ring.x[k]);
-                ring.load(k, base + W * k, c_real);
-            }
+        for (int k = 0; k < P; ++k) {
+            group_mma<NT>(acc, ring.w[k], ring.s[k], ring.x[k]);
+            ring.load(k, base + W * k, c_real);
         }
         l_next();
         if (++c_chunk < chunks) continue;
@@ -506,8 +436,6 @@ __device__ void gate_up(const uint4* __restrict__ w13, const uint2* __restrict__
         c_wi += gridDim.x;
         if (c_wi < n_work) w_prefetch(c_wi);
     }
-    // SR: the ring's last copies (re-reads past the last chunk) land before the CTA's shared memory is given back
-    if constexpr (SR) cp_async_wait<0>();
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -647,22 +575,23 @@ extern "C" __global__ void kdtree_moe_v3_waits_for_predecessor() {}
 // Never launched: the kernels take the flags argument `pf` last (PF_L2).  A cubin without it takes no such argument.
 extern "C" __global__ void kdtree_moe_v3_takes_prefetch_arg() {}
 
-// NAME: kdtree_moe_v3_gate_up{_w16 | _sr | _w16_sr}_nt{NT}_p{P}; W warps, MINB CTAs per SM
-#define GATE_UP_KERNEL(NAME, NT, P, W, MINB, SR)                                                                 \
-    extern "C" __global__ void __launch_bounds__(W * 32, MINB) NAME(                                          \
+#define GATE_UP(NT, P, MINB)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(THREADS, MINB) kdtree_moe_v3_gate_up_nt##NT##_p##P(         \
         const uint4* w13, const uint2* s13, const uint4* x, const int* counts, const int* lists, u16* h, int t, \
         int top_k, int e_local, int c_real, int n_groups, int n_pairs, int inter, int pf) {                  \
         pdl_prologue();                                                                                        \
-        gate_up<NT, P, W, SR>(w13, s13, x, counts, lists, h, t, top_k, e_local, c_real, n_groups, n_pairs, inter, \
+        gate_up<NT, P, WARPS>(w13, s13, x, counts, lists, h, t, top_k, e_local, c_real, n_groups, n_pairs, inter, \
                               pf);                                                                             \
     }
-#define GATE_UP(NT, P, MINB) GATE_UP_KERNEL(kdtree_moe_v3_gate_up_nt##NT##_p##P, NT, P, WARPS, MINB, false)
 // 16 warps in one CTA per SM (<= 128 registers each): where the items are about as many as the SMs (t = 1: 8
 // experts x 16 row pairs), twice the warps per SM of two 8-warp CTAs that the items cannot fill
-#define GATE_UP_W16(NT, P) GATE_UP_KERNEL(kdtree_moe_v3_gate_up_w16_nt##NT##_p##P, NT, P, 16, 1, false)
-// the shared-memory ring (launch_v3.SMEM_RING): 2P groups of 768 B a warp
-#define GATE_UP_SR(NT, P, MINB) GATE_UP_KERNEL(kdtree_moe_v3_gate_up_sr_nt##NT##_p##P, NT, P, WARPS, MINB, true)
-#define GATE_UP_W16_SR(NT, P) GATE_UP_KERNEL(kdtree_moe_v3_gate_up_w16_sr_nt##NT##_p##P, NT, P, 16, 1, true)
+#define GATE_UP_W16(NT, P)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(16 * 32, 1) kdtree_moe_v3_gate_up_w16_nt##NT##_p##P(          \
+        const uint4* w13, const uint2* s13, const uint4* x, const int* counts, const int* lists, u16* h, int t, \
+        int top_k, int e_local, int c_real, int n_groups, int n_pairs, int inter, int pf) {                  \
+        pdl_prologue();                                                                                        \
+        gate_up<NT, P, 16>(w13, s13, x, counts, lists, h, t, top_k, e_local, c_real, n_groups, n_pairs, inter, pf); \
+    }
 #define DOWN_KERNEL(NAME, NT, P, MINB, EARLY)                                                                     \
     extern "C" __global__ void __launch_bounds__(THREADS, MINB) NAME(                                         \
         const uint4* w2, const uint2* s2, const uint4* h, const float* topk_w, const int* counts,             \
@@ -680,7 +609,5 @@ GATE_UP(1, 7, 2) GATE_UP(1, 4, 2) GATE_UP(1, 2, 2) GATE_UP(1, 1, 2)
 GATE_UP(2, 4, 2) GATE_UP(2, 2, 2) GATE_UP(2, 1, 2)
 GATE_UP(4, 2, 1) GATE_UP(4, 1, 1)
 GATE_UP_W16(1, 7)
-GATE_UP_SR(1, 7, 2) GATE_UP_SR(2, 4, 2)
-GATE_UP_W16_SR(1, 7)
 DOWN(1, 8, 2)
 DOWN(2, 4, 2)
