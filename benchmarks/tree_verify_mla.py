@@ -1,7 +1,7 @@
 """tree_verify_mla on the GPU: the Triton split-KV kernel against the torch absorbed reference and
 HF-style decompressed K/V + SDPA with a tree mask, in one run.
 
-    python3 benchmarks/tree_verify_mla.py [--quick] [--no-sweep] [--out DIR]
+    python3 benchmarks/tree_verify_mla.py [--quick] [--no-sweep] [--shapes HxNxL,...] [--out DIR]
 
 Shapes (issue 4): b = 1, h = 8, N in {1, 2, 4, 8}, L in {32K, 128K}; h = 8, N = 64; h = 64, N = 64;
 h = 16, N = 256; h = 128, N = 8 (L = 32768); one b = 8 row.  Every request has cache_lens = L = l_max
@@ -22,6 +22,7 @@ winner per shape, for the config table in launcher.py.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -39,6 +40,7 @@ from plugins.tree_verify_mla.reference import tree_verify_mla_reference  # noqa:
 D_QK, D_V, D_NOPE, D_ROPE = 576, 512, 128, 64  # latent row; per-head decompressed dims for the SDPA peer
 SHAPES = [  # (b, h, N, L)
     (1, 8, 1, 4096), (1, 8, 17, 4096), (1, 8, 9, 4096),  # the K2.6 rank's 4K AR step, DDTree-16 and -8 rounds
+    (1, 8, 33, 4096), (1, 8, 17, 32768),  # DDTree-32 at 4K, DDTree-16 at 32K
     (1, 8, 1, 32768), (1, 8, 2, 32768), (1, 8, 4, 32768), (1, 8, 8, 32768),
     (1, 8, 1, 131072), (1, 8, 2, 131072), (1, 8, 4, 131072), (1, 8, 8, 131072),
     (1, 8, 64, 32768), (1, 64, 64, 32768), (1, 16, 256, 32768), (1, 128, 8, 32768), (8, 8, 8, 32768),
@@ -68,6 +70,12 @@ SWEEP = {
                        (DV2_32, 13, True), (DV2_32, 33, True), (DV2_32, 44, True),
                        (DV2_32, 65, True), (DV2_32, None, False), (DV2_32, 8, True)],
     (1, 8, 9, 4096): [(DV2_32, None, True), (KM32, None, True), (X2, None, True), (KM16, None, True)],  # budget 8
+    # budget 32 at 4K (m = 264: 5 x 64 rows), budget 16 at 32K (the K2.6 rank's DDTree-16 round: +53 us a layer over
+    # 4K, H200 k26-rank.json): the N = 17 candidates, and 64-row blocks without the value split (scores once)
+    (1, 8, 33, 4096): [(DV2_32, None, True), (KM32, None, True), (X2, None, True), (W8_64, None, True),
+                       (Config(64, 32, 8, 3), None, True)],
+    (1, 8, 17, 32768): [(DV2_32, None, True), (KM32, None, True), (X2, None, True), (W8_64, None, True),
+                        (Config(64, 32, 8, 3), None, True), (KM16, None, True), (DV2_32, 44, True)],
     (1, 8, 1, 32768): [(X2, None, True), (KM16, None, True), (X2, None, False), (Config(16, 32, 4, 4), None, True),
                        (Config(16, 64, 4, 3), None, True), (Config(16, 32, 4, 2, ctas_per_sm=3), None, True),
                        (Config(16, 64, 4, 2, ctas_per_sm=2), None, True), (X2, 132, True), (KM16, 264, True)],
@@ -82,8 +90,8 @@ SWEEP = {
                          (Config(64, 32, 8, 3), None, True)],
     (1, 8, 64, 32768): [(DV2_32, None, True), (W8_64, None, True)],  # m = 512: where the table switches to W8_64?
 }
-SWEEP_BUDGET_S = 150  # stop sweeping past this many seconds of the sweep
-RUN_BUDGET_S = 215  # ... or of the whole run (benchmarks/device_run.sh kills it at 240 s)
+SWEEP_BUDGET_S = float(os.environ.get("SWEEP_BUDGET_S", 150))  # stop sweeping past this many seconds of the sweep
+RUN_BUDGET_S = float(os.environ.get("RUN_BUDGET_S", 215))  # ... or of the whole run (device_run.sh kills it at 240 s)
 
 
 def random_tree(b: int, n: int, g: torch.Generator) -> torch.Tensor:
@@ -182,9 +190,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer shapes, no sweep")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--shapes", default="", help="only these b = 1 shapes, as HxNxL (e.g. 8x17x4096,8x17x32768)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    shapes = [s for s in SHAPES if not args.quick or s[3] == 32768]
+    only = {tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s}
+    shapes = [s for s in SHAPES if (not args.quick or s[3] == 32768) and (not only or (s[0] == 1 and s[1:] in only))]
     sms = device_facts("cuda").sms
     rows, sweeps, t_start = [], {}, time.time()
     for b, h, n, l_len in shapes:
