@@ -6,7 +6,7 @@
 # k26_switches takes ~15 s per setting after a ~10 s load (H200, 2026-12-05): `all` fits the five default settings;
 # `tests` (tests + kernel benchmarks) and `switches` (every setting) can also go in two calls back to back.
 # Env: BUDGET_S (default 585) for the whole call; TEST_FILES (the GPU test files); BENCH (device_run.sh's);
-# SETTINGS / BUDGETS / LAYERS / PROFILE (1: --profile) passed to k26_switches; SOURCE=tiny-kimi times the tiny
+# SETTINGS / BUDGETS / LAYERS / CONTEXT / PROFILE (1: --profile) passed to k26_switches; SOURCE=tiny-kimi times the tiny
 # model's step instead (tp 1, context 512: issue 16's figure).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +30,7 @@ defaults=default,skinny+moe_early+skinny_early,skinny+skinny_early+glue_early+mo
 settings=${SETTINGS:-$defaults}
 src=(--budget "${BUDGETS:-15,16}" --settings "$settings")
 [[ ${SOURCE:-} == tiny-kimi ]] && src+=(--source tiny-kimi --tp 1 --context 512)
+[[ -n ${CONTEXT:-} ]] && src+=(--context "$CONTEXT")  # the cache length (k26_switches' default 4096)
 [[ -n ${LAYERS:-} ]] && src+=(--layers "$LAYERS")  # e.g. 40 on an 80 GB H100 (61 layers need the H200)
 [[ ${PROFILE:-1} == 1 ]] && src+=(--profile)  # per setting: kernels per layer, each kernel class's µs in the step
 if [[ $what != tests ]]; then

@@ -20,6 +20,8 @@ default (DEFAULT_ON), which are set again after the run):
   moe_early the MoE's down kernel loads its weights before its PDL wait (launch_v3.EARLY_WEIGHTS; on by default)
   glue_early the attention's two absorb kernels load their W_UK / W_UV tile before the PDL wait
             (plugins/layer_fusion/kernel.EARLY_WEIGHTS)
+  attn_long the attention's 64-key tiles, 3 stages, one program per SM for an AR step over a 16K-64K cache
+            (plugins/tree_verify_mla/launcher.LONG_TILE)
 
     python3 benchmarks/k26_switches.py --out DIR [--settings base,skinny,moe_pf,gemm_pf,attn_pf,...]
         [--context 4096] [--budget 16[,15,...]] [--iters 10] [--layers N] [--source tiny-kimi --tp 1 --context 512]
@@ -77,7 +79,8 @@ _FLAGS = {"skinny": ("runtime.model.layers", "SKINNY_GEMM"),
           "skinny_early": ("plugins.skinny_gemm.launch", "EARLY_WEIGHTS"),
           "moe_w16": ("plugins.moe_w4a16.launch_v3", "USE_W16"),
           "moe_early": ("plugins.moe_w4a16.launch_v3", "EARLY_WEIGHTS"),
-          "glue_early": ("plugins.layer_fusion.kernel", "EARLY_WEIGHTS")}
+          "glue_early": ("plugins.layer_fusion.kernel", "EARLY_WEIGHTS"),
+          "attn_long": ("plugins.tree_verify_mla.launcher", "LONG_TILE")}
 # see the module doc; skinny_wide before skinny_tree (which widens only what skinny_wide left)
 SWITCHES = {"moe_pf": _set_moe_pf, "skinny_pf": _set_skinny_pf, "skinny_wide": _set_skinny_wide,
             "skinny_tree": _set_skinny_tree, **{name: _set_flag(*at) for name, at in _FLAGS.items()}}

@@ -334,6 +334,42 @@ def test_gpu_cuda_graph_capture_replays_new_inputs(b, n, h, l_max):
     assert e["all_written"] and e["out_rel"] <= TOL[torch.bfloat16][0] and e["lse_max_abs"] <= TOL[torch.bfloat16][1], e
 
 
+def test_long_tile_is_planned_for_an_ar_step_over_16k_to_64k_only(monkeypatch):
+    """launcher.LONG_TILE (off by default until measured): the 64-key 3-stage tile for at most 16 query rows over a
+    16-bit cache of 16K to 64K rows; the table elsewhere (4K, 128K, 17 tree tokens, fp32, the switch off)."""
+    from plugins.tree_verify_mla import launcher
+    assert not launcher.LONG_TILE and launcher.plan(1, 1, 8, 32768, torch.bfloat16, "cpu").config != \
+        launcher.LONG_TILE_CONFIG
+    monkeypatch.setattr(launcher, "LONG_TILE", True)
+    long = launcher.plan(1, 1, 8, 32768, torch.bfloat16, "cpu")
+    assert long.config == launcher.LONG_TILE_CONFIG and long.num_splits == 132  # one program per SM
+    assert launcher.plan(1, 2, 8, 16384, torch.bfloat16, "cpu").config == launcher.LONG_TILE_CONFIG
+    for b, n, l_max, dtype in ((1, 1, 4096, torch.bfloat16), (1, 1, 131072, torch.bfloat16),
+                               (1, 17, 32768, torch.bfloat16), (1, 1, 32768, torch.float32)):
+        assert launcher.plan(b, n, 8, l_max, dtype, "cpu").config != launcher.LONG_TILE_CONFIG, (n, l_max, dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_long_tile_matches_the_reference(monkeypatch):
+    """KDTREE_ATTN_LONG_TILE (launcher.LONG_TILE): the AR step's 64-key tiles over a 16K-64K cache, against the
+    reference at 32K (full and partly filled caches, b = 2 with a short request beside) and taken by the plan."""
+    import plugins.tree_verify_mla  # noqa: F401
+    from plugins.tree_verify_mla import launcher
+    monkeypatch.setattr(launcher, "LONG_TILE", True)
+    assert launcher.plan(1, 1, 8, 32768, torch.bfloat16, "cuda").config == launcher.LONG_TILE_CONFIG
+    assert launcher.plan(1, 1, 8, 4096, torch.bfloat16, "cuda").config != launcher.LONG_TILE_CONFIG
+    gen = torch.Generator().manual_seed(12)
+    for b, n, h, l_max, lens in ((1, 1, 8, 32768, [32768]), (1, 2, 8, 32768, [20000]), (2, 1, 8, 20000, [19000, 5])):
+        x = make_inputs(b, n, h, l_max, lens, 512, 64, torch.bfloat16, gen, device="cuda")
+        out = torch.empty(b, n, h, 512, dtype=torch.bfloat16, device="cuda")
+        lse = torch.empty(b, n, h, device="cuda")
+        torch.ops.kdtree.tree_verify_mla(x["q"], x["cache"], x["cache_lens"], x["tree_kv"], x["tree_mask"], x["scale"],
+                                         out, lse, None)
+        e = errors(out, lse, *reference(x, 512))
+        assert e["all_written"] and e["out_rel"] <= TOL[torch.bfloat16][0] \
+            and e["lse_max_abs"] <= TOL[torch.bfloat16][1], (b, n, l_max, e)
+
+
 @pytest.mark.gpu
 def test_gpu_cache_prefetch_changes_no_bit(monkeypatch):
     """KDTREE_ATTN_PREFETCH (launcher.CACHE_PREFETCH): the split programs' L2 prefetch of their first cache tiles,

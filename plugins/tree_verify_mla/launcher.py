@@ -81,6 +81,13 @@ CONFIGS_16BIT: tuple[tuple[int, Config], ...] = (
     (1024, Config(block_m=64, block_n=32, num_warps=4, num_stages=3, dv_split=2)),
     (1 << 62, Config(block_m=64, block_n=64, num_warps=8, num_stages=2)),
 )
+# KDTREE_ATTN_LONG_TILE=1 (off until the rank benchmark measures it: k26_switches attn_long): at most 16 query rows
+# (an AR step at h = 8) over a cache of LONG_TILE_MIN to LONG_TILE_MAX rows, 64-key tiles, 3 stages, one program per
+# SM.  The H200 sweep (benchmarks/results/tree_verify_mla_sweep.json, 2026-12-03) timed it at 19.88 µs against the
+# table's 21.35 at N = 1, L = 32K; at 128K the table's choice won (55.7 against 65.4 with 64-key tiles, 2 stages)
+LONG_TILE = env_flag("KDTREE_ATTN_LONG_TILE", False)
+LONG_TILE_CONFIG = Config(block_m=16, block_n=64, num_warps=4, num_stages=3)
+LONG_TILE_MIN, LONG_TILE_MAX = 16384, 65536
 CONFIGS_FP32: tuple[tuple[int, Config], ...] = (  # 128 registers, no spill (4 warps: 255 and 1 KB of spills)
     (1 << 62, Config(block_m=16, block_n=32, num_warps=8, num_stages=2)),
 )
@@ -92,7 +99,11 @@ class Plan:
     num_splits: int  # splits of the committed range; 1 = no workspace, no combine
 
 
-def pick_config(m: int, dtype: torch.dtype) -> Config:
+def pick_config(m: int, dtype: torch.dtype, l_max: int = 0) -> Config:
+    """The table's config for m query rows a request (LONG_TILE's for a few rows over a long 16-bit cache)."""
+    if LONG_TILE and dtype != torch.float32 and m <= LONG_TILE_CONFIG.block_m \
+            and LONG_TILE_MIN <= l_max < LONG_TILE_MAX:
+        return LONG_TILE_CONFIG
     table = CONFIGS_FP32 if dtype == torch.float32 else CONFIGS_16BIT
     return next(cfg for limit, cfg in table if m <= limit)
 
@@ -107,7 +118,7 @@ def plan(b: int, n: int, h: int, l_max: int, dtype: torch.dtype, device: torch.d
     counted in bytes, max(latent rows read, flops * the device's bytes per flop), or at most L2_SHARE of the
     device's L2 for all b requests, whichever allows more."""
     m = n * h
-    cfg = config or pick_config(m, dtype)
+    cfg = config or pick_config(m, dtype, l_max)
     if num_splits is None:
         facts = device_facts(device)
         num_sms = num_sms or facts.sms
