@@ -21,7 +21,7 @@ default (DEFAULT_ON), which are set again after the run):
   glue_early the attention's two absorb kernels load their W_UK / W_UV tile before the PDL wait
             (plugins/layer_fusion/kernel.EARLY_WEIGHTS)
   attn_long the attention's 64-key tiles, 3 stages, one program per SM for an AR step over a 16K-64K cache
-            (plugins/tree_verify_mla/launcher.LONG_TILE)
+            (plugins/tree_verify_mla/launcher.LONG_TILE; on by default)
 
     python3 benchmarks/k26_switches.py --out DIR [--settings base,skinny,moe_pf,gemm_pf,attn_pf,...]
         [--context 4096] [--budget 16[,15,...]] [--iters 10] [--layers N] [--source tiny-kimi --tp 1 --context 512]
@@ -87,7 +87,7 @@ SWITCHES = {"moe_pf": _set_moe_pf, "skinny_pf": _set_skinny_pf, "skinny_wide": _
 
 
 # the runtime's defaults among SWITCHES
-DEFAULT_ON = frozenset({"skinny", "moe_early", "skinny_early", "glue_early", "moe_w16"})
+DEFAULT_ON = frozenset({"skinny", "moe_early", "skinny_early", "glue_early", "moe_w16", "attn_long"})
 
 
 def parse_settings(text: str) -> list[tuple[str, frozenset[str]]]:

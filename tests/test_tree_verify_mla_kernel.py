@@ -335,11 +335,13 @@ def test_gpu_cuda_graph_capture_replays_new_inputs(b, n, h, l_max):
 
 
 def test_long_tile_is_planned_for_an_ar_step_over_16k_to_64k_only(monkeypatch):
-    """launcher.LONG_TILE (off by default until measured): the 64-key 3-stage tile for at most 16 query rows over a
-    16-bit cache of 16K to 64K rows; the table elsewhere (4K, 128K, 17 tree tokens, fp32, the switch off)."""
+    """launcher.LONG_TILE (on by default since 2026-12-06's measurement): the 64-key 3-stage tile for at most 16
+    query rows over a 16-bit cache of 16K to 64K rows; the table elsewhere (4K, 128K, 17 tree tokens, fp32, the switch
+    off)."""
     from plugins.tree_verify_mla import launcher
-    assert not launcher.LONG_TILE and launcher.plan(1, 1, 8, 32768, torch.bfloat16, "cpu").config != \
-        launcher.LONG_TILE_CONFIG
+    assert launcher.LONG_TILE
+    monkeypatch.setattr(launcher, "LONG_TILE", False)
+    assert launcher.plan(1, 1, 8, 32768, torch.bfloat16, "cpu").config != launcher.LONG_TILE_CONFIG
     monkeypatch.setattr(launcher, "LONG_TILE", True)
     long = launcher.plan(1, 1, 8, 32768, torch.bfloat16, "cpu")
     assert long.config == launcher.LONG_TILE_CONFIG and long.num_splits == 132  # one program per SM

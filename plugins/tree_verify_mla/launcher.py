@@ -81,11 +81,13 @@ CONFIGS_16BIT: tuple[tuple[int, Config], ...] = (
     (1024, Config(block_m=64, block_n=32, num_warps=4, num_stages=3, dv_split=2)),
     (1 << 62, Config(block_m=64, block_n=64, num_warps=8, num_stages=2)),
 )
-# KDTREE_ATTN_LONG_TILE=1 (off until the rank benchmark measures it: k26_switches attn_long): at most 16 query rows
-# (an AR step at h = 8) over a cache of LONG_TILE_MIN to LONG_TILE_MAX rows, 64-key tiles, 3 stages, one program per
-# SM.  The H200 sweep (benchmarks/results/tree_verify_mla_sweep.json, 2026-12-03) timed it at 19.88 µs against the
-# table's 21.35 at N = 1, L = 32K; at 128K the table's choice won (55.7 against 65.4 with 64-key tiles, 2 stages)
-LONG_TILE = env_flag("KDTREE_ATTN_LONG_TILE", False)
+# KDTREE_ATTN_LONG_TILE (on; =0 turns it off; k26_switches attn_long): at most 16 query rows (an AR step at h = 8)
+# over a cache of LONG_TILE_MIN to LONG_TILE_MAX rows, 64-key tiles, 3 stages, one program per SM.  The H200 sweep
+# (benchmarks/results/tree_verify_mla_sweep.json, 2026-12-03) timed it at 19.88 µs against the table's 21.35 at
+# N = 1, L = 32K; at 128K the table's choice won (55.7 against 65.4 with 64-key tiles, 2 stages).  The K2.6 rank at
+# 40 layers and a 32K cache (H100, benchmarks/results/k26-switches-h100.json call 5): AR step 4060.6 -> 3934.5 µs
+# (-3.1 %); DDTree rounds do not take it (17 tokens x 8 heads)
+LONG_TILE = env_flag("KDTREE_ATTN_LONG_TILE", True)
 LONG_TILE_CONFIG = Config(block_m=16, block_n=64, num_warps=4, num_stages=3)
 LONG_TILE_MIN, LONG_TILE_MAX = 16384, 65536
 CONFIGS_FP32: tuple[tuple[int, Config], ...] = (  # 128 registers, no spill (4 warps: 255 and 1 KB of spills)
