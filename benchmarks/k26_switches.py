@@ -9,6 +9,8 @@ default (DEFAULT_ON), which are set again after the run):
   skinny_wide with skinny: every GEMM of up to 32 tokens and 128 MB (layers.SKINNY_MAX_TOKENS / _WEIGHT_BYTES)
   skinny_tree with skinny: GEMMs of up to 24 tokens (a DDTree-16 round's 17) within the default weight limit
             (the attention's, the router's and the shared expert's: skinny_gemm's two row groups and three tiles)
+  skinny_8  with skinny: GEMMs of up to 8 tokens (one token tile: the one-token kernel, the same sums per token;
+            DDTree rounds of budget <= 7, the drafter's block of 8) within the default weight limit
   moe_pf    KDTREE_MOE_PREFETCH=1: the MoE's L2 prefetch of its experts at every t (not named: off)
   gemm_pf   KDTREE_GEMM_PREFETCH: each layer's post-attention weights into L2 before its attention
   attn_pf   KDTREE_ATTN_PREFETCH: the attention's first cache tiles into L2 before its PDL wait
@@ -54,6 +56,12 @@ def _set_skinny_tree(on: bool) -> None:  # applied after skinny_wide (SWITCHES' 
         layers.SKINNY_MAX_TOKENS = max(layers.SKINNY_MAX_TOKENS, 24)
 
 
+def _set_skinny_8(on: bool) -> None:  # applied after skinny_wide and skinny_tree: only ever widens
+    from runtime.model import layers
+    if on:
+        layers.SKINNY_MAX_TOKENS = max(layers.SKINNY_MAX_TOKENS, 8)
+
+
 def _set_moe_pf(on: bool) -> None:
     if on:
         os.environ["KDTREE_MOE_PREFETCH"] = "1"
@@ -81,9 +89,10 @@ _FLAGS = {"skinny": ("runtime.model.layers", "SKINNY_GEMM"),
           "moe_early": ("plugins.moe_w4a16.launch_v3", "EARLY_WEIGHTS"),
           "glue_early": ("plugins.layer_fusion.kernel", "EARLY_WEIGHTS"),
           "attn_long": ("plugins.tree_verify_mla.launcher", "LONG_TILE")}
-# see the module doc; skinny_wide before skinny_tree (which widens only what skinny_wide left)
+# see the module doc; skinny_wide before skinny_tree and skinny_8 (which widen only what skinny_wide left)
 SWITCHES = {"moe_pf": _set_moe_pf, "skinny_pf": _set_skinny_pf, "skinny_wide": _set_skinny_wide,
-            "skinny_tree": _set_skinny_tree, **{name: _set_flag(*at) for name, at in _FLAGS.items()}}
+            "skinny_tree": _set_skinny_tree, "skinny_8": _set_skinny_8,
+            **{name: _set_flag(*at) for name, at in _FLAGS.items()}}
 
 
 # the runtime's defaults among SWITCHES
