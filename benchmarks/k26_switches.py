@@ -10,7 +10,9 @@ default (DEFAULT_ON), which are set again after the run):
   skinny_tree with skinny: GEMMs of up to 24 tokens (a DDTree-16 round's 17) within the default weight limit
             (the attention's, the router's and the shared expert's: skinny_gemm's two row groups and three tiles)
   skinny_8  with skinny: GEMMs of up to 8 tokens (one token tile: the one-token kernel, the same sums per token;
-            DDTree rounds of budget <= 7, the drafter's block of 8) within the default weight limit
+            DDTree rounds of budget <= 7, the drafter's block of 8) within the default weight limit (H100, 40 layers,
+            k26-switches-h100.json call 6: DDTree-1 -2.5 %, DDTree-4 -0.4 %, DDTree-7 / 16 level, the drafter
+            +2.4 %: left off)
   moe_pf    KDTREE_MOE_PREFETCH=1: the MoE's L2 prefetch of its experts at every t (not named: off)
   gemm_pf   KDTREE_GEMM_PREFETCH: each layer's post-attention weights into L2 before its attention
   attn_pf   KDTREE_ATTN_PREFETCH: the attention's first cache tiles into L2 before its PDL wait
