@@ -26,16 +26,18 @@ def _moe(t: int) -> Callable[[Row], bool]:
     return lambda r: r["shape"] == f"k26_tp8_t{t}" and r["routing"] == "tree"
 
 
-# (op, shape label, row selector, goal kind, goal value, reason, next step)
+# (op, shape label, row selector, goal kind, goal value, reason, next step); op names the results file
+# (benchmarks/results/<op>.json) and, for moe_w4a16_v3, the runtime's kernel: its v3_us / v3_fraction columns
 #   goal kind "fraction": roofline_fraction >= value; "us": us <= value; "bandwidth": roofline_fraction >= value
 MLA_MEM = ("launch pair + split-KV combine fixed cost (N = 1); at N = 4-8 the kernel is issue-bound on 16-64-row "
            "score tiles, not bandwidth-bound")
 MLA_MEM_NEXT = "FlashMLA-style CUDA C kernel: two warpgroups ping-ponging softmax and wgmma, output split 256/256"
 MLA_CMP = "one warpgroup per 64 rows computes scores and output; softmax serialised against wgmma"
-MOE = ("latency-bound at 3-4 warps per scheduler (ncu: DRAM 10-18 %, issue 24-45 %); dequantising costs ~2x the "
-       "HBM time of the weights it decodes; 6 launches add ~12 us of graph gaps")
-MOE_NEXT = ("build-time layout giving k-consecutive bf16 pairs per lop3 (no repack); fold silu_mul and combine "
-            "into down; warp-specialised CUDA C kernel (TMA producers, dequantising wgmma consumers)")
+MOE = ("four dependent launches (route, gate_up, down, combine: ~5 + 13 + 7 + 3.5 us a layer at t = 1 in the "
+       "H100 round); gate_up ~100 instructions per 512-byte k group at issue ~50 % (ncu, t = 17), so more bytes "
+       "in flight did not pay (plugins/moe_w4a16/NOTES.md, the shared-memory ring)")
+MOE_NEXT = ("fewer instructions per weight byte in gate_up (the dequant and scale chain), fewer launches (the "
+            "routing and the combine folded into their neighbours)")
 GOALS = [
     *[("tree_verify_mla", f"h8 N{n} L{l_len // 1024}K", _mla(8, n, l_len), "fraction", 0.8, MLA_MEM, MLA_MEM_NEXT)
       for l_len in (32768, 131072) for n in (1, 2, 4, 8)],
@@ -48,7 +50,9 @@ GOALS = [
     *[("kv_commit", f"61 layers + feats, b{b} L{l_len}",
        (lambda bb, ll: lambda r: (r["b"], r["L"]) == (bb, ll))(b, l_len), "bandwidth", 0.8, "two dependent launches (~3 us in a graph) dominate below ~10 MB moved",
        "one-launch variant with a last-program ticket (saves ~1 us)") for b, l_len in ((1, 8), (8, 8), (64, 8))],
-    *[("moe_w4a16", f"TP8 tree t={t}", _moe(t), "fraction", 0.7, MOE, MOE_NEXT) for t in (1, 8, 16, 64, 256, 512)],
+    # issue 17: >= 50 % at t = 1, 8, 16, 64 and >= 60 % at 256, 512 (the --quick rows: t = 9 and 17 for 8 and 16)
+    *[("moe_w4a16_v3", f"TP8 tree t={t}", _moe(t), "fraction", 0.5 if t <= 64 else 0.6, MOE, MOE_NEXT)
+      for t in (1, 9, 17, 64, 512)],
 ]
 
 
@@ -67,6 +71,8 @@ def evaluate(results: Path) -> list[Row]:
                         "reason": "no such row in the results", "next_step": f"rerun benchmarks/{op}.py"})
             continue
         r = rows[0]
+        if op == "moe_w4a16_v3":  # the runtime's kernel among the benchmark's columns
+            r = {"us": r["v3_us"], "roofline_fraction": r["v3_fraction"]}
         value = r["us"] if kind == "us" else r["roofline_fraction"]
         met = value <= goal if kind == "us" else value >= goal
         out.append({"op": op, "shape": label, "goal": f"<= {goal} us" if kind == "us" else f">= {goal:.0%} of roofline",

@@ -24,9 +24,9 @@ def test_every_goal_has_a_measurement_and_unmet_goals_a_reason():
 
 def test_missing_results_file_is_a_clear_error(tmp_path, capsys):
     for f in RESULTS.glob("*.json"):
-        if f.stem not in ("moe_w4a16", "gaps"):
+        if f.stem not in ("moe_w4a16_v3", "gaps"):
             shutil.copy(f, tmp_path / f.name)
     assert main(["--results", str(tmp_path)]) == 1
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "moe_w4a16.json" in err
+    assert len(err.splitlines()) == 1 and "moe_w4a16_v3.json" in err
     assert not (tmp_path / "gaps.json").exists()
