@@ -53,7 +53,7 @@ def measured_overhead(path: Path) -> dict[int, float]:
     """Per bucket b: µs auto's round with its tree capped at b adds to the fixed round of budget b."""
     rows = {r["budget"]: r["capped_over_fixed_us"] for r in json.loads(path.read_text())["rows"]
             if "capped_over_fixed_us" in r}
-    return {b: rows[b] if b in rows else rows[min(rows)] for b in default_buckets(B_MAX)}
+    return {b: rows[b] if b in rows else rows[min(rows)] for b in range(1, B_MAX + 1)}  # the curves' and auto's b
 
 
 def k26_curves(path: Path, overhead: dict[int, float]) -> dict[str, tuple[CostCurve, dict[int, float]]]:
@@ -121,14 +121,15 @@ def main() -> None:
     args = ap.parse_args()
     t_start = time.time()
     s = Setup(2, 32) if args.quick else Setup(4, 64)
-    buckets = default_buckets(B_MAX)
     overhead = measured_overhead(ROUNDS)
     curves = k26_curves(RESULTS_DIR / "k26-rank.json", overhead)
+    buckets = sorted({b for _, fixed in curves.values() for b in fixed})  # the fixed budgets the rank measured
+    auto_buckets = default_buckets(B_MAX)  # auto's: the curve interpolated there (runtime/decode/budget.py)
     fixed_runs = {(n, b): s.run(n, b) for n in NOISE for b in buckets}
     results = []
     for name, (curve, fixed_cost) in curves.items():
-        verify = dict(zip(curve.buckets, curve.verify_us))
-        head = dict(zip(curve.buckets, curve.head_us))
+        verify = dict(zip(auto_buckets, curve.verify_at(auto_buckets)))
+        head = dict(zip(auto_buckets, curve.head_at(auto_buckets)))
         for noise in NOISE:
             rows = []
             for b in buckets:
@@ -151,8 +152,8 @@ def main() -> None:
            "git_commit": git_commit(), "device": f"cpu ({platform.processor() or platform.machine()})",
            "torch": torch.__version__, "model": "tiny `small` preset, fp64, CPU reference path, batch 1, T = 0",
            "drafter": "tests/agreeing_drafter.py (margin 8, seed 11)", "prompts": len(s.prompts),
-           "new_tokens": s.new, "b_max": B_MAX, "buckets": list(buckets),
-           "auto_overhead_us_measured": {b: round(v, 1) for b, v in overhead.items()},
+           "new_tokens": s.new, "b_max": B_MAX, "buckets": list(buckets), "auto_buckets": list(auto_buckets),
+           "auto_overhead_us_measured": {b: round(overhead[b], 1) for b in auto_buckets},
            "auto_overhead_source": f"{ROUNDS.relative_to(ROOT)} (capped_over_fixed_us, H200, demo pair)",
            "curves": {k: {"auto": c.to_dict(), "fixed_round_us": {b: round(v, 1) for b, v in f.items()}}
                       for k, (c, f) in curves.items()},

@@ -71,7 +71,16 @@ class CurveError(KdtreeError):
 
 
 def default_buckets(b_max: int) -> tuple[int, ...]:
-    """1, 2, 4, ... below b_max, then b_max."""
+    """1, 2, 4, ... below b_max, then b_max.
+
+    Measured, not (yet) taken: buckets of 2^k - 1 nodes from 7 up (a round of 2^k tokens fills the attention's
+    64-row blocks and the 8-token tiles that 2^k + 1 tokens pad).  K2.6 rank at 40 layers, H100
+    (benchmarks/results/k26-switches-h100.json call 7): T(7) / T(8) 0.895, T(15) / T(16) 0.915, T(31) / T(32) 0.936
+    at a 32K cache, 0.988 / 0.990 / 0.981 at 4K; the dropped node costs 1.6 % of tau at 8 and 16, none at 32 (demo
+    pair, budget-aligned.json): tokens/s +7 to +10 % at 32K, -0.4 to +2.3 % at 4K.  benchmarks/budget_auto.py with
+    those buckets (its curve interpolated at 2^k - 1: exact at 4K, blind to the 32K gain) put auto at 0.951-0.984 of
+    the best fixed budget against 0.977-1.079 with these; both families at once (auto choosing per round) would
+    need the GPU's measure of twice the graphs and caps."""
     if b_max < 1:
         raise ValueError(f"budget auto: the largest bucket must be >= 1, got {b_max}")
     out, b = [], 1
