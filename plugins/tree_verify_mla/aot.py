@@ -1,9 +1,9 @@
 """Ahead-of-time specialisations of the tree_verify_mla kernels for `kdtree build`
 (build_pipeline/compile_kernels.py): bf16, d_qk 576 = d_v 512 + d_r 64 (Kimi / DeepSeek-V3 MLA).
 
-One split kernel per config of launcher.CONFIGS_16BIT, in both forms (DIRECT: one split writes
-out/lse; parts: partials for the combine), with PDL on (the launcher's default on sm_90+), and one
-combine kernel per power-of-two split padding the plan can produce (S_PAD 2 .. MAX_SPLITS).
+One split kernel per config of launcher.CONFIGS_16BIT and LONG_TILE_CONFIG (an AR step over a long cache), in
+both forms (DIRECT: one split writes out/lse; parts: partials for the combine), with PDL on (the launcher's default
+on sm_90+), and one combine kernel per power-of-two split padding the plan can produce (S_PAD 2 .. MAX_SPLITS).
 Argument order and types are the launcher's (launcher.tree_verify_mla_triton); pointers and the row
 strides of q, cache, tree_kv and out are declared 16-divisible (true for d_qk 576 / d_v 512 rows),
 the mask and lse strides and the shape scalars are not specialised.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from plugins.common.aot import TritonKernel
 from plugins.tree_verify_mla.kernel import tree_verify_mla_combine_kernel, tree_verify_mla_split_kernel
-from plugins.tree_verify_mla.launcher import CONFIGS_16BIT, MAX_SPLITS
+from plugins.tree_verify_mla.launcher import CONFIGS_16BIT, LONG_TILE_CONFIG, MAX_SPLITS
 
 D_V, D_R = 512, 64
 _SPLIT_PTRS = ("q_ptr", "cache_ptr", "lens_ptr", "tree_ptr", "mask_ptr", "out_ptr", "lse_ptr", "opart_ptr",
@@ -55,7 +55,7 @@ def aot_kernels(budgets: tuple[int, ...]) -> list[TritonKernel]:
     """Every specialisation the launcher uses for bf16 at d_qk 576 / d_v 512 (budgets: unused, the
     kernels take any tree size)."""
     del budgets
-    configs = list(dict.fromkeys(cfg for _, cfg in CONFIGS_16BIT))
+    configs = list(dict.fromkeys([*(cfg for _, cfg in CONFIGS_16BIT), LONG_TILE_CONFIG]))
     kernels = [_split_kernel(cfg, direct) for cfg in configs for direct in (False, True)]
     s_pad = 2
     while s_pad <= MAX_SPLITS:
