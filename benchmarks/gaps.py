@@ -27,7 +27,7 @@ def _moe(t: int) -> Callable[[Row], bool]:
 
 
 # (op, shape label, row selector, goal kind, goal value, reason, next step); op names the results file
-# (benchmarks/results/<op>.json) and, for moe_w4a16_v3, the runtime's kernel: its v3_us / v3_fraction columns
+# (benchmarks/results/<op>.json), whose rows hold the figures in COLUMNS[op] (default: us, roofline_fraction)
 #   goal kind "fraction": roofline_fraction >= value; "us": us <= value; "bandwidth": roofline_fraction >= value
 MLA_MEM = ("launch pair + split-KV combine fixed cost (N = 1); at N = 4-8 the kernel is issue-bound on 16-64-row "
            "score tiles, not bandwidth-bound")
@@ -38,6 +38,7 @@ MOE = ("four dependent launches (route, gate_up, down, combine: ~5 + 13 + 7 + 3.
        "in flight did not pay (plugins/moe_w4a16/NOTES.md, the shared-memory ring)")
 MOE_NEXT = ("fewer instructions per weight byte in gate_up (the dequant and scale chain), fewer launches (the "
             "routing and the combine folded into their neighbours)")
+COLUMNS = {"moe_w4a16_v3": ("v3_us", "v3_fraction")}  # the runtime's kernel among the benchmark's peers
 GOALS = [
     *[("tree_verify_mla", f"h8 N{n} L{l_len // 1024}K", _mla(8, n, l_len), "fraction", 0.8, MLA_MEM, MLA_MEM_NEXT)
       for l_len in (32768, 131072) for n in (1, 2, 4, 8)],
@@ -70,9 +71,8 @@ def evaluate(results: Path) -> list[Row]:
             out.append({"op": op, "shape": label, "goal": f"{kind} {goal}", "measured": None, "met": None,
                         "reason": "no such row in the results", "next_step": f"rerun benchmarks/{op}.py"})
             continue
-        r = rows[0]
-        if op == "moe_w4a16_v3":  # the runtime's kernel among the benchmark's columns
-            r = {"us": r["v3_us"], "roofline_fraction": r["v3_fraction"]}
+        us_key, frac_key = COLUMNS.get(op, ("us", "roofline_fraction"))
+        r = {"us": rows[0][us_key], "roofline_fraction": rows[0].get(frac_key)}
         value = r["us"] if kind == "us" else r["roofline_fraction"]
         met = value <= goal if kind == "us" else value >= goal
         out.append({"op": op, "shape": label, "goal": f"<= {goal} us" if kind == "us" else f">= {goal:.0%} of roofline",

@@ -52,16 +52,14 @@ def _set_skinny_wide(on: bool) -> None:
         else layers.SKINNY_LIMITS
 
 
-def _set_skinny_tree(on: bool) -> None:  # applied after skinny_wide (SWITCHES' order): only ever widens
-    from runtime.model import layers
-    if on:
-        layers.SKINNY_MAX_TOKENS = max(layers.SKINNY_MAX_TOKENS, 24)
-
-
-def _set_skinny_8(on: bool) -> None:  # applied after skinny_wide and skinny_tree: only ever widens
-    from runtime.model import layers
-    if on:
-        layers.SKINNY_MAX_TOKENS = max(layers.SKINNY_MAX_TOKENS, 8)
+def _widen_skinny_tokens(tokens: int):
+    """A switch that, on, lets skinny GEMMs take up to `tokens` tokens; applied after skinny_wide (SWITCHES' order),
+    which resets the limits: it only ever widens."""
+    def setter(on: bool) -> None:
+        from runtime.model import layers
+        if on:
+            layers.SKINNY_MAX_TOKENS = max(layers.SKINNY_MAX_TOKENS, tokens)
+    return setter
 
 
 def _set_moe_pf(on: bool) -> None:
@@ -93,7 +91,7 @@ _FLAGS = {"skinny": ("runtime.model.layers", "SKINNY_GEMM"),
           "attn_long": ("plugins.tree_verify_mla.launcher", "LONG_TILE")}
 # see the module doc; skinny_wide before skinny_tree and skinny_8 (which widen only what skinny_wide left)
 SWITCHES = {"moe_pf": _set_moe_pf, "skinny_pf": _set_skinny_pf, "skinny_wide": _set_skinny_wide,
-            "skinny_tree": _set_skinny_tree, "skinny_8": _set_skinny_8,
+            "skinny_tree": _widen_skinny_tokens(24), "skinny_8": _widen_skinny_tokens(8),
             **{name: _set_flag(*at) for name, at in _FLAGS.items()}}
 
 
