@@ -26,6 +26,8 @@ default (DEFAULT_ON), which are set again after the run):
             (plugins/layer_fusion/kernel.EARLY_WEIGHTS)
   attn_long the attention's 64-key tiles, 3 stages, one program per SM for an AR step over a 16K-64K cache
             (plugins/tree_verify_mla/launcher.LONG_TILE; on by default)
+  attn_wgmma the attention of 33..1024 query rows (DDTree rounds) on the wgmma split kernel, sm_90
+            (plugins/tree_verify_mla/launcher.WGMMA, tree_verify_wgmma.cu)
 
     python3 benchmarks/k26_switches.py --out DIR [--settings base,skinny,moe_pf,gemm_pf,attn_pf,...]
         [--context 4096] [--budget 16[,15,...]] [--iters 10] [--layers N] [--source tiny-kimi --tp 1 --context 512]
@@ -88,7 +90,8 @@ _FLAGS = {"skinny": ("runtime.model.layers", "SKINNY_GEMM"),
           "moe_w16": ("plugins.moe_w4a16.launch_v3", "USE_W16"),
           "moe_early": ("plugins.moe_w4a16.launch_v3", "EARLY_WEIGHTS"),
           "glue_early": ("plugins.layer_fusion.kernel", "EARLY_WEIGHTS"),
-          "attn_long": ("plugins.tree_verify_mla.launcher", "LONG_TILE")}
+          "attn_long": ("plugins.tree_verify_mla.launcher", "LONG_TILE"),
+          "attn_wgmma": ("plugins.tree_verify_mla.launcher", "WGMMA")}
 # see the module doc; skinny_wide before skinny_tree and skinny_8 (which widen only what skinny_wide left)
 SWITCHES = {"moe_pf": _set_moe_pf, "skinny_pf": _set_skinny_pf, "skinny_wide": _set_skinny_wide,
             "skinny_tree": _widen_skinny_tokens(24), "skinny_8": _widen_skinny_tokens(8),

@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import print_table, roofline_us, time_us, write_result  # noqa: E402
 from plugins.common.bitmask import unpack_mask  # noqa: E402
 from plugins.common.device import device_facts  # noqa: E402
-from plugins.tree_verify_mla.launcher import Config, plan, tree_verify_mla_triton, workspace_numel  # noqa: E402
+from plugins.tree_verify_mla.launcher import WGMMA_CONFIG, Config, plan, tree_verify_mla_triton  # noqa: E402
+from plugins.tree_verify_mla.launcher import workspace_numel  # noqa: E402
 from plugins.tree_verify_mla.reference import tree_verify_mla_reference  # noqa: E402
 
 D_QK, D_V, D_NOPE, D_ROPE = 576, 512, 128, 64  # latent row; per-head decompressed dims for the SDPA peer
@@ -54,6 +55,7 @@ X2 = Config(16, 32, 4, 3, ctas_per_sm=2)
 DV2_64 = Config(64, 64, 4, 2, dv_split=2)
 DV2_32 = Config(64, 32, 4, 3, dv_split=2)
 W8_64 = Config(64, 64, 8, 2)
+WG = WGMMA_CONFIG  # the CUDA C split kernel (tree_verify_wgmma.cu): scores once a 64-row block, two warpgroups
 SWEEP = {
     # 4K (first: the K2.6 rank profile of 2026-12-04 has split + combine at ~17 µs a layer for 4.7 MB at N = 1,
     # ~34 µs at N = 17): without PDL the combine's own time shows; fewer splits shorten the combine
@@ -66,29 +68,33 @@ SWEEP = {
     # N = 17 (m = 136): the dv2 table choice pads to 3 x 64 rows (192) and is latency-bound per tile (~2 us a 32-key
     # tile, 6 tiles a split); predicted (2026-12-05, before running): keys_m 32-row blocks (5 m-blocks, 64-key
     # tiles, ~2.5 tiles a split) ~8 us, 16-row x2 blocks (9 m-blocks, ~29 splits) ~11 us, against 18.1 us
-    (1, 8, 17, 4096): [(DV2_32, None, True), (KM32, None, True), (X2, None, True), (KM16, None, True),
+    (1, 8, 17, 4096): [(DV2_32, None, True), (WG, None, True), (WG, 44, True), (WG, 33, True),
+                       (KM32, None, True), (X2, None, True), (KM16, None, True),
                        (DV2_32, 13, True), (DV2_32, 33, True), (DV2_32, 44, True),
                        (DV2_32, 65, True), (DV2_32, None, False), (DV2_32, 8, True)],
-    (1, 8, 9, 4096): [(DV2_32, None, True), (KM32, None, True), (X2, None, True), (KM16, None, True)],  # budget 8
+    (1, 8, 9, 4096): [(DV2_32, None, True), (WG, None, True), (WG, 66, True), (KM32, None, True), (X2, None, True),
+                      (KM16, None, True)],  # budget 8
     # budget 32 at 4K (m = 264: 5 x 64 rows), budget 16 at 32K (the K2.6 rank's DDTree-16 round: +53 us a layer over
     # 4K, H200 k26-rank.json): the N = 17 candidates, and 64-row blocks without the value split (scores once)
-    (1, 8, 33, 4096): [(DV2_32, None, True), (KM32, None, True), (X2, None, True), (W8_64, None, True),
-                       (Config(64, 32, 8, 3), None, True)],
-    (1, 8, 17, 32768): [(DV2_32, None, True), (KM32, None, True), (X2, None, True), (W8_64, None, True),
-                        (Config(64, 32, 8, 3), None, True), (KM16, None, True), (DV2_32, 44, True)],
+    (1, 8, 33, 4096): [(DV2_32, None, True), (WG, None, True), (WG, 26, True), (KM32, None, True), (X2, None, True),
+                       (W8_64, None, True), (Config(64, 32, 8, 3), None, True)],
+    (1, 8, 17, 32768): [(DV2_32, None, True), (WG, None, True), (WG, 66, True), (KM32, None, True), (X2, None, True),
+                        (W8_64, None, True), (Config(64, 32, 8, 3), None, True), (KM16, None, True),
+                        (DV2_32, 44, True)],
     (1, 8, 1, 32768): [(X2, None, True), (KM16, None, True), (X2, None, False), (Config(16, 32, 4, 4), None, True),
                        (Config(16, 64, 4, 3), None, True), (Config(16, 32, 4, 2, ctas_per_sm=3), None, True),
                        (Config(16, 64, 4, 2, ctas_per_sm=2), None, True), (X2, 132, True), (KM16, 264, True)],
     (1, 8, 1, 131072): [(X2, None, True), (KM16, None, True), (Config(16, 32, 4, 4), None, True),
                         (Config(16, 32, 4, 2, ctas_per_sm=3), None, True)],
-    (1, 8, 8, 32768): [(DV2_32, None, True), (DV2_64, None, True), (DV2_32, 132, True), (DV2_32, 33, True),
-                       (Config(64, 32, 8, 3), 132, True), (X2, None, True), (KM16, None, True), (KM32, None, True),
-                       (DV2_32, None, False)],
+    (1, 8, 8, 32768): [(DV2_32, None, True), (WG, None, True), (DV2_64, None, True), (DV2_32, 132, True),
+                       (DV2_32, 33, True), (Config(64, 32, 8, 3), 132, True), (X2, None, True), (KM16, None, True),
+                       (KM32, None, True), (DV2_32, None, False)],
     (1, 8, 4, 32768): [(KM32, None, True), (X2, None, True), (Config(32, 32, 8, 4), None, True),
                        (DV2_32, None, True)],
-    (1, 64, 64, 32768): [(W8_64, None, True), (DV2_32, None, True), (W8_64, 4, True),
+    (1, 64, 64, 32768): [(W8_64, None, True), (WG, None, True), (DV2_32, None, True), (W8_64, 4, True),
                          (Config(64, 32, 8, 3), None, True)],
-    (1, 8, 64, 32768): [(DV2_32, None, True), (W8_64, None, True)],  # m = 512: where the table switches to W8_64?
+    # m = 512: where the table switches to W8_64?
+    (1, 8, 64, 32768): [(DV2_32, None, True), (WG, None, True), (W8_64, None, True)],
 }
 SWEEP_BUDGET_S = float(os.environ.get("SWEEP_BUDGET_S", 150))  # stop sweeping past this many seconds of the sweep
 RUN_BUDGET_S = float(os.environ.get("RUN_BUDGET_S", 215))  # ... or of the whole run (device_run.sh kills it at 240 s)

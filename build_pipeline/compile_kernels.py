@@ -26,6 +26,7 @@ from pathlib import Path
 from core.errors import KdtreeError
 from core.progress import Progress
 from plugins.common.aot import TritonKernel
+from plugins.common.cubin import compile_arch
 
 REPO = Path(__file__).resolve().parent.parent
 PLUGINS = REPO / "plugins"
@@ -89,7 +90,8 @@ def compile_cuda(src: Path, arch: str, out: Path) -> list[dict]:
     m = _ARCH.match(arch)
     common = [nvcc, "-O3", "-std=c++17", "-lineinfo", f"-I{PLUGINS}", f"-I{src.parent}"]
     cubin, ptx = rel / (src.stem + ".cubin"), rel / (src.stem + ".ptx")
-    for cmd in ([*common, "-cubin", f"-arch={arch}", "-o", str(out / cubin), str(src)],
+    cubin_arch = compile_arch(src.read_bytes(), arch)  # sm_90a for a source that uses wgmma
+    for cmd in ([*common, "-cubin", f"-arch={cubin_arch}", "-o", str(out / cubin), str(src)],
                 [*common, "-ptx", f"-arch=compute_{m.group(1)}{m.group(2)}", "-o", str(out / ptx), str(src)]):
         res = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if res.returncode:

@@ -60,7 +60,7 @@ CONTEXTS = (4096, 32768)
 # <= 1 MB; ~25 us: NCCL's ring/tree for the same sizes.  Both curves are reported.
 ALLREDUCE_US = (10.0, 25.0)
 KERNEL_CLASSES = (  # (class, kernel-name pattern), first match wins
-    ("attention", r"tree_verify_mla"),
+    ("attention", r"tree_verify_(mla|wgmma)"),
     ("layer_glue", r"^_(add_rms_norm|mla_q_absorb|mla_v_absorb|mla_rope_kv|silu_mul)_kernel"),  # plugins/layer_fusion
     ("moe_experts", r"^(gate_up_kernel|down_kernel|silu_mul_kernel|combine_kernel|combine_shared_kernel|"
                     r"kdtree_moe_v3_)"),

@@ -9,6 +9,9 @@ Found in order:
      source).  The sources take no headers, so NVRTC needs no include path.
 
 CubinUnavailable names what is missing when none of them gives one.
+
+A source that uses an arch's feature set (sm_90a's wgmma) says so with the line `#define KDTREE_ARCH_FEATURES`; its
+cubin for "sm_90" is then compiled for "sm_90a" (compile_arch), which runs on the same GPUs.
 """
 
 from __future__ import annotations
@@ -22,6 +25,15 @@ from pathlib import Path
 
 _KERNEL_DIRS: list[Path] = []
 COMPILED: list[str] = []  # "<source> for <arch>" of each cubin this process compiled (tests assert none)
+
+
+FEATURES_MARKER = b"#define KDTREE_ARCH_FEATURES"
+FEATURE_ARCHS = ("sm_90",)  # archs with an "a" feature set (sm_90a: wgmma, setmaxnreg)
+
+
+def compile_arch(text: bytes, arch: str) -> str:
+    """The arch a source compiles for: arch + "a" where the source asks for the feature set and arch has one."""
+    return arch + "a" if arch in FEATURE_ARCHS and FEATURES_MARKER in text else arch
 
 
 class CubinUnavailable(RuntimeError):
@@ -51,7 +63,7 @@ def cubin(source: Path, arch: str, cache: Path) -> tuple[bytes, str]:
     errors = []
     for compile_with in (_nvrtc, _nvcc):
         try:
-            out = compile_with(text, source.name, arch)
+            out = compile_with(text, source.name, compile_arch(text, arch))
         except CubinUnavailable as exc:
             errors.append(str(exc))
             continue

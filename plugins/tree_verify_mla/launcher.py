@@ -15,6 +15,7 @@ import triton
 from core.env_flags import env_flag
 from plugins.common.device import device_facts
 from plugins.common.pdl import USE_PDL, pdl_args  # PDL on sm_90+ (the combine launches while the split kernel runs)
+from plugins.tree_verify_mla import wgmma_launch
 from plugins.tree_verify_mla.kernel import (
     LOG2E,
     tree_verify_mla_combine_kernel,
@@ -50,11 +51,12 @@ class Config:
     dv_split: int = 1
     keys_m: bool = False
     ctas_per_sm: int = 1
+    wgmma: bool = False  # the CUDA C split kernel (tree_verify_wgmma.cu, sm_90a): block 64 x 64, two warpgroups
 
     def tag(self) -> str:
         return (f"m{self.block_m}-n{self.block_n}-w{self.num_warps}-s{self.num_stages}"
                 + (f"-dv{self.dv_split}" if self.dv_split > 1 else "") + ("-keysm" if self.keys_m else "")
-                + (f"-x{self.ctas_per_sm}" if self.ctas_per_sm > 1 else ""))
+                + (f"-x{self.ctas_per_sm}" if self.ctas_per_sm > 1 else "") + ("-wgmma" if self.wgmma else ""))
 
 
 # Per regime, by m = n * h query rows per request: (largest m, config).  Resource use from the sm_90
@@ -90,6 +92,13 @@ CONFIGS_16BIT: tuple[tuple[int, Config], ...] = (
 LONG_TILE = env_flag("KDTREE_ATTN_LONG_TILE", True)
 LONG_TILE_CONFIG = Config(block_m=16, block_n=64, num_warps=4, num_stages=3)
 LONG_TILE_MIN, LONG_TILE_MAX = 16384, 65536
+# KDTREE_ATTN_WGMMA (off until measured in the round; k26_switches attn_wgmma): requests of 33..1024 query rows (a
+# DDTree round at h = 8: 5..128 nodes) on an sm_90 GPU, bf16, d_qk 576 / d_v 512, take the CUDA C split kernel
+# (tree_verify_wgmma.cu): one CTA of two warpgroups computes a 64-row block's scores once and splits the 512 value
+# columns, where the table's Triton tiles compute them twice (dv_split 2).  Same plan, workspace and combine.
+WGMMA = env_flag("KDTREE_ATTN_WGMMA", False)
+WGMMA_CONFIG = Config(block_m=64, block_n=64, num_warps=8, num_stages=2, wgmma=True)
+WGMMA_ROWS = (33, 1024)
 CONFIGS_FP32: tuple[tuple[int, Config], ...] = (  # 128 registers, no spill (4 warps: 255 and 1 KB of spills)
     (1 << 62, Config(block_m=16, block_n=32, num_warps=8, num_stages=2)),
 )
@@ -120,7 +129,7 @@ def plan(b: int, n: int, h: int, l_max: int, dtype: torch.dtype, device: torch.d
     counted in bytes, max(latent rows read, flops * the device's bytes per flop), or at most L2_SHARE of the
     device's L2 for all b requests, whichever allows more."""
     m = n * h
-    cfg = config or pick_config(m, dtype, l_max)
+    cfg = config or (WGMMA_CONFIG if _wgmma_wanted(m, dtype, device, d_qk, d_v) else pick_config(m, dtype, l_max))
     if num_splits is None:
         facts = device_facts(device)
         num_sms = num_sms or facts.sms
@@ -134,6 +143,15 @@ def plan(b: int, n: int, h: int, l_max: int, dtype: torch.dtype, device: torch.d
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"tree_verify_mla: num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     return Plan(cfg, num_splits)
+
+
+def _wgmma_wanted(m: int, dtype: torch.dtype, device: torch.device | str, d_qk: int, d_v: int) -> bool:
+    """Whether the plan takes WGMMA_CONFIG: switched on, rows in WGMMA_ROWS, bf16 576 / 512, and the kernel loads on
+    this CUDA device (sm_90)."""
+    if not (WGMMA and dtype == torch.bfloat16 and (d_qk, d_v) == (wgmma_launch.D_QK, wgmma_launch.D_V)
+            and WGMMA_ROWS[0] <= m <= WGMMA_ROWS[1] and torch.device(device).type == "cuda"):
+        return False
+    return wgmma_launch.available(torch.device(device))
 
 
 def workspace_numel(b: int, n: int, h: int, d_v: int, l_max: int, dtype: torch.dtype, device: torch.device | str,
@@ -196,6 +214,9 @@ def tree_verify_mla_triton(q: torch.Tensor, cache: torch.Tensor, cache_lens: tor
         return
     p = plan(b, n, h, l_max, q.dtype, q.device, config, num_splits, d_qk, d_v, num_sms)
     cfg = p.config
+    if cfg.wgmma and not (q.dtype == torch.bfloat16 and (d_qk, d_v) == (wgmma_launch.D_QK, wgmma_launch.D_V)
+                          and wgmma_launch.available(q.device) and wgmma_launch.aligned(q, cache, tree_kv)):
+        cfg = pick_config(n * h, q.dtype, l_max)  # the plan's splits and workspace, the Triton tiles
     if 64 % cfg.block_n or cfg.block_n < 16 or cfg.block_m < 16 or cfg.dv_split not in (1, 2) \
             or d_v // cfg.dv_split < 16:
         raise ValueError(f"tree_verify_mla: config needs 16 <= block_n | 64, block_m >= 16, dv_split in (1, 2) "
@@ -218,19 +239,12 @@ def tree_verify_mla_triton(q: torch.Tensor, cache: torch.Tensor, cache_lens: tor
     else:
         o_part = l_part = lse  # unused by the one-split kernel
 
-    grid = (triton.cdiv(m_rows, cfg.block_m) * cfg.dv_split, s, b)
-    tree_verify_mla_split_kernel[grid](
-        q, cache, cache_lens, tree_kv, tree_mask, out, lse, o_part, l_part,
-        q.stride(0), q.stride(1), q.stride(2),
-        cache.stride(0), cache.stride(1),
-        tree_kv.stride(0), tree_kv.stride(1),
-        tree_mask.stride(0), tree_mask.stride(1),
-        out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0), lse.stride(1),
-        n, h, l_max, s, float(scale) * LOG2E,
-        D_V=d_v, D_R=d_r, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DV_SPLIT=cfg.dv_split, KEYS_M=cfg.keys_m,
-        DIRECT=s == 1, IEEE=q.dtype == torch.float32, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **launch, **prefetch)
+    if cfg.wgmma:
+        wgmma_launch.launch_split(q, cache, cache_lens, tree_kv, tree_mask, out, lse, o_part, l_part, s,
+                                  float(scale) * LOG2E, pdl)
+    else:
+        _launch_triton_split(q, cache, cache_lens, tree_kv, tree_mask, out, lse, o_part, l_part, cfg, s, scale,
+                             launch, prefetch)
     if s == 1:
         return
     s_pad = triton.next_power_of_2(s)
@@ -241,3 +255,23 @@ def tree_verify_mla_triton(q: torch.Tensor, cache: torch.Tensor, cache_lens: tor
         lse.stride(0), lse.stride(1),
         n, h, s,
         S_PAD=s_pad, D_V=d_v, BLOCK_DV=block_dv, num_warps=4, **launch)
+
+
+def _launch_triton_split(q, cache, cache_lens, tree_kv, tree_mask, out, lse, o_part, l_part, cfg: Config, s: int,
+                         scale: float, launch: dict, prefetch: dict) -> None:
+    """The Triton split kernel over grid (m-blocks x dv_split, s, b); the arguments as tree_verify_mla_triton's."""
+    b, n, h, d_qk = q.shape
+    d_v = out.shape[-1]
+    grid = (triton.cdiv(n * h, cfg.block_m) * cfg.dv_split, s, b)
+    tree_verify_mla_split_kernel[grid](
+        q, cache, cache_lens, tree_kv, tree_mask, out, lse, o_part, l_part,
+        q.stride(0), q.stride(1), q.stride(2),
+        cache.stride(0), cache.stride(1),
+        tree_kv.stride(0), tree_kv.stride(1),
+        tree_mask.stride(0), tree_mask.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1),
+        n, h, cache.shape[1], s, float(scale) * LOG2E,
+        D_V=d_v, D_R=d_qk - d_v, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DV_SPLIT=cfg.dv_split, KEYS_M=cfg.keys_m,
+        DIRECT=s == 1, IEEE=q.dtype == torch.float32, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **launch, **prefetch)

@@ -1,0 +1,89 @@
+"""Launch of tree_verify_wgmma.cu (the split kernel of 64 query rows a CTA on Hopper's warpgroup MMA) through the driver
+API on torch's current stream: capturable in a CUDA graph, PDL on sm_90.  The cubin comes from the artifact, the
+kdtree cache or NVRTC/nvcc, compiled for sm_90a (plugins/common/cubin.py).  launcher.py decides where it runs (its
+plan, the workspace and the combine are the Triton path's); this file loads and launches it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import warnings
+from pathlib import Path
+
+import torch
+
+from plugins.common.cubin import CubinUnavailable, load_module
+from plugins.common.device import device_facts
+from plugins.common.driver import checked, launch
+
+SOURCE = Path(__file__).with_name("tree_verify_wgmma.cu")
+KERNEL = "tree_verify_wgmma"
+THREADS = 256  # two warpgroups
+BLOCK_M = BLOCK_N = 64  # query rows a CTA, keys a tile (the .cu's BM, BN)
+D_QK, D_V = 576, 512  # the widths the .cu is written for (K2.6's latent row)
+SMEM = 229888 + 1024  # the .cu's SMEM_BYTES and the slack to align it to 1024 bytes
+
+
+class WgmmaAttentionWarning(UserWarning):
+    """The wgmma kernel could not be loaded; the Triton split kernel runs instead."""
+
+
+_FUNCS: dict[int, tuple[object, object]] = {}  # device index -> (cuda.bindings.driver, CUfunction)
+_UNAVAILABLE: dict[int, str] = {}
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernel loads on `device` (an sm_90 GPU; loading it at the first ask); one warning naming why when it
+    does not.  Asked first inside a CUDA graph capture, False without loading (the warm-up calls come first)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index in _FUNCS:
+        return True
+    if index in _UNAVAILABLE or torch.cuda.is_current_stream_capturing():
+        return False
+    if device_facts(device).capability != (9, 0):
+        _UNAVAILABLE[index] = f"sm_{''.join(map(str, device_facts(device).capability))} has no wgmma (sm_90a)"
+        return False
+    try:
+        from cuda.bindings import driver as cu
+        torch.empty(1, device=device)  # the device's primary context, current before the driver loads the module
+        module, _ = load_module(SOURCE, torch.device("cuda", index), "tree_verify_wgmma")
+        func = checked(cu, cu.cuModuleGetFunction(module, KERNEL.encode()), f"{KERNEL}: cuModuleGetFunction")
+        checked(cu, cu.cuFuncSetAttribute(func, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                          SMEM), f"{KERNEL}: cuFuncSetAttribute (shared memory {SMEM} B)")
+    except (CubinUnavailable, ImportError, RuntimeError) as exc:
+        _UNAVAILABLE[index] = f"{type(exc).__name__}: {exc}"
+        warnings.warn(WgmmaAttentionWarning(f"tree_verify_wgmma unavailable on cuda:{index} ({_UNAVAILABLE[index]}); "
+                                            f"the Triton split kernel runs"), stacklevel=2)
+        return False
+    _FUNCS[index] = (cu, func)
+    return True
+
+
+def aligned(q: torch.Tensor, cache: torch.Tensor, tree_kv: torch.Tensor) -> bool:
+    """cp.async moves 16 bytes: the rows of q, cache and tree_kv and their bases must be 16-byte aligned."""
+    return all(t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+               for t in (q, cache, tree_kv))
+
+
+def launch_split(q: torch.Tensor, cache: torch.Tensor, cache_lens: torch.Tensor, tree_kv: torch.Tensor,
+                 tree_mask: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, o_part: torch.Tensor,
+                 l_part: torch.Tensor, num_splits: int, scale2: float, pdl: bool) -> None:
+    """The split kernel over grid (cdiv(n h, 64), num_splits b): out / lse directly with one split, else the partials
+    o_part [b, s, n h, 512] / l_part [b, s, n h] (base 2) for launcher.py's combine.  Inputs as launcher checks them,
+    bf16 with d_qk 576, d_v 512, aligned(); available(q.device) was asked first."""
+    b, n, h, _ = q.shape
+    cu, func = _FUNCS[q.device.index if q.device.index is not None else torch.cuda.current_device()]
+    ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
+    args = (q.data_ptr(), cache.data_ptr(), cache_lens.data_ptr(), tree_kv.data_ptr(), tree_mask.data_ptr(),
+            out.data_ptr(), lse.data_ptr(), o_part.data_ptr(), l_part.data_ptr(),
+            q.stride(0), q.stride(1), q.stride(2), cache.stride(0), cache.stride(1), tree_kv.stride(0),
+            tree_kv.stride(1), tree_mask.stride(0), tree_mask.stride(1), out.stride(0), out.stride(1), out.stride(2),
+            lse.stride(0), lse.stride(1), n, h, cache.shape[1], num_splits, scale2, int(num_splits == 1),
+            int(out.dtype == torch.float32))
+    types = (ptr,) * 9 + (i64,) * 14 + (i32, i32, i32, i32, f32, i32, i32)
+    stream = cu.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+    grid = ((n * h + BLOCK_M - 1) // BLOCK_M, num_splits * b)
+    launch(cu, func, grid, THREADS, SMEM, stream, args, types, pdl, f"{KERNEL}: launch", q.device.index)
