@@ -11,7 +11,7 @@ def test_switch_settings_parse_and_name_unknown_switches():
     assert parse_settings("base,skinny+moe_pf") == [("base", frozenset()), ("skinny+moe_pf",
                                                                               frozenset({"skinny", "moe_pf"}))]
     assert parse_settings("default") == [("default", frozenset({"skinny", "moe_early", "skinny_early", "glue_early",
-                                                                 "moe_w16", "attn_long"}))]
+                                                                 "moe_w16", "attn_long", "attn_wgmma"}))]
     with pytest.raises(ValueError, match=r"unknown switch \['turbo'\]"):
         parse_settings("base,skinny+turbo")
 

@@ -92,11 +92,13 @@ CONFIGS_16BIT: tuple[tuple[int, Config], ...] = (
 LONG_TILE = env_flag("KDTREE_ATTN_LONG_TILE", True)
 LONG_TILE_CONFIG = Config(block_m=16, block_n=64, num_warps=4, num_stages=3)
 LONG_TILE_MIN, LONG_TILE_MAX = 16384, 65536
-# KDTREE_ATTN_WGMMA (off until measured in the round; k26_switches attn_wgmma): requests of 33..1024 query rows (a
-# DDTree round at h = 8: 5..128 nodes) on an sm_90 GPU, bf16, d_qk 576 / d_v 512, take the CUDA C split kernel
+# KDTREE_ATTN_WGMMA (on; =0 turns it off; k26_switches attn_wgmma): requests of 33..1024 query rows (a DDTree round
+# at h = 8: 5..128 nodes) on an sm_90 GPU, bf16, d_qk 576 / d_v 512, take the CUDA C split kernel
 # (tree_verify_wgmma.cu): one CTA of two warpgroups computes a 64-row block's scores once and splits the 512 value
-# columns, where the table's Triton tiles compute them twice (dv_split 2).  Same plan, workspace and combine.
-WGMMA = env_flag("KDTREE_ATTN_WGMMA", False)
+# columns, where the table's Triton tiles compute them twice (dv_split 2).  Same plan, workspace and combine.  K2.6
+# rank, 40 layers, H100 (results/k26-switches-h100.json calls 8, 9): DDTree-16 -11.1 %, DDTree-32 -13.4 % at 32K,
+# level at 4K (-0.7 .. +0.2 %); the kernel alone at N 17 32K 67.9 -> 46.5 µs, N 64 32K 170.8 -> 101.1 µs.
+WGMMA = env_flag("KDTREE_ATTN_WGMMA", True)
 WGMMA_CONFIG = Config(block_m=64, block_n=64, num_warps=8, num_stages=2, wgmma=True)
 WGMMA_ROWS = (33, 1024)
 CONFIGS_FP32: tuple[tuple[int, Config], ...] = (  # 128 registers, no spill (4 warps: 255 and 1 KB of spills)
