@@ -16,9 +16,11 @@
 //           read a second way: V is the same rows' first 512 columns, N-major), 128 fp32 registers a thread.
 // Shared memory (dynamic, 1024-byte aligned, 128-byte swizzle: 16-byte chunk c of a 128-byte row r sits at chunk
 // c ^ (r % 8)): Q as 9 blocks of [64 rows x 64 columns] (72 KB), two stages of the key tile in the same form (144 KB),
-// P [64 x 64] (8 KB), the row-max exchange (512 B).  The key tile t + 1 is loaded with cp.async while tile t is
-// computed (the barrier at the top of iteration t + 1 frees its stage).  Rows past the valid length are zero-filled:
-// their value rows meet p = 0, and 0 x a stale NaN would not be 0.
+// P [64 x 64] (8 KB), the row-max exchange (512 B), two mbarriers.  The key tile t + 1 is loaded by the tensor memory
+// accelerator (one thread, 9 boxes of 64 x 64, the 128-byte swizzle written by the copy itself) while tile t is
+// computed (the barrier at the top of iteration t + 1 frees its stage); Q by cp.async.  Rows past the tensor's end
+// land as zeros; committed rows past the length are zeroed after landing: their value rows meet p = 0, and 0 x a
+// stale NaN would not be 0.
 //
 // Key range of request r and splits exactly as kernel.py: L = min(cache_lens[r], l_max) committed rows in
 // cdiv(L, 64) tiles, then cdiv(n, 64) tiles of tree rows under the ancestor mask (64-key tiles: tree tile i is mask
@@ -47,7 +49,8 @@ typedef unsigned long long u64;
 #define SMEM_KV TILE_BYTES
 #define SMEM_P (3 * TILE_BYTES)
 #define SMEM_RED (SMEM_P + BLK_BYTES)
-#define SMEM_BYTES (SMEM_RED + 2 * BM * 4)  // 229888; launch.py asks for this + 1024 (alignment)
+#define SMEM_BAR (SMEM_RED + 2 * BM * 4)  // two mbarriers: stage 0 and 1 of the key tile landed
+#define SMEM_BYTES (SMEM_BAR + 16)  // 229904; launch.py asks for this + 1024 (alignment)
 #define THREADS 256
 #define NEG_INF (-__int_as_float(0x7f800000))
 
@@ -187,20 +190,45 @@ __device__ __forceinline__ u32 tile_offset(int tid) {
     return r * 128 + ((c8 ^ (r & 7)) << 4);
 }
 
-// Rows [0, 64) of a row-major bf16 matrix [*, 576] at `rows` (row stride in elements) -> one swizzled tile at shared
-// address `tile`; rows at or past `valid` are zero-filled (they read nothing: their source is `safe`, a valid address).
-__device__ __forceinline__ void load_tile(u32 tile, const u16* rows, long long stride, int valid, const u16* safe,
-                                          int tid) {
-    const int r = tid >> 3, c8 = tid & 7;
-    const u32 dst = tile + tile_offset(tid);
-    const bool ok0 = r < valid, ok1 = r + 32 < valid;
-    const u16* src0 = ok0 ? rows + r * stride + c8 * 8 : safe;
-    const u16* src1 = ok1 ? rows + (r + 32) * stride + c8 * 8 : safe;
+// The tensor map of a [b, rows, 576] bf16 tensor (launch.py: cuTensorMapEncodeTiled, boxes of 64 columns x 64 rows,
+// 128-byte swizzle, rows past the tensor's end read as zeros): 128 opaque bytes passed by value.
+struct __align__(64) TensorMap {
+    u64 bytes[16];
+};
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {  // this thread arrives; `bytes` will land
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {  // until the phase of this parity has completed
+    asm volatile(
+        "{\n.reg .pred p;\nWAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        "@!p bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+
+// One 64 x 64 box (columns c0.., rows c1.., request c2) of the tensor behind `map` into shared memory at dst (1024-byte
+// aligned: the swizzle is the one wgmma reads), completing `bytes` on the mbarrier at bar.
+__device__ __forceinline__ void tma_box(u32 dst, const TensorMap* map, int c0, int c1, int c2, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+        ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar) : "memory");
+}
+
+// Key tile t of request r (the first t_cache tiles from the cache, then the tree's) into the stage at `tile`: one
+// thread arms the stage's mbarrier with the tile's bytes and issues its 9 boxes.
+__device__ __forceinline__ void issue_tile(u32 tile, u32 bar, const TensorMap* cache_map, const TensorMap* tree_map,
+                                           int t, int t_cache, int r) {
+    const bool in_c = t < t_cache;
+    const TensorMap* map = in_c ? cache_map : tree_map;
+    const int first = (in_c ? t : t - t_cache) * BN;
+    mbar_expect_tx(bar, TILE_BYTES);
 #pragma unroll
-    for (int blk = 0; blk < NBLK; ++blk) {
-        cp_async16(dst + blk * BLK_BYTES, src0 + (ok0 ? blk * 64 : 0), ok0 ? 16u : 0u);
-        cp_async16(dst + blk * BLK_BYTES + 32 * 128, src1 + (ok1 ? blk * 64 : 0), ok1 ? 16u : 0u);
-    }
+    for (int blk = 0; blk < NBLK; ++blk) tma_box(tile + blk * BLK_BYTES, map, blk * 64, first, r, bar);
 }
 
 // The CTA's 64 query rows (row i = node * h + head of m-block mb; past m_rows zero-filled) -> the Q tile.
@@ -220,10 +248,10 @@ __device__ __forceinline__ void load_q(u32 tile, const u16* q, long long sqn, lo
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) tree_verify_wgmma(
-    const u16* __restrict__ q, const u16* __restrict__ cache, const int* __restrict__ lens,
-    const u16* __restrict__ tree, const long long* __restrict__ mask, void* __restrict__ out, float* __restrict__ lse,
-    float* __restrict__ opart, float* __restrict__ lpart,
-    long long sqb, long long sqn, long long sqh, long long scb, long long scl, long long stb, long long stn,
+    const __grid_constant__ TensorMap cache_map, const __grid_constant__ TensorMap tree_map,
+    const u16* __restrict__ q, const int* __restrict__ lens, const long long* __restrict__ mask,
+    void* __restrict__ out, float* __restrict__ lse, float* __restrict__ opart, float* __restrict__ lpart,
+    long long sqb, long long sqn, long long sqh,
     long long smb, long long smn, long long sob, long long son, long long soh, long long slb, long long sln,
     int n, int h, int l_max, int num_splits, float scale2, int direct, int out_f32) {
     extern __shared__ unsigned char smem_raw[];
@@ -232,12 +260,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) tree_verify_wgmma(
     unsigned char* smem = smem_raw + pad;
     const u32 sb = raw + pad;
     float* red = (float*)(smem + SMEM_RED);  // [2 warpgroups][64 rows]: row maxima, then row sums
+    const u32 bar = sb + SMEM_BAR;  // stage i's mbarrier at bar + 8 i
 
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid & 127) >> 5, lane = tid & 31;
     const int mb = blockIdx.x, s = blockIdx.y % num_splits;
     const long long r = blockIdx.y / num_splits;
     const int m_rows = n * h;
 
+    if (tid == 0) {
+        mbar_init(bar, 1);
+        mbar_init(bar + 8, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
     pdl_wait();  // q, tree rows, mask and the workspace come from the predecessor grids
     pdl_trigger();  // the combine may become resident; it waits for this grid's completion
 
@@ -245,8 +280,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) tree_verify_wgmma(
     const int t_cache = (length + BN - 1) / BN, t_all = t_cache + (n + BN - 1) / BN;
     const int per = (t_all + num_splits - 1) / num_splits;
     const int t_lo = s * per, t_hi = min(t_lo + per, t_all);
-    const u16* cache_r = cache + r * scb;
-    const u16* tree_r = tree + r * stb;
 
     // this thread's accumulator rows (wgmma D layout: warp w of a warpgroup holds rows 16 w .. 16 w + 15; lane l rows
     // l / 4 and l / 4 + 8, columns 2 (l % 4) + {0, 1} of every 8-column block)
@@ -257,13 +290,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) tree_verify_wgmma(
     const long long* mask1 = mask + r * smb + (long long)(ok1 ? g1 / h : 0) * smn;
     const int cq = 2 * (lane & 3);
 
+    if (tid == 0 && t_lo < t_hi) issue_tile(sb + SMEM_KV, bar, &cache_map, &tree_map, t_lo, t_cache, (int)r);
     load_q(sb + SMEM_Q, q + r * sqb, sqn, sqh, mb * BM, m_rows, h, tid);
-    if (t_lo < t_hi) {
-        const bool in_c = t_lo < t_cache;
-        const int first = (in_c ? t_lo : t_lo - t_cache) * BN;
-        load_tile(sb + SMEM_KV, in_c ? cache_r + first * scl : tree_r + first * stn, in_c ? scl : stn,
-                  (in_c ? length : n) - first, in_c ? cache_r : tree_r, tid);
-    }
     cp_async_commit();
 
     float o[128];  // O_g [64 x 256]: value columns 256 g + 8 j + cq + {0, 1} of rows row0 (o[4 j], o[4 j + 1]) and
@@ -275,18 +303,23 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) tree_verify_wgmma(
     const u64 dq = smem_desc(sb + SMEM_Q, 16, 1024), dp = smem_desc(sb + SMEM_P, 16, 1024);
 
     for (int t = t_lo; t < t_hi; ++t) {
-        const u32 kv = sb + SMEM_KV + ((t - t_lo) & 1) * TILE_BYTES;
-        cp_async_wait_all();
-        fence_async_smem();
-        __syncthreads();  // tile t (and Q) landed; every warp is done with tile t - 1, its stage and P
-        if (t + 1 < t_hi) {
-            const bool in_c = t + 1 < t_cache;
-            const int first = (in_c ? t + 1 : t + 1 - t_cache) * BN;
-            load_tile(sb + SMEM_KV + ((t + 1 - t_lo) & 1) * TILE_BYTES,
-                      in_c ? cache_r + first * scl : tree_r + first * stn, in_c ? scl : stn,
-                      (in_c ? length : n) - first, in_c ? cache_r : tree_r, tid);
+        const int i = t - t_lo;
+        const u32 kv = sb + SMEM_KV + (i & 1) * TILE_BYTES;
+        cp_async_wait_all();  // this thread's part of Q
+        mbar_wait(bar + 8 * (i & 1), (i >> 1) & 1);  // tile t landed (the stage's (i / 2)-th use)
+        if (t < t_cache && length - t * BN < BN) {  // the last committed tile: zero its rows past the length (the
+            const int valid = length - t * BN;       // map reads them: stale rows, and p = 0 times a NaN is NaN)
+            for (int e = tid; e < NBLK * (BN - valid) * 8; e += THREADS) {
+                const int blk = e / ((BN - valid) * 8), rest = e - blk * (BN - valid) * 8;
+                *(uint4*)(smem + SMEM_KV + (i & 1) * TILE_BYTES + blk * BLK_BYTES + valid * 128 + rest * 16) =
+                    make_uint4(0u, 0u, 0u, 0u);
+            }
         }
-        cp_async_commit();
+        fence_async_smem();
+        __syncthreads();  // tile t (and Q) visible to wgmma; every warp is done with tile t - 1, its stage and P
+        if (tid == 0 && t + 1 < t_hi)
+            issue_tile(sb + SMEM_KV + ((i + 1) & 1) * TILE_BYTES, bar + 8 * ((i + 1) & 1), &cache_map, &tree_map,
+                       t + 1, t_cache, (int)r);
 
         float sc[16];  // S_g [64 x 32]: keys 32 g + 8 j + cq + {0, 1}, rows row0 (sc[4 j], sc[4 j + 1]), row1
         const u64 dk = smem_desc(kv + wg * 32 * 128, 16, 1024);  // the k step's offset is added to the address field

@@ -21,7 +21,7 @@ KERNEL = "tree_verify_wgmma"
 THREADS = 256  # two warpgroups
 BLOCK_M = BLOCK_N = 64  # query rows a CTA, keys a tile (the .cu's BM, BN)
 D_QK, D_V = 576, 512  # the widths the .cu is written for (K2.6's latent row)
-SMEM = 229888 + 1024  # the .cu's SMEM_BYTES and the slack to align it to 1024 bytes
+SMEM = 229904 + 1024  # the .cu's SMEM_BYTES and the slack to align it to 1024 bytes
 
 
 class WgmmaAttentionWarning(UserWarning):
@@ -68,22 +68,51 @@ def aligned(q: torch.Tensor, cache: torch.Tensor, tree_kv: torch.Tensor) -> bool
                for t in (q, cache, tree_kv))
 
 
+_MAPS: dict[tuple, object] = {}  # (device index, address, rows, b, row stride, batch stride) -> CUtensorMap
+MAX_MAPS = 256  # encoded maps kept (two a layer and shape: the runtime's buffers are fixed, so the same keys recur)
+
+
+def tensor_map(cu, t: torch.Tensor) -> object:
+    """The CUtensorMap of a [b, rows, 576] bf16 tensor as the .cu reads it: boxes of 64 columns x 64 rows x 1
+    request, 128-byte swizzle, rows past `rows` read as zeros; encoded once per buffer and shape."""
+    b, rows, width = t.shape
+    key = (t.device.index, t.data_ptr(), rows, b, t.stride(1), t.stride(0))
+    found = _MAPS.get(key)
+    if found is not None:
+        return found
+    u64, u32 = cu.cuuint64_t, cu.cuuint32_t
+    size = t.element_size()
+    found = checked(cu, cu.cuTensorMapEncodeTiled(
+        cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, t.data_ptr(),
+        [u64(width), u64(max(rows, 1)), u64(b)], [u64(t.stride(1) * size), u64(t.stride(0) * size)],
+        [u32(64), u32(BLOCK_N), u32(1)], [u32(1), u32(1), u32(1)],
+        cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), f"{KERNEL}: cuTensorMapEncodeTiled {tuple(t.shape)}")
+    if len(_MAPS) >= MAX_MAPS:
+        _MAPS.pop(next(iter(_MAPS)))
+    _MAPS[key] = found
+    return found
+
+
 def launch_split(q: torch.Tensor, cache: torch.Tensor, cache_lens: torch.Tensor, tree_kv: torch.Tensor,
                  tree_mask: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, o_part: torch.Tensor,
                  l_part: torch.Tensor, num_splits: int, scale2: float, pdl: bool) -> None:
     """The split kernel over grid (cdiv(n h, 64), num_splits b): out / lse directly with one split, else the partials
     o_part [b, s, n h, 512] / l_part [b, s, n h] (base 2) for launcher.py's combine.  Inputs as launcher checks them,
-    bf16 with d_qk 576, d_v 512, aligned(); available(q.device) was asked first."""
+    bf16 with d_qk 576, d_v 512, aligned(); available(q.device) was asked first.  The key tiles come through tensor
+    maps of cache and tree_kv (a cache of 0 rows takes the tree's map: no committed tile is read then)."""
     b, n, h, _ = q.shape
     cu, func = _FUNCS[q.device.index if q.device.index is not None else torch.cuda.current_device()]
+    tree_map = tensor_map(cu, tree_kv)
+    cache_map = tensor_map(cu, cache) if cache.shape[1] else tree_map
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
-    args = (q.data_ptr(), cache.data_ptr(), cache_lens.data_ptr(), tree_kv.data_ptr(), tree_mask.data_ptr(),
-            out.data_ptr(), lse.data_ptr(), o_part.data_ptr(), l_part.data_ptr(),
-            q.stride(0), q.stride(1), q.stride(2), cache.stride(0), cache.stride(1), tree_kv.stride(0),
-            tree_kv.stride(1), tree_mask.stride(0), tree_mask.stride(1), out.stride(0), out.stride(1), out.stride(2),
-            lse.stride(0), lse.stride(1), n, h, cache.shape[1], num_splits, scale2, int(num_splits == 1),
-            int(out.dtype == torch.float32))
-    types = (ptr,) * 9 + (i64,) * 14 + (i32, i32, i32, i32, f32, i32, i32)
+    args = (cache_map, tree_map, q.data_ptr(), cache_lens.data_ptr(), tree_mask.data_ptr(), out.data_ptr(),
+            lse.data_ptr(), o_part.data_ptr(), l_part.data_ptr(),
+            q.stride(0), q.stride(1), q.stride(2), tree_mask.stride(0), tree_mask.stride(1), out.stride(0),
+            out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), n, h, cache.shape[1], num_splits, scale2,
+            int(num_splits == 1), int(out.dtype == torch.float32))
+    types = (None, None) + (ptr,) * 7 + (i64,) * 10 + (i32, i32, i32, i32, f32, i32, i32)  # None: a cuda object
     stream = cu.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     grid = ((n * h + BLOCK_M - 1) // BLOCK_M, num_splits * b)
     launch(cu, func, grid, THREADS, SMEM, stream, args, types, pdl, f"{KERNEL}: launch", q.device.index)
