@@ -34,8 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import print_table, roofline_us, time_us, write_result  # noqa: E402
 from plugins.common.bitmask import unpack_mask  # noqa: E402
 from plugins.common.device import device_facts  # noqa: E402
-from plugins.tree_verify_mla.launcher import WGMMA_CONFIG, Config, plan, tree_verify_mla_triton  # noqa: E402
-from plugins.tree_verify_mla.launcher import workspace_numel  # noqa: E402
+from plugins.tree_verify_mla.launcher import (  # noqa: E402
+    WGMMA_CONFIG,
+    Config,
+    plan,
+    tree_verify_mla_triton,
+    workspace_numel,
+)
 from plugins.tree_verify_mla.reference import tree_verify_mla_reference  # noqa: E402
 
 D_QK, D_V, D_NOPE, D_ROPE = 576, 512, 128, 64  # latent row; per-head decompressed dims for the SDPA peer

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import torch
 import triton
 
+import plugins.tree_verify_mla.wgmma_launch as wgmma_launch
 from core.env_flags import env_flag
 from plugins.common.device import device_facts
 from plugins.common.pdl import USE_PDL, pdl_args  # PDL on sm_90+ (the combine launches while the split kernel runs)
-from plugins.tree_verify_mla import wgmma_launch
 from plugins.tree_verify_mla.kernel import (
     LOG2E,
     tree_verify_mla_combine_kernel,
