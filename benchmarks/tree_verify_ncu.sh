@@ -2,7 +2,8 @@
 # Nsight Compute stall breakdown of tree_verify_mla's split kernels on one DDTree shape (h 8, b 1): the wgmma kernel
 # (tree_verify_wgmma.cu) and the Triton table's, one call each: where the warps wait, instructions, bytes, duration.
 # Usage (device tool): bash benchmarks/tree_verify_ncu.sh [N L]   (default 17 32768)
-# SASS=1: also the wgmma kernel's SASS hotspots (warp-stall samples per instruction, benchmarks/ncu_sass_hotspots.py)
+# SASS=1: also the wgmma kernel's SASS hotspots (warp-stall samples per instruction, benchmarks/ncu_sass_hotspots.py);
+# KERNELS=regex limits the metrics to those kernels (default: every tree_verify kernel of the two calls)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -18,7 +19,7 @@ for cfg in (WGMMA_CONFIG, None):
 torch.cuda.synchronize()
 PY
 stalls=$(for s in long_scoreboard short_scoreboard math_pipe_throttle wait barrier mio_throttle lg_throttle not_selected selected dispatch_stall no_instruction membar sleeping branch_resolving drain misc; do printf "smsp__average_warps_issue_stalled_%s_per_issue_active.ratio," $s; done)
-timeout 300 ncu --clock-control none -k regex:"tree_verify" \
+timeout 300 ncu --clock-control none -k regex:"${KERNELS:-tree_verify}" \
   --metrics ${stalls}gpu__time_duration.sum,dram__bytes_read.sum,lts__t_bytes.sum,smsp__inst_executed.sum,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum \
   python3 /tmp/tv_calls.py "$n" "$l" 2>&1 | grep -E "tree_verify|stalled|duration|bytes|inst_executed|warps_active|issue_active|gmma|conflicts" \
   | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//; s/ +/ /g'
