@@ -27,8 +27,8 @@ default (DEFAULT_ON), which are set again after the run):
   attn_long the attention's 64-key tiles, 3 stages, one program per SM for an AR step over a 16K-64K cache
             (plugins/tree_verify_mla/launcher.LONG_TILE; on by default)
   attn_wgmma the attention of 33..1024 query rows (DDTree rounds) on the wgmma split kernel, sm_90
-            (plugins/tree_verify_mla/launcher.WGMMA, tree_verify_wgmma.cu; on by default: DDTree-16 -11.1 % at 32K, level
-            at 4K, k26-switches-h100.json calls 8 and 9)
+            (plugins/tree_verify_mla/launcher.WGMMA, tree_verify_wgmma.cu; on by default: DDTree-16 -12.5 % at 32K, level
+            at 4K, k26-switches-h100.json calls 8-10)
 
     python3 benchmarks/k26_switches.py --out DIR [--settings base,skinny,moe_pf,gemm_pf,attn_pf,...]
         [--context 4096] [--budget 16[,15,...]] [--iters 10] [--layers N] [--source tiny-kimi --tp 1 --context 512]

@@ -60,7 +60,8 @@ def tree_verify_mla_op(q: torch.Tensor, cache: torch.Tensor, cache_lens: torch.T
 def _tree_verify_mla_cuda(q: torch.Tensor, cache: torch.Tensor, cache_lens: torch.Tensor, tree_kv: torch.Tensor,
                           tree_mask: torch.Tensor, scale: float, out: torch.Tensor, lse: torch.Tensor,
                           workspace: Optional[torch.Tensor]) -> None:
-    """The Triton kernel; dtypes or widths it does not take (fp64 lossless checks) run the reference."""
+    """The launcher's kernels (Triton, or tree_verify_wgmma.cu on sm_90 for 33..1024 rows); dtypes or widths they do
+    not take (fp64 lossless checks) run the reference."""
     check_inputs(q, cache, cache_lens, tree_kv, tree_mask, out, lse)
     from plugins.tree_verify_mla.launcher import kernel_supports, tree_verify_mla_triton  # triton only on CUDA
     if kernel_supports(q.dtype, q.shape[-1], out.shape[-1]):

@@ -96,8 +96,8 @@ LONG_TILE_MIN, LONG_TILE_MAX = 16384, 65536
 # at h = 8: 5..128 nodes) on an sm_90 GPU, bf16, d_qk 576 / d_v 512, take the CUDA C split kernel
 # (tree_verify_wgmma.cu): one CTA of two warpgroups computes a 64-row block's scores once and splits the 512 value
 # columns, where the table's Triton tiles compute them twice (dv_split 2).  Same plan, workspace and combine.  K2.6
-# rank, 40 layers, H100 (results/k26-switches-h100.json calls 8, 9): DDTree-16 -11.1 %, DDTree-32 -13.4 % at 32K,
-# level at 4K (-0.7 .. +0.2 %); the kernel alone at N 17 32K 67.9 -> 46.5 µs, N 64 32K 170.8 -> 101.1 µs.
+# rank, 40 layers, H100 (results/k26-switches-h100.json calls 8-10): DDTree-16 -12.5 %, DDTree-32 -16.8 % at 32K,
+# level at 4K (-0.7 .. +0.2 %); the kernel alone at N 17 32K 67.9 -> 42.7 µs, N 64 32K 170.8 -> 91.3 µs (NOTES.md).
 WGMMA = env_flag("KDTREE_ATTN_WGMMA", True)
 WGMMA_CONFIG = Config(block_m=64, block_n=64, num_warps=8, num_stages=2, wgmma=True)
 WGMMA_ROWS = (33, 1024)
