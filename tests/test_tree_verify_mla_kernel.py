@@ -214,6 +214,16 @@ def test_launcher_rejects_bad_workspace_and_layout():
 
 # ---------------------------------------------------------------- GPU: random sweep and graph capture
 
+def random_lens(gen: torch.Generator, b: int, l_max: int) -> list[int]:
+    """Committed lengths of b requests: 0, full, past l_max (the kernel clamps) or uniform in [0, l_max]."""
+    lens = []
+    for _ in range(b):
+        u = float(torch.rand(1, generator=gen))
+        lens.append(0 if u < 0.1 else l_max if u < 0.25 else l_max + 3 if u < 0.3
+                    else int(torch.randint(0, l_max + 1, (1,), generator=gen)))
+    return lens
+
+
 def _random_shape(gen: torch.Generator, i: int) -> dict:
     def pick(xs):
         return xs[int(torch.randint(0, len(xs), (1,), generator=gen))]
@@ -232,11 +242,7 @@ def _random_shape(gen: torch.Generator, i: int) -> dict:
             n //= 2
         else:
             h = max(1, h // 2)
-    lens = []
-    for _ in range(b):
-        u = float(torch.rand(1, generator=gen))
-        lens.append(0 if u < 0.1 else l_max if u < 0.25 else l_max + 3 if u < 0.3
-                    else int(torch.randint(0, l_max + 1, (1,), generator=gen)))
+    lens = random_lens(gen, b, l_max)
     kind = pick(["tree", "tree", "perm", "chain"])
     splits = None if i % 3 else int(torch.randint(1, 65, (1,), generator=gen))
     path = "op" if i % 5 == 0 else "launcher"
@@ -301,12 +307,12 @@ def test_gpu_random_shapes():
     assert not failures, failures[:5]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("b,n,h,l_max", [(2, 17, 16, 5000), (2, 1, 8, 20000)])  # dv_split and keys_m tables
-def test_gpu_cuda_graph_capture_replays_new_inputs(b, n, h, l_max):
-    import plugins.tree_verify_mla  # noqa: F401
+def graph_replay_errors(b: int, n: int, h: int, l_max: int, seed: int) -> dict:
+    """errors() of the op captured in a CUDA graph (with its workspace: the split path) and replayed on new inputs
+    copied into the captured buffers (request 0 at 4000 then 1234 committed rows, request 1 at 0 then l_max - 1)."""
+    import plugins.tree_verify_mla  # noqa: F401  (registers the CUDA kernel)
     from plugins.tree_verify_mla.launcher import workspace_numel
-    gen = torch.Generator().manual_seed(7)
+    gen = torch.Generator().manual_seed(seed)
     x = make_inputs(b, n, h, l_max, [4000, 0], 512, 64, torch.bfloat16, gen, device="cuda")
     ws = torch.empty(workspace_numel(b, n, h, 512, l_max, torch.bfloat16, "cuda"), device="cuda")
     assert ws.numel() > 0  # the split path (partials + combine) is what the graph must hold
@@ -322,7 +328,7 @@ def test_gpu_cuda_graph_capture_replays_new_inputs(b, n, h, l_max):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    y = make_inputs(b, n, h, l_max, [1234, 4999], 512, 64, torch.bfloat16, gen, kind="perm", device="cuda")
+    y = make_inputs(b, n, h, l_max, [1234, l_max - 1], 512, 64, torch.bfloat16, gen, kind="perm", device="cuda")
     for key in ("q", "cache", "cache_lens", "tree_kv", "tree_mask"):
         x[key].copy_(y[key])
     out.fill_(float("nan"))
@@ -330,7 +336,13 @@ def test_gpu_cuda_graph_capture_replays_new_inputs(b, n, h, l_max):
     graph.replay()
     torch.cuda.synchronize()
     y["scale"] = x["scale"]
-    e = errors(out, lse, *reference(y, 512))
+    return errors(out, lse, *reference(y, 512))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,n,h,l_max", [(2, 17, 16, 5000), (2, 1, 8, 20000)])  # the wgmma kernel, the keys_m table
+def test_gpu_cuda_graph_capture_replays_new_inputs(b, n, h, l_max):
+    e = graph_replay_errors(b, n, h, l_max, 7)
     assert e["all_written"] and e["out_rel"] <= TOL[torch.bfloat16][0] and e["lse_max_abs"] <= TOL[torch.bfloat16][1], e
 
 

@@ -17,7 +17,7 @@ import subprocess
 import pytest
 import torch
 from gpu_cases import gpu_cases
-from test_tree_verify_mla_kernel import TOL, errors, make_inputs, reference
+from test_tree_verify_mla_kernel import TOL, errors, graph_replay_errors, make_inputs, random_lens, reference
 
 from plugins.tree_verify_mla import wgmma_launch
 
@@ -100,12 +100,8 @@ def _case(gen: torch.Generator, i: int) -> dict:
         l_max = max(64, l_max // 2) if l_max > 64 else l_max
         if b * n * h * (l_max + n) > 2e8:
             n = max(1, n // 2)
-    lens = []
-    for _ in range(b):
-        u = float(torch.rand(1, generator=gen))
-        lens.append(0 if u < 0.1 else l_max if u < 0.3 else l_max + 5 if u < 0.35
-                    else int(torch.randint(0, l_max + 1, (1,), generator=gen)))
-    return {"b": b, "n": n, "h": h, "l_max": l_max, "lens": lens, "kind": pick(["tree", "tree", "perm", "chain"]),
+    return {"b": b, "n": n, "h": h, "l_max": l_max, "lens": random_lens(gen, b, l_max),
+            "kind": pick(["tree", "tree", "perm", "chain"]),
             "splits": None if i % 3 else int(torch.randint(1, 65, (1,), generator=gen)),
             "out_dtype": torch.float32 if i % 5 == 2 else torch.bfloat16, "pdl": i % 7 != 4}
 
@@ -148,28 +144,5 @@ def test_gpu_wgmma_is_planned_and_replays_in_a_graph(monkeypatch):
     b, n, h, l_max = 2, 17, 8, 5000
     assert launcher.plan(b, n, h, l_max, torch.bfloat16, "cuda").config.wgmma
     assert not launcher.plan(b, 4, h, l_max, torch.bfloat16, "cuda").config.wgmma  # 32 rows: the Triton tiles
-    gen = torch.Generator().manual_seed(8)
-    x = make_inputs(b, n, h, l_max, [4000, 0], 512, 64, torch.bfloat16, gen, device="cuda")
-    ws = torch.empty(launcher.workspace_numel(b, n, h, 512, l_max, torch.bfloat16, "cuda"), device="cuda")
-    out = torch.empty(b, n, h, 512, dtype=torch.bfloat16, device="cuda")
-    lse = torch.empty(b, n, h, device="cuda")
-
-    def step():
-        torch.ops.kdtree.tree_verify_mla(x["q"], x["cache"], x["cache_lens"], x["tree_kv"], x["tree_mask"],
-                                         x["scale"], out, lse, ws)
-
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    y = make_inputs(b, n, h, l_max, [1234, 5000], 512, 64, torch.bfloat16, gen, kind="perm", device="cuda")
-    for key in ("q", "cache", "cache_lens", "tree_kv", "tree_mask"):
-        x[key].copy_(y[key])
-    out.fill_(float("nan"))
-    lse.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    y["scale"] = x["scale"]
-    e = errors(out, lse, *reference(y, 512))
+    e = graph_replay_errors(b, n, h, l_max, 8)
     assert e["all_written"] and e["out_rel"] <= TOL[torch.bfloat16][0] and e["lse_max_abs"] <= TOL[torch.bfloat16][1], e
