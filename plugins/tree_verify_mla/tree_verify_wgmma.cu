@@ -50,7 +50,7 @@ typedef unsigned long long u64;
 #define SMEM_P (3 * TILE_BYTES)
 #define SMEM_RED (SMEM_P + BLK_BYTES)
 #define SMEM_BAR (SMEM_RED + 2 * BM * 4)  // two mbarriers: stage 0 and 1 of the key tile landed
-#define SMEM_BYTES (SMEM_BAR + 16)  // 229904; launch.py asks for this + 1024 (alignment)
+#define SMEM_BYTES (SMEM_BAR + 16)  // 229904; wgmma_launch.py asks for this + 1024 (alignment)
 #define THREADS 256
 #define NEG_INF (-__int_as_float(0x7f800000))
 
@@ -127,7 +127,7 @@ __device__ __forceinline__ void wgmma_m64n32k16(float* d, u64 desc_a, u64 desc_b
           "+f"(d[14]), "+f"(d[15])
         : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 #else
-    __trap();  // wgmma needs sm_90a (launch.py loads this kernel on sm_90 only)
+    __trap();  // wgmma needs sm_90a (wgmma_launch.py loads this kernel on sm_90 only)
 #endif
 }
 
@@ -166,7 +166,7 @@ __device__ __forceinline__ void wgmma_m64n256k16_vt(float* d, u64 desc_a, u64 de
           "+f"(d[126]), "+f"(d[127])
         : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 #else
-    __trap();  // wgmma needs sm_90a (launch.py loads this kernel on sm_90 only)
+    __trap();  // wgmma needs sm_90a (wgmma_launch.py loads this kernel on sm_90 only)
 #endif
 }
 
@@ -190,8 +190,8 @@ __device__ __forceinline__ u32 tile_offset(int tid) {
     return r * 128 + ((c8 ^ (r & 7)) << 4);
 }
 
-// The tensor map of a [b, rows, 576] bf16 tensor (launch.py: cuTensorMapEncodeTiled, boxes of 64 columns x 64 rows,
-// 128-byte swizzle, rows past the tensor's end read as zeros): 128 opaque bytes passed by value.
+// The tensor map of a [b, rows, 576] bf16 tensor (wgmma_launch.py: cuTensorMapEncodeTiled, boxes of 64 columns x 64
+// rows, 128-byte swizzle, rows past the tensor's end read as zeros): 128 opaque bytes passed by value.
 struct __align__(64) TensorMap {
     u64 bytes[16];
 };
