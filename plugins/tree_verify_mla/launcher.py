@@ -150,8 +150,8 @@ def plan(b: int, n: int, h: int, l_max: int, dtype: torch.dtype, device: torch.d
 def _wgmma_wanted(m: int, dtype: torch.dtype, device: torch.device | str, d_qk: int, d_v: int) -> bool:
     """Whether the plan takes WGMMA_CONFIG: switched on, rows in WGMMA_ROWS, bf16 576 / 512, and the kernel loads on
     this CUDA device (sm_90)."""
-    if not (WGMMA and dtype == torch.bfloat16 and (d_qk, d_v) == (wgmma_launch.D_QK, wgmma_launch.D_V)
-            and WGMMA_ROWS[0] <= m <= WGMMA_ROWS[1] and torch.device(device).type == "cuda"):
+    if not (WGMMA and wgmma_launch.takes(dtype, d_qk, d_v) and WGMMA_ROWS[0] <= m <= WGMMA_ROWS[1]
+            and torch.device(device).type == "cuda"):
         return False
     return wgmma_launch.available(torch.device(device))
 
@@ -216,8 +216,8 @@ def tree_verify_mla_triton(q: torch.Tensor, cache: torch.Tensor, cache_lens: tor
         return
     p = plan(b, n, h, l_max, q.dtype, q.device, config, num_splits, d_qk, d_v, num_sms)
     cfg = p.config
-    if cfg.wgmma and not (q.dtype == torch.bfloat16 and (d_qk, d_v) == (wgmma_launch.D_QK, wgmma_launch.D_V)
-                          and wgmma_launch.available(q.device) and wgmma_launch.aligned(q, cache, tree_kv)):
+    if cfg.wgmma and not (wgmma_launch.takes(q.dtype, d_qk, d_v) and wgmma_launch.available(q.device)
+                          and wgmma_launch.aligned(q, cache, tree_kv)):
         cfg = pick_config(n * h, q.dtype, l_max)  # the plan's splits and workspace, the Triton tiles
     if 64 % cfg.block_n or cfg.block_n < 16 or cfg.block_m < 16 or cfg.dv_split not in (1, 2) \
             or d_v // cfg.dv_split < 16:

@@ -50,7 +50,8 @@ typedef unsigned long long u64;
 #define SMEM_P (3 * TILE_BYTES)
 #define SMEM_RED (SMEM_P + BLK_BYTES)
 #define SMEM_BAR (SMEM_RED + 2 * BM * 4)  // two mbarriers: stage 0 and 1 of the key tile landed
-#define SMEM_BYTES (SMEM_BAR + 16)  // 229904; wgmma_launch.py asks for this + 1024 (alignment)
+#define SMEM_BYTES 229904  // wgmma_launch.py asks for this + 1024 (alignment); the layout's end, checked below
+static_assert(SMEM_BYTES == SMEM_BAR + 16, "SMEM_BYTES is the end of the shared-memory layout");
 #define THREADS 256
 #define NEG_INF (-__int_as_float(0x7f800000))
 

@@ -43,8 +43,9 @@ def available(device: torch.device) -> bool:
         return True
     if index in _UNAVAILABLE or torch.cuda.is_current_stream_capturing():
         return False
-    if device_facts(device).capability != (9, 0):
-        _UNAVAILABLE[index] = f"sm_{''.join(map(str, device_facts(device).capability))} has no wgmma (sm_90a)"
+    arch = device_facts(device).arch
+    if arch != "sm_90":
+        _UNAVAILABLE[index] = f"{arch} has no wgmma (sm_90a)"
         return False
     try:
         from cuda.bindings import driver as cu
@@ -62,8 +63,14 @@ def available(device: torch.device) -> bool:
     return True
 
 
+def takes(dtype: torch.dtype, d_qk: int, d_v: int) -> bool:
+    """Whether the kernel is written for these: bf16 rows of D_QK with D_V value columns."""
+    return dtype == torch.bfloat16 and (d_qk, d_v) == (D_QK, D_V)
+
+
 def aligned(q: torch.Tensor, cache: torch.Tensor, tree_kv: torch.Tensor) -> bool:
-    """cp.async moves 16 bytes: the rows of q, cache and tree_kv and their bases must be 16-byte aligned."""
+    """q's rows move by cp.async, cache's and tree_kv's by TMA, 16 bytes at a time: the rows and bases must be 16-byte
+    aligned."""
     return all(t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
                for t in (q, cache, tree_kv))
 
@@ -88,7 +95,8 @@ def tensor_map(cu, t: torch.Tensor) -> object:
         [u32(64), u32(BLOCK_N), u32(1)], [u32(1), u32(1), u32(1)],
         cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
         cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-        cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), f"{KERNEL}: cuTensorMapEncodeTiled {tuple(t.shape)}")
+        cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
+        f"{KERNEL}: cuTensorMapEncodeTiled {tuple(t.shape)}")
     if len(_MAPS) >= MAX_MAPS:
         _MAPS.pop(next(iter(_MAPS)))
     _MAPS[key] = found
