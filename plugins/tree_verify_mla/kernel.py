@@ -255,3 +255,71 @@ def tree_verify_mla_combine_kernel(
     lse_val = tl.where(tot > 0.0, (mx + tl.log2(tl.where(tot > 0.0, tot, 1.0))) * 0.6931471805599453,
                        float("-inf"))
     tl.store(lse_ptr + r * stride_lb + node * stride_ln + head, lse_val, mask=dvb == 0)
+
+
+@triton.jit
+def _prefetch_block(ptr, nbytes):
+    """An L2 hint (sm_90's bulk prefetch, not waited for) of nbytes (a multiple of 16, <= PF_CHUNK) at ptr."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
+        "=r,l,r", [ptr.to(tl.pointer_type(tl.int8)), nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit(do_not_specialize=["stride_lb", "stride_ln", "n", "h", "num_splits"])
+def tree_verify_mla_combine_absorb_kernel(
+        opart_ptr, lpart_ptr, out_ptr, lse_ptr, w_ptr, v_ptr,
+        stride_ob, stride_on, stride_oh,
+        stride_lb, stride_ln,
+        stride_wh, stride_wu,
+        stride_vb, stride_vn, stride_vh,
+        n, h, num_splits, U,
+        MERGE: tl.constexpr, S_PAD: tl.constexpr, D_V: tl.constexpr, BLOCK_C: tl.constexpr,
+        BLOCK_U: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+    """Program (row, u block, r): the row's latent output o (MERGE: merged from the splits' partials as the combine
+    kernel does, written to out with lse by u block 0; else the one split's out row) rounded to out's dtype, then
+    v[r, node, head, u block] = o . W_UV[head][u block]^T (w [h, U, D_V]), fp32 products summed and rounded once:
+    the combine and plugins/layer_fusion's mla_v_absorb in one launch.  PREFETCH: the program's W_UV rows (one
+    contiguous block: rows of D_V elements) put in flight into L2 before the PDL wait; nothing the split kernel
+    writes is read before it."""
+    m = tl.program_id(0)
+    ub = tl.program_id(1)
+    r = tl.program_id(2).to(tl.int64)
+    node = m // h
+    head = (m % h).to(tl.int64)
+    ru = ub * BLOCK_U + tl.arange(0, BLOCK_U)  # [BLOCK_U] value dims
+    um = ru < U
+    rc = tl.arange(0, BLOCK_C)
+    w_rows = w_ptr + head * stride_wh + ru.to(tl.int64)[:, None] * stride_wu  # [BLOCK_U, 1] pointers
+    if PREFETCH:
+        _prefetch_block(w_ptr + head * stride_wh + (ub * BLOCK_U).to(tl.int64) * stride_wu,
+                        tl.minimum(U - ub * BLOCK_U, BLOCK_U) * D_V * (w_ptr.dtype.element_ty.primitive_bitwidth // 8))
+    if PDL:
+        gdc_wait()  # the split kernel has finished and its partials (or out row) are visible
+        gdc_launch_dependents()  # o_proj's GEMM may start its prologue (it waits for this grid's end)
+    dt = out_ptr.dtype.element_ty
+    o_row = out_ptr + r * stride_ob + node * stride_on + head * stride_oh
+    if MERGE:
+        offs_s = tl.arange(0, S_PAD)
+        part = (r * num_splits + offs_s) * (n * h) + m  # [S_PAD]
+        lse2 = tl.load(lpart_ptr + part, mask=offs_s < num_splits, other=float("-inf"))  # [S_PAD]
+        mx = tl.max(lse2, 0)
+        mx_use = tl.where(mx == float("-inf"), 0.0, mx)
+        wgt = tl.exp2(lse2 - mx_use)  # [S_PAD], 0 for empty splits
+        tot = tl.sum(wgt, 0)
+        live = lse2 > float("-inf")
+    acc = tl.zeros([BLOCK_U], dtype=tl.float32)
+    for c0 in tl.static_range(0, D_V, BLOCK_C):
+        if MERGE:
+            o = tl.load(opart_ptr + part[:, None] * D_V + c0 + rc[None, :], mask=live[:, None], other=0.0)
+            res = (tl.sum(o * wgt[:, None], 0) / tl.where(tot > 0.0, tot, 1.0)).to(dt)  # [BLOCK_C]
+            tl.store(o_row + c0 + rc, res, mask=(rc < BLOCK_C) & (ub == 0))
+        else:
+            res = tl.load(o_row + c0 + rc)  # [BLOCK_C]
+        w = tl.load(w_rows + c0 + rc[None, :], mask=um[:, None], other=0.0)  # [BLOCK_U, BLOCK_C]
+        acc += tl.sum(w.to(tl.float32) * res.to(tl.float32)[None, :], 1)
+    tl.store(v_ptr + r * stride_vb + node * stride_vn + head * stride_vh + ru, acc.to(v_ptr.dtype.element_ty),
+             mask=um)
+    if MERGE:
+        lse_val = tl.where(tot > 0.0, (mx + tl.log2(tl.where(tot > 0.0, tot, 1.0))) * 0.6931471805599453,
+                           float("-inf"))
+        tl.store(lse_ptr + r * stride_lb + node * stride_ln + head, lse_val, mask=ub == 0)
