@@ -49,8 +49,7 @@ def _patches(name: str) -> list[tuple[object, str, object]]:
     """(module, attribute, stand-in) of one class."""
     from runtime.model import attention, layers, moe, target
     return {
-        "attention": [(attention, "tree_verify_mla", lambda *a, **k: None),  # with ATTN_ABSORB also the W_UV product
-                      (attention, "tree_verify_mla_absorb", lambda *a, **k: None)],
+        "attention": [(attention, "tree_verify_mla", lambda *a, **k: None)],
         "mla_glue": [(attention, "mla_rope_kv", lambda *a, **k: None),
                      (attention, "mla_q_absorb", lambda q, w_uk, cos, sin, interleave: _zeros(
                          (q.shape[0], q.shape[1], w_uk.shape[2] + 2 * cos.shape[-1]), q.dtype, q.device)),

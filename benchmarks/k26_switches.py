@@ -30,9 +30,6 @@ default (DEFAULT_ON), which are set again after the run):
             (plugins/tree_verify_mla/launcher.WGMMA, tree_verify_wgmma.cu; on by default: DDTree-16 -12.5 % at 32K, level
             at 4K, k26-switches-h100.json calls 8-10)
 
-  attn_absorb the attention's combine launch also absorbs the values (W_UV), one launch instead of the combine and
-            mla_v_absorb (runtime/model/attention.ATTN_ABSORB; off: call 11)
-
     python3 benchmarks/k26_switches.py --out DIR [--settings base,skinny,moe_pf,gemm_pf,attn_pf,...]
         [--context 4096] [--budget 16[,15,...]] [--iters 10] [--layers N] [--source tiny-kimi --tp 1 --context 512]
 Writes OUT/k26-switches.json; prints a table with each setting's change against the first.
@@ -95,8 +92,7 @@ _FLAGS = {"skinny": ("runtime.model.layers", "SKINNY_GEMM"),
           "moe_early": ("plugins.moe_w4a16.launch_v3", "EARLY_WEIGHTS"),
           "glue_early": ("plugins.layer_fusion.kernel", "EARLY_WEIGHTS"),
           "attn_long": ("plugins.tree_verify_mla.launcher", "LONG_TILE"),
-          "attn_wgmma": ("plugins.tree_verify_mla.launcher", "WGMMA"),
-          "attn_absorb": ("runtime.model.attention", "ATTN_ABSORB")}
+          "attn_wgmma": ("plugins.tree_verify_mla.launcher", "WGMMA")}
 # see the module doc; skinny_wide before skinny_tree and skinny_8 (which widen only what skinny_wide left)
 SWITCHES = {"moe_pf": _set_moe_pf, "skinny_pf": _set_skinny_pf, "skinny_wide": _set_skinny_wide,
             "skinny_tree": _widen_skinny_tokens(24), "skinny_8": _widen_skinny_tokens(8),

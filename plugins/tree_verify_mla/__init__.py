@@ -7,9 +7,9 @@ from typing import Optional
 import torch
 
 from plugins.common.op import kdtree_op
-from plugins.tree_verify_mla.reference import absorb_values_reference, tree_verify_mla_reference
+from plugins.tree_verify_mla.reference import tree_verify_mla_reference
 
-__all__ = ["tree_verify_mla", "tree_verify_mla_absorb", "check_inputs", "check_absorb"]
+__all__ = ["tree_verify_mla", "check_inputs"]
 
 
 def check_inputs(q, cache, cache_lens, tree_kv, tree_mask, out, lse) -> None:
@@ -68,56 +68,3 @@ def _tree_verify_mla_cuda(q: torch.Tensor, cache: torch.Tensor, cache_lens: torc
         tree_verify_mla_triton(q, cache, cache_lens, tree_kv, tree_mask, scale, out, lse, workspace=workspace)
     else:
         tree_verify_mla_reference(q, cache, cache_lens, tree_kv, tree_mask, scale, out, lse)
-
-
-def check_absorb(out: torch.Tensor, w_uv: torch.Tensor, out_v: torch.Tensor) -> None:
-    """Entry check of the value absorption's tensors (out checked by check_inputs)."""
-    b, n, h, d_v = out.shape
-    if w_uv.dim() != 3 or w_uv.shape[0] != h or w_uv.shape[2] != d_v or w_uv.stride(2) != 1:
-        raise ValueError(f"tree_verify_mla_absorb: w_uv must be [{h}, u, {d_v}] with a contiguous last dim, got "
-                         f"{tuple(w_uv.shape)} strides {w_uv.stride()}")
-    u = w_uv.shape[1]
-    if out_v.shape != (b, n, h, u) or out_v.stride(3) != 1:
-        raise ValueError(f"tree_verify_mla_absorb: out_v must be [{b}, {n}, {h}, {u}] with a contiguous last dim, "
-                         f"got {tuple(out_v.shape)} strides {out_v.stride()}")
-    if w_uv.dtype != out.dtype or out_v.dtype != out.dtype:
-        raise ValueError(f"tree_verify_mla_absorb: w_uv and out_v must be out's {out.dtype}, got {w_uv.dtype}, "
-                         f"{out_v.dtype}")
-
-
-def tree_verify_mla_absorb(q: torch.Tensor, cache: torch.Tensor, cache_lens: torch.Tensor, tree_kv: torch.Tensor,
-                           tree_mask: torch.Tensor, scale: float, w_uv: torch.Tensor, out: torch.Tensor,
-                           lse: torch.Tensor, out_v: torch.Tensor, workspace: Optional[torch.Tensor] = None) -> None:
-    """tree_verify_mla, then out_v [b, n, h, u] = out . W_UV^T per head (w_uv [h, u, d_v]; out rounded to its
-    dtype first, fp32 sums rounded once: layer_fusion's mla_v_absorb), through the registered op."""
-    tree_verify_mla_absorb_op(q, cache, cache_lens, tree_kv, tree_mask, scale, w_uv, out, lse, out_v, workspace)
-
-
-@kdtree_op("tree_verify_mla_absorb", mutates_args=("out", "lse", "out_v", "workspace"))
-def tree_verify_mla_absorb_op(q: torch.Tensor, cache: torch.Tensor, cache_lens: torch.Tensor, tree_kv: torch.Tensor,
-                              tree_mask: torch.Tensor, scale: float, w_uv: torch.Tensor, out: torch.Tensor,
-                              lse: torch.Tensor, out_v: torch.Tensor, workspace: Optional[torch.Tensor]) -> None:
-    """Writes out, lse and out_v; CPU runs the references, CUDA the split kernel and one launch that merges the
-    splits and absorbs the values (launcher.tree_verify_mla_triton with w_uv)."""
-    check_inputs(q, cache, cache_lens, tree_kv, tree_mask, out, lse)
-    check_absorb(out, w_uv, out_v)
-    tree_verify_mla_reference(q, cache, cache_lens, tree_kv, tree_mask, scale, out, lse)
-    absorb_values_reference(out, w_uv, out_v)
-
-
-@tree_verify_mla_absorb_op.register_kernel("cuda")
-def _tree_verify_mla_absorb_cuda(q: torch.Tensor, cache: torch.Tensor, cache_lens: torch.Tensor,
-                                 tree_kv: torch.Tensor, tree_mask: torch.Tensor, scale: float, w_uv: torch.Tensor,
-                                 out: torch.Tensor, lse: torch.Tensor, out_v: torch.Tensor,
-                                 workspace: Optional[torch.Tensor]) -> None:
-    """As _tree_verify_mla_cuda, the values absorbed in the combine's launch; the references where the kernels do
-    not take the dtype or widths."""
-    check_inputs(q, cache, cache_lens, tree_kv, tree_mask, out, lse)
-    check_absorb(out, w_uv, out_v)
-    from plugins.tree_verify_mla.launcher import kernel_supports, tree_verify_mla_triton  # triton only on CUDA
-    if kernel_supports(q.dtype, q.shape[-1], out.shape[-1]) and out.dtype == q.dtype:
-        tree_verify_mla_triton(q, cache, cache_lens, tree_kv, tree_mask, scale, out, lse, workspace=workspace,
-                               w_uv=w_uv, out_v=out_v)
-    else:
-        tree_verify_mla_reference(q, cache, cache_lens, tree_kv, tree_mask, scale, out, lse)
-        absorb_values_reference(out, w_uv, out_v)

@@ -3,9 +3,7 @@
 
 One split kernel per config of launcher.CONFIGS_16BIT and LONG_TILE_CONFIG (an AR step over a long cache), in
 both forms (DIRECT: one split writes out/lse; parts: partials for the combine), with PDL on (the launcher's default
-on sm_90+), and one combine kernel per power-of-two split padding the plan can produce (S_PAD 2 .. MAX_SPLITS); the
-combine + value-absorb kernel at the paddings ABSORB_SPLITS and for one split, at the value blocks of ABSORB_ROWS
-(others compile at first use).
+on sm_90+), and one combine kernel per power-of-two split padding the plan can produce (S_PAD 2 .. MAX_SPLITS).
 Argument order and types are the launcher's (launcher.tree_verify_mla_triton); pointers and the row
 strides of q, cache, tree_kv and out are declared 16-divisible (true for d_qk 576 / d_v 512 rows),
 the mask and lse strides and the shape scalars are not specialised.
@@ -14,16 +12,10 @@ the mask and lse strides and the shape scalars are not specialised.
 from __future__ import annotations
 
 from plugins.common.aot import TritonKernel
-from plugins.tree_verify_mla.kernel import (
-    tree_verify_mla_combine_absorb_kernel,
-    tree_verify_mla_combine_kernel,
-    tree_verify_mla_split_kernel,
-)
-from plugins.tree_verify_mla.launcher import CONFIGS_16BIT, LONG_TILE_CONFIG, MAX_SPLITS, absorb_plan
+from plugins.tree_verify_mla.kernel import tree_verify_mla_combine_kernel, tree_verify_mla_split_kernel
+from plugins.tree_verify_mla.launcher import CONFIGS_16BIT, LONG_TILE_CONFIG, MAX_SPLITS
 
-D_V, D_R, U = 512, 64, 128  # U: v_head_dim, W_UV's rows a head
-ABSORB_ROWS = (8, 136)  # the combine + absorb tiles of an AR step's and a 17-token round's rows at 8 heads, 132 SMs
-ABSORB_SPLITS = (32, 64, 128, 256)  # their split paddings over 4K .. 128K caches (launcher.plan at 132 SMs)
+D_V, D_R = 512, 64
 _SPLIT_PTRS = ("q_ptr", "cache_ptr", "lens_ptr", "tree_ptr", "mask_ptr", "out_ptr", "lse_ptr", "opart_ptr",
                "lpart_ptr")
 _SPLIT_INTS = ("stride_qb", "stride_qn", "stride_qh", "stride_cb", "stride_cl", "stride_tb", "stride_tn",
@@ -59,29 +51,6 @@ def _combine_kernel(s_pad: int) -> TritonKernel:
                         signature=sig, constexprs=consts, num_warps=4, num_stages=1, attrs=attrs)
 
 
-def _combine_absorb_kernel(s: int, rows: int) -> TritonKernel:
-    ap = absorb_plan(rows, s, U, D_V, 132)
-    s_pad = triton_pow2(s) if s > 1 else 1
-    ptrs = {"opart_ptr": "*fp32", "lpart_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "w_ptr": "*bf16",
-            "v_ptr": "*bf16"}
-    ints = ("stride_ob", "stride_on", "stride_oh", "stride_lb", "stride_ln", "stride_wh", "stride_wu", "stride_vb",
-            "stride_vn", "stride_vh", "n", "h", "num_splits", "U")
-    consts = {"MERGE": s > 1, "S_PAD": s_pad, "D_V": D_V, "BLOCK_C": ap.block_c, "BLOCK_U": ap.block_u,
-              "PREFETCH": ap.block_u * D_V * 2 <= 65536, "PDL": True}
-    sig = {**ptrs, **{k: "i32" for k in ints}, **{k: "constexpr" for k in consts}}
-    names = list(sig)
-    aligned = (*ptrs, "stride_ob", "stride_on", "stride_oh", "stride_wh", "stride_wu", "stride_vb", "stride_vn",
-               "stride_vh")
-    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in aligned}
-    return TritonKernel(op="tree_verify_mla", name=f"combine_absorb_s{s_pad}_u{ap.block_u}_bf16",
-                        fn=tree_verify_mla_combine_absorb_kernel, signature=sig, constexprs=consts,
-                        num_warps=ap.num_warps, num_stages=1, attrs=attrs)
-
-
-def triton_pow2(x: int) -> int:
-    return 1 << (x - 1).bit_length()
-
-
 def aot_kernels(budgets: tuple[int, ...]) -> list[TritonKernel]:
     """Every specialisation the launcher uses for bf16 at d_qk 576 / d_v 512 (budgets: unused, the
     kernels take any tree size)."""
@@ -91,8 +60,5 @@ def aot_kernels(budgets: tuple[int, ...]) -> list[TritonKernel]:
     s_pad = 2
     while s_pad <= MAX_SPLITS:
         kernels.append(_combine_kernel(s_pad))
-        if s_pad in ABSORB_SPLITS:
-            kernels += [_combine_absorb_kernel(s_pad, rows) for rows in ABSORB_ROWS]
         s_pad *= 2
-    kernels += [_combine_absorb_kernel(1, rows) for rows in ABSORB_ROWS]
     return kernels

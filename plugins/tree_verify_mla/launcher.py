@@ -18,7 +18,6 @@ from plugins.common.device import device_facts
 from plugins.common.pdl import USE_PDL, pdl_args  # PDL on sm_90+ (the combine launches while the split kernel runs)
 from plugins.tree_verify_mla.kernel import (
     LOG2E,
-    tree_verify_mla_combine_absorb_kernel,
     tree_verify_mla_combine_kernel,
     tree_verify_mla_split_kernel,
 )
@@ -199,10 +198,8 @@ def tree_verify_mla_triton(q: torch.Tensor, cache: torch.Tensor, cache_lens: tor
                            tree_mask: torch.Tensor, scale: float, out: torch.Tensor, lse: torch.Tensor,
                            workspace: torch.Tensor | None = None, config: Config | None = None,
                            num_splits: int | None = None, num_sms: int | None = None,
-                           pdl: bool | None = None, w_uv: torch.Tensor | None = None,
-                           out_v: torch.Tensor | None = None) -> None:
-    """Writes out [b, n, h, d_v] and lse [b, n, h] (the reference's function, see reference.py); with w_uv
-    [h, u, d_v] also out_v [b, n, h, u] = out . W_UV^T per head, the combine's launch doing it (absorb_plan).
+                           pdl: bool | None = None) -> None:
+    """Writes out [b, n, h, d_v] and lse [b, n, h] (the reference's function, see reference.py).
 
     workspace: fp32, >= workspace_numel(...) elements for the same static shapes and overrides;
     allocated here (static shape) when None.  config / num_splits override the table and the plan
@@ -250,10 +247,6 @@ def tree_verify_mla_triton(q: torch.Tensor, cache: torch.Tensor, cache_lens: tor
     else:
         _launch_triton_split(q, cache, cache_lens, tree_kv, tree_mask, out, lse, o_part, l_part, cfg, s, scale,
                              launch, prefetch)
-    if w_uv is not None:
-        _launch_combine_absorb(o_part, l_part, out, lse, w_uv, out_v, s, pdl, launch,
-                               num_sms or device_facts(q.device).sms)
-        return
     if s == 1:
         return
     s_pad = triton.next_power_of_2(s)
@@ -264,52 +257,6 @@ def tree_verify_mla_triton(q: torch.Tensor, cache: torch.Tensor, cache_lens: tor
         lse.stride(0), lse.stride(1),
         n, h, s,
         S_PAD=s_pad, D_V=d_v, BLOCK_DV=block_dv, num_warps=4, **launch)
-
-
-@dataclass(frozen=True)
-class AbsorbPlan:
-    """Tiles of the combine + value-absorb kernel: block_u value dims a program (u / block_u programs a row),
-    block_c latent columns a step (the partials' [s_pad, block_c] tile and W_UV's [block_u, block_c] tile at
-    most ABSORB_TILE elements each)."""
-    block_u: int
-    block_c: int
-    num_warps: int
-
-
-ABSORB_TILE = 8192
-
-
-def absorb_plan(rows: int, s: int, u: int, d_v: int, num_sms: int) -> AbsorbPlan:
-    """rows = b * n * h programs' rows, s splits: each row's partials (s x d_v fp32) are read once per u block,
-    so a row takes as few u blocks as fill the SMs once (an AR step's 8 rows: 8 blocks of 16; a 17-token
-    round's 136 rows: one of 128)."""
-    u_max = max(16, triton.next_power_of_2(u))
-    blocks = min(u_max // 16, triton.next_power_of_2(max(1, -(-num_sms // max(rows, 1)))))
-    block_u = u_max // blocks
-    s_pad = triton.next_power_of_2(s) if s > 1 else 1
-    block_c = min(d_v, max(16, ABSORB_TILE // max(s_pad, block_u)))
-    return AbsorbPlan(block_u, block_c, 8 if block_u >= 64 else 4)
-
-
-def _launch_combine_absorb(o_part, l_part, out, lse, w_uv, out_v, s: int, pdl: bool, launch: dict,
-                           num_sms: int) -> None:
-    """tree_verify_mla_combine_absorb_kernel over grid (rows, u blocks, b): merges the s splits' partials (s > 1;
-    s == 1: reads the split kernel's out rows) and writes out_v, out and lse (the latter two where s > 1)."""
-    b, n, h, d_v = out.shape
-    u = w_uv.shape[1]
-    ap = absorb_plan(b * n * h, s, u, d_v, num_sms)
-    item = w_uv.element_size()
-    prefetch = pdl and w_uv.stride(1) == d_v and w_uv.stride(0) % 8 == 0 and w_uv.data_ptr() % 16 == 0 \
-        and ap.block_u * d_v * item <= 65536
-    tree_verify_mla_combine_absorb_kernel[(n * h, triton.cdiv(u, ap.block_u), b)](
-        o_part, l_part, out, lse, w_uv, out_v,
-        out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0), lse.stride(1),
-        w_uv.stride(0), w_uv.stride(1),
-        out_v.stride(0), out_v.stride(1), out_v.stride(2),
-        n, h, s, u,
-        MERGE=s > 1, S_PAD=triton.next_power_of_2(s) if s > 1 else 1, D_V=d_v, BLOCK_C=ap.block_c,
-        BLOCK_U=ap.block_u, PREFETCH=prefetch, num_warps=ap.num_warps, **launch)
 
 
 def _launch_triton_split(q, cache, cache_lens, tree_kv, tree_mask, out, lse, o_part, l_part, cfg: Config, s: int,

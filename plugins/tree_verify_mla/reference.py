@@ -41,12 +41,3 @@ def tree_verify_mla_reference(q: torch.Tensor, cache: torch.Tensor, cache_lens: 
     o = torch.bmm(p.view(b, n * h, valid + n), keys[..., :d_v]).view(b, n, h, d_v) / l
     out.copy_(o)
     lse.copy_((m + torch.log(l))[..., 0])
-
-
-def absorb_values_reference(out: torch.Tensor, w_uv: torch.Tensor, out_v: torch.Tensor) -> None:
-    """out_v [b, n, h, u] = out [b, n, h, d_v] . W_UV[head]^T (w_uv [h, u, d_v]) per head: the batched GEMM of
-    plugins/layer_fusion's mla_v_absorb reference (one product per head, rounded once to out_v's dtype)."""
-    b, n, h, d_v = out.shape
-    o_v = torch.empty(b * n, h, w_uv.shape[1], dtype=out_v.dtype, device=out_v.device)  # [t, h, u]
-    torch.bmm(out.reshape(b * n, h, d_v).transpose(0, 1), w_uv.transpose(1, 2), out=o_v.transpose(0, 1))
-    out_v.copy_(o_v.view(out_v.shape))

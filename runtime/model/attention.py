@@ -23,7 +23,7 @@ from core.config import ModelConfig
 from core.env_flags import env_flag
 from plugins.l2_prefetch import l2_prefetch
 from plugins.layer_fusion import mla_q_absorb, mla_rope_kv, mla_v_absorb
-from plugins.tree_verify_mla import tree_verify_mla, tree_verify_mla_absorb
+from plugins.tree_verify_mla import tree_verify_mla
 from runtime.model.layers import linear
 from runtime.model.rope import Rope
 from runtime.model.weights import AttentionWeights
@@ -32,9 +32,6 @@ from runtime.model.workspace import ForwardWorkspace
 # KDTREE_GEMM_PREFETCH=1: the L2 prefetch of the layer's post-attention weights (off until measured on the GPU:
 # benchmarks/l2_prefetch.py, then the rank benchmark with and without it)
 GEMM_PREFETCH = env_flag("KDTREE_GEMM_PREFETCH", False)
-# KDTREE_ATTN_ABSORB=1: the attention's combine launch also multiplies by W_UV (kdtree::tree_verify_mla_absorb: one
-# launch for the combine and mla_v_absorb); off: +11.9 % AR, +10.6 % DDTree-16 (k26-switches-h100.json call 11)
-ATTN_ABSORB = env_flag("KDTREE_ATTN_ABSORB", False)
 
 
 def mla_forward(cfg: ModelConfig, w: AttentionWeights, rope: Rope, x: torch.Tensor, cos: torch.Tensor,
@@ -72,10 +69,6 @@ def mla_forward(cfg: ModelConfig, w: AttentionWeights, rope: Rope, x: torch.Tens
     if GEMM_PREFETCH and x.is_cuda:  # a hint (plugins/l2_prefetch): the weights of the GEMMs after the attention
         l2_prefetch([t for t in (w.o, w.w_uv, *prefetch) if t is not None and t.is_contiguous()][:4])
     o_lat, lse = ws.attention(b, n, h, c)  # [b, n, h, c], [b, n, h]
-    if ATTN_ABSORB:
-        o = torch.empty(b, n, h, u, dtype=o_lat.dtype, device=o_lat.device)  # [b, n, h, u]: o_proj's input rows
-        tree_verify_mla_absorb(q_full, kv, lens, tree_kv, tree_mask, cfg.softmax_scale, w.w_uv, o_lat, lse, o)
-    else:
-        tree_verify_mla(q_full, kv, lens, tree_kv, tree_mask, cfg.softmax_scale, o_lat, lse)
-        o = mla_v_absorb(o_lat.view(t, h, c), w.w_uv)  # [t, h, u] = o_lat . W_UV^T per head: o_proj's input rows
+    tree_verify_mla(q_full, kv, lens, tree_kv, tree_mask, cfg.softmax_scale, o_lat, lse)
+    o = mla_v_absorb(o_lat.view(t, h, c), w.w_uv)  # [t, h, u] = o_lat . W_UV^T per head: o_proj's input rows
     return linear(o.view(b, n, h * u), w.o)
