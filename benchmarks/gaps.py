@@ -31,8 +31,11 @@ def _moe(t: int) -> Callable[[Row], bool]:
 #   goal kind "fraction": roofline_fraction >= value; "us": us <= value; "bandwidth": roofline_fraction >= value
 MLA_MEM = ("launch pair + split-KV combine fixed cost (N = 1); at N = 4-8 the kernel is issue-bound on 16-64-row "
            "score tiles, not bandwidth-bound")
-MLA_MEM_NEXT = "FlashMLA-style CUDA C kernel: two warpgroups ping-ponging softmax and wgmma, output split 256/256"
-MLA_CMP = "one warpgroup per 64 rows computes scores and output; softmax serialised against wgmma"
+MLA_MEM_NEXT = ("33-1024 rows run tree_verify_wgmma.cu (two warpgroups on 64 rows x 512 columns, ~3.3 us a 64-key "
+                "tile against ~1.2 tensor-bound, every phase in series at 2 warps a scheduler); next: a producer warp "
+                "and consumers on separate row blocks, which needs Q's shared memory halved or 32-key stages")
+MLA_CMP = ("tree_verify_wgmma.cu (58 % at h8 N64 L32K, H100): the 36 score wgmmas' issue and the P / rescale phase "
+           "in series with the value wgmmas (plugins/tree_verify_mla/NOTES.md, ncu)")
 MOE = ("four dependent launches (route, gate_up, down, combine: ~5 + 13 + 7 + 3.5 us a layer at t = 1 in the "
        "H100 round); gate_up ~100 instructions per 512-byte k group at issue ~50 % (ncu, t = 17), so more bytes "
        "in flight did not pay (plugins/moe_w4a16/NOTES.md, the shared-memory ring)")
