@@ -63,11 +63,11 @@ EARLY_WEIGHTS = True
 # KDTREE_MOE_ROUTE_PREFETCH=1: where a call routes at most ROUTE_PREFETCH_SLOTS (token, expert) slots (an AR step),
 # the routing kernel has top_k x ROUTE_PREFETCH_SLICES programs more that each recompute the token's picks and put
 # one slice of one picked expert's gate_up weights and scales into L2 (route_kernel.launch_route's prefetch): the
-# HBM stream of gate_up starts during the routing and gate_up's launch instead of after its prologue, and from 64
+# HBM stream of gate_up starts during the routing and gate_up's launch instead of after its prologue, and from 128
 # SMs' bulk-copy units (one SM issuing them all was 4x slower, 2026-12-05).  A hint: the same bits either way.
 ROUTE_PREFETCH = env_flag("KDTREE_MOE_ROUTE_PREFETCH", False)
 ROUTE_PREFETCH_SLOTS = 8
-ROUTE_PREFETCH_SLICES = 8
+ROUTE_PREFETCH_SLICES = 16  # 128 programs of 129 KB: a bulk prefetch issues at ~0.2 TB/s an SM (moe NOTES, 2026-12-05)
 WARPS = 8  # moe_v3.cu's WARPS: every k group count is a multiple (k padded to 256)
 MAX_TOKENS = 4096  # per launch: the entry list of 4096 tokens x top-8 fits in shared memory
 
