@@ -14,6 +14,10 @@ With SHARED the launch also forms the shared expert's activation, silu(gate) * u
 GEMM also computes the shared expert's gate_up: runtime/model/moe.py), in programs of its own beside the routing
 ones (grid (t, 2)): one launch fewer per MoE layer, and nothing in front of the routing.
 
+With a prefetch (an AR step's, launch_v3.ROUTE_PREFETCH) the launch also has top_k x slices programs per token
+that compute the same picks and put one slice each of the picked experts' gate_up weights into L2, so gate_up's
+HBM stream starts before gate_up does (bulk prefetches from as many SMs: one SM issues them at ~0.2 TB/s).
+
 Workspace (int32, zeroed before the launch): counts [e_local + 1] (the last entry counts active
 experts), active [e_local], lists [e_local, t] holding slot ids s = token * K + j.
 """
