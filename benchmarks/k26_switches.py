@@ -24,6 +24,8 @@ default (DEFAULT_ON), which are set again after the run):
   moe_early the MoE's down kernel loads its weights before its PDL wait (launch_v3.EARLY_WEIGHTS; on by default)
   moe_route_pf the MoE routing kernel's extra programs put an AR step's picked experts' gate_up weights into L2
             (launch_v3.ROUTE_PREFETCH)
+  route_stores the MoE routing of one token writes its counts and lists by stores, not atomics
+            (route_kernel.ONE_TOKEN_STORES)
   glue_early the attention's two absorb kernels load their W_UK / W_UV tile before the PDL wait
             (plugins/layer_fusion/kernel.EARLY_WEIGHTS)
   attn_long the attention's 64-key tiles, 3 stages, one program per SM for an AR step over a 16K-64K cache
@@ -93,6 +95,7 @@ _FLAGS = {"skinny": ("runtime.model.layers", "SKINNY_GEMM"),
           "moe_w16": ("plugins.moe_w4a16.launch_v3", "USE_W16"),
           "moe_early": ("plugins.moe_w4a16.launch_v3", "EARLY_WEIGHTS"),
           "moe_route_pf": ("plugins.moe_w4a16.launch_v3", "ROUTE_PREFETCH"),
+          "route_stores": ("plugins.moe_w4a16.route_kernel", "ONE_TOKEN_STORES"),
           "glue_early": ("plugins.layer_fusion.kernel", "EARLY_WEIGHTS"),
           "attn_long": ("plugins.tree_verify_mla.launcher", "LONG_TILE"),
           "attn_wgmma": ("plugins.tree_verify_mla.launcher", "WGMMA")}

@@ -24,7 +24,7 @@ from plugins.moe_w4a16 import (
     route_reference,
 )
 from plugins.moe_w4a16.fragment_layout import dequantize_fragments
-from plugins.moe_w4a16 import launch_v3
+from plugins.moe_w4a16 import launch_v3, route_kernel
 from plugins.moe_w4a16.launch_v3 import PREFETCH_ENV
 from plugins.moe_w4a16.layout import padded_k
 
@@ -42,14 +42,14 @@ def random_fragments(e: int, n: int, k: int, dev, g) -> tuple[torch.Tensor, torc
     return w, s
 
 
-def _flipped(switch: str, fn):
-    """fn() with the boolean launch_v3.<switch> the other way round, restored after."""
-    was = getattr(launch_v3, switch)
-    setattr(launch_v3, switch, not was)
+def _flipped(switch: str, fn, module=launch_v3):
+    """fn() with the boolean module.<switch> (launch_v3's by default) the other way round, restored after."""
+    was = getattr(module, switch)
+    setattr(module, switch, not was)
     try:
         return fn()
     finally:
-        setattr(launch_v3, switch, was)
+        setattr(module, switch, was)
 
 
 def _case(t, e, d, i, k, n_group, topk_group, e_start, e_local, seed, dev) -> dict:
@@ -87,6 +87,8 @@ def _case(t, e, d, i, k, n_group, topk_group, e_start, e_local, seed, dev) -> di
     same_early = bool(torch.equal(y, _flipped("EARLY_WEIGHTS", call)))
     # the routing kernel's L2 prefetch of the picked experts' gate_up weights (t * k <= 8) or not: the same bits
     same_route_pf = bool(torch.equal(y, _flipped("ROUTE_PREFETCH", call)))
+    # one token's routing by stores instead of atomics (route_kernel.ONE_TOKEN_STORES) or not: the same bits
+    same_route_stores = bool(torch.equal(y, _flipped("ONE_TOKEN_STORES", call, route_kernel)))
     y_w = _flipped("USE_W16", call)  # the other gate_up where the 16-warp one applies (t = 1 at K2.6): 8 or 16 warps
     idx, tw = route_reference(logits, bias, k, n_group, topk_group, True, 2.5)
     w13f, w2f = dequantize_fragments(w13, s13, d, True), dequantize_fragments(w2, s2, i, False)
@@ -112,6 +114,7 @@ def _case(t, e, d, i, k, n_group, topk_group, e_start, e_local, seed, dev) -> di
             "next_call_rel": rel_b,
             "deterministic": same,
             "prefetch_equal": same_prefetched, "early_equal": same_early, "route_prefetch_equal": same_route_pf,
+            "route_stores_equal": same_route_stores,
             "shared_down_rel": down_rel,
             "finite": bool(torch.isfinite(y).all()),
             "counts_rezeroed": carved is None or not carved.counts.any().item(),
@@ -149,7 +152,8 @@ def test_v3_matches_reference_on_random_and_k26_shapes():
     bad = [r for r in results if not (r["finite"] and max(r["rel"], r["other_gate_up_rel"], r["next_call_rel"]) < 2e-2
                                       and r["deterministic"] and r["counts_rezeroed"]
                                       and r["shared_equal"] and r["prefetch_equal"] and r["early_equal"]
-                                      and r["route_prefetch_equal"] and r["shared_down_rel"] < 1e-2)]
+                                      and r["route_prefetch_equal"] and r["route_stores_equal"]
+                                      and r["shared_down_rel"] < 1e-2)]
     summary = {"op": "moe_w4a16 v3", "checked": len(results), "failed": len(bad), "tolerance_rel": 2e-2,
                "max_rel": max(r["rel"] for r in results), "failures": bad[:20], "cases": results}
     out_dir = os.environ.get("KDTREE_RESULTS_DIR")

@@ -244,6 +244,16 @@ def _interp_case(t, e, d, i, k, n_group, topk_group, e_start, e_local, int4, dty
         launch_route(logits, bias, bufs[0], bufs[1], bufs[2], bufs[3], bufs[4], e_start, e_local, 2.5, k, n_group,
                      topk_group, True, active_list=active_list)
         routed.append(bufs)
+    import plugins.moe_w4a16.route_kernel as route_module
+    route_module.ONE_TOKEN_STORES = True  # t = 1: counts and lists by plain stores (route_kernel.ONE_TOKEN_STORES)
+    try:
+        bufs = [torch.zeros(t * k, dtype=torch.int32), torch.zeros(t * k), torch.zeros(e_local + 1, dtype=torch.int32),
+                torch.zeros(e_local, dtype=torch.int32), torch.full((e_local, t), -1, dtype=torch.int32)]
+        launch_route(logits, bias, bufs[0], bufs[1], bufs[2], bufs[3], bufs[4], e_start, e_local, 2.5, k, n_group,
+                     topk_group, True, active_list=False)
+    finally:
+        route_module.ONE_TOKEN_STORES = False
+    res["route_one_token_stores"] = all(torch.equal(a, b) for a, b in zip(bufs, routed[1]))
     (i1, w1, c1, _, l1), (i2, w2_, c2, a2, l2) = routed
     res["route_without_active_list"] = bool(torch.equal(i1, i2) and torch.equal(w1, w2_)
                                             and torch.equal(c1[:-1], c2[:-1]) and c2[-1].item() == 0
@@ -290,6 +300,7 @@ def test_triton_interpreter_matches_reference(interp_results, case):
     assert r.get("counts_rezeroed", True), r  # the call left the routing counts zero for the next one
     assert r["shared_equal_silu_mul"], r  # the routing kernel's shared activation is silu_mul's, bit for bit
     assert r["route_without_active_list"], r  # v3's routing (no active list) routes the same
+    assert r["route_one_token_stores"], r  # ... and its one-token form without atomics writes the same
     assert r["shared_rel"] < (1e-6 if r["dtype"] == "torch.float32" else 2e-2), r  # bf16: truncated, see above
     if case in SHARED_DOWN_CASES:  # the combine's shared down projection: the GEMM-with-beta-1 reference
         assert r["shared_down_rel"] < (1e-6 if r["dtype"] == "torch.float32" else 2e-2), r

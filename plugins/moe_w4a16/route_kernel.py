@@ -32,6 +32,10 @@ from plugins.common.activation_kernel import silu_mul_rounded
 from plugins.common.keys import pack, unpack
 from plugins.common.pdl import pdl_args, pdl_for, pdl_prologue
 
+# One token without the list of active experts (v3's AR step): the counts and lists by plain stores, not atomics (each
+# pick is a distinct expert, so each count goes 0 -> 1 and the slot is its list's only entry): the same values, one
+# L2 atomic round trip fewer before the lists are written.  Off until measured (k26_switches route_stores).
+ONE_TOKEN_STORES = False
 PF_REQUEST = tl.constexpr(65536)  # bytes per bulk L2 prefetch request
 KEY_NONE = tl.constexpr(-(2**63))  # below every packed key: a lane already picked, masked or outside the allowed groups
 
@@ -55,7 +59,7 @@ def route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, counts_ptr, active_ptr, l
                  BT: tl.constexpr, BE: tl.constexpr, BKK: tl.constexpr, BG: tl.constexpr,
                  SHARED: tl.constexpr, BS: tl.constexpr, IEEE_EXP: tl.constexpr, PDL: tl.constexpr,
                  ACTIVE: tl.constexpr = True, PF_SLICES: tl.constexpr = 0, PFW_NCH: tl.constexpr = 1,
-                 PFS_NCH: tl.constexpr = 1):
+                 PFS_NCH: tl.constexpr = 1, ONE_TOKEN: tl.constexpr = False):
     pdl_prologue(PDL)
     NEG = float("-inf")
     pid = tl.program_id(0)
@@ -143,7 +147,11 @@ def route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, counts_ptr, active_ptr, l
             le = sel_i - e_start  # local expert index
             local = kmask & (le >= 0) & (le < e_local)
             le = tl.where(local, le, 0)
-            pos = tl.atomic_add(counts_ptr + le, 1, mask=local)  # [BT, BKK] place in the expert's list
+            if ONE_TOKEN:  # t = 1: each picked expert's list is this slot alone (its count 0 -> 1), no atomics
+                pos = tl.zeros([BT, BKK], tl.int32)
+                tl.store(counts_ptr + le, pos + 1, mask=local)
+            else:
+                pos = tl.atomic_add(counts_ptr + le, 1, mask=local)  # [BT, BKK] place in the expert's list
             if ACTIVE:  # the list of active experts (v2c's kernels walk it; v3 reads the counts only)
                 first = local & (pos == 0)
                 a = tl.atomic_add(counts_ptr + e_local + le * 0, 1, mask=first)
@@ -177,7 +185,8 @@ def launch_route(logits: torch.Tensor, bias: torch.Tensor, topk_idx: torch.Tenso
         *(prefetch if pf else (logits, logits)), *(pf["slices"] if pf else (0, 0)), K=top_k,
         N_GROUP=n_group, TOPK_GROUP=topk_group, NORM=bool(norm_topk_prob), BT=1, BE=next_pow2(e),
         BKK=next_pow2(top_k), BG=next_pow2(n_group), SHARED=shared, BS=min(1024, next_pow2(max(i_sh, 1))),
-        IEEE_EXP=logits.is_cuda, num_warps=1, ACTIVE=active_list, **pdl_args(pdl_for(logits)),
+        IEEE_EXP=logits.is_cuda, num_warps=1, ACTIVE=active_list,
+        ONE_TOKEN=ONE_TOKEN_STORES and t == 1 and not active_list, **pdl_args(pdl_for(logits)),
         **({"PF_SLICES": prefetch_slices, "PFW_NCH": pf["nch"][0], "PFS_NCH": pf["nch"][1]} if pf else {}))
 
 
