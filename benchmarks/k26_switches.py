@@ -24,6 +24,8 @@ default (DEFAULT_ON), which are set again after the run):
   moe_early the MoE's down kernel loads its weights before its PDL wait (launch_v3.EARLY_WEIGHTS; on by default)
   moe_route_pf the MoE routing kernel's extra programs put an AR step's picked experts' gate_up weights into L2
             (launch_v3.ROUTE_PREFETCH)
+  skinny_wgmma GEMMs of 2..32 tokens (DDTree rounds, the drafter's block) on skinny_wgmma.cu, sm_90
+            (runtime.model.layers.SKINNY_WGMMA)
   route_stores the MoE routing of one token writes its counts and lists by stores, not atomics
             (route_kernel.ONE_TOKEN_STORES)
   glue_early the attention's two absorb kernels load their W_UK / W_UV tile before the PDL wait
@@ -31,8 +33,8 @@ default (DEFAULT_ON), which are set again after the run):
   attn_long the attention's 64-key tiles, 3 stages, one program per SM for an AR step over a 16K-64K cache
             (plugins/tree_verify_mla/launcher.LONG_TILE; on by default)
   attn_wgmma the attention of 33..1024 query rows (DDTree rounds) on the wgmma split kernel, sm_90
-            (plugins/tree_verify_mla/launcher.WGMMA, tree_verify_wgmma.cu; on by default: DDTree-16 -12.5 % at 32K, level
-            at 4K, k26-switches-h100.json calls 8-10)
+            (plugins/tree_verify_mla/launcher.WGMMA, tree_verify_wgmma.cu; on by default: DDTree-16 -12.5 % at 32K,
+            level at 4K, k26-switches-h100.json calls 8-10)
 
     python3 benchmarks/k26_switches.py --out DIR [--settings base,skinny,moe_pf,gemm_pf,attn_pf,...]
         [--context 4096] [--budget 16[,15,...]] [--iters 10] [--layers N] [--source tiny-kimi --tp 1 --context 512]
@@ -96,6 +98,7 @@ _FLAGS = {"skinny": ("runtime.model.layers", "SKINNY_GEMM"),
           "moe_early": ("plugins.moe_w4a16.launch_v3", "EARLY_WEIGHTS"),
           "moe_route_pf": ("plugins.moe_w4a16.launch_v3", "ROUTE_PREFETCH"),
           "route_stores": ("plugins.moe_w4a16.route_kernel", "ONE_TOKEN_STORES"),
+          "skinny_wgmma": ("runtime.model.layers", "SKINNY_WGMMA"),
           "glue_early": ("plugins.layer_fusion.kernel", "EARLY_WEIGHTS"),
           "attn_long": ("plugins.tree_verify_mla.launcher", "LONG_TILE"),
           "attn_wgmma": ("plugins.tree_verify_mla.launcher", "WGMMA")}

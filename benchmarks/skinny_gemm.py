@@ -9,6 +9,7 @@ reads its weights from HBM, as in a round), median replay / calls:
               where the plan splits k: launch.PREFETCH)
   skinny_rg1  (t > 8) the plan with one row group per CTA forced (launch.ROW_GROUP_PAIRS off), pf = 0
   skinny_tt4  (t 17..24) the plan before three-tile variants: 4 token tiles, one row group (run as 25 tokens), pf = 0
+  wgmma       (sm_90, k % 64 == 0) skinny_wgmma.cu with its plan (wgmma_launch.plan): weights as wgmma's M side, TMA
   sweep       (unless --quick) other warps / k splits / blocks in flight, the best reported with its config
 Every skinny result is checked against the fp32-accumulated product first (bf16 rounding, or 1e-5 for fp32).
 Prints a table; writes OUT/skinny-gemm.json.
@@ -53,6 +54,7 @@ def main() -> None:
     import torch
 
     from plugins.common.device import device_facts
+    from plugins.skinny_gemm import wgmma_launch
     from plugins.skinny_gemm.launch import plan, skinny_gemm_cuda
     from runtime.model import layers
 
@@ -88,6 +90,11 @@ def main() -> None:
             us = {"cublas": run(lambda w: layers.linear(x, w, out_dtype=od)),
                   "skinny": run(lambda w: skinny_gemm_cuda(x, w, None, f32, pf=False)),
                   "skinny_pf": run(lambda w: skinny_gemm_cuda(x, w, None, f32, pf=True))}
+            if k % wgmma_launch.BLOCK_K == 0 and wgmma_launch.available(dev):  # skinny_wgmma.cu (sm_90)
+                got_w = wgmma_launch.skinny_wgmma(x, ws[0], None, f32)
+                err_w = ((got_w.float() - ref).abs().max() / ref.abs().max()).item()
+                assert err_w < (3e-5 if f32 else 1e-2), (name, t, "wgmma", err_w)
+                us["wgmma"] = run(lambda w: wgmma_launch.skinny_wgmma(x, w, None, f32))
             if t > 8:
                 us["skinny_rg1"] = run(lambda w: skinny_gemm_cuda(x, w, None, f32, pf=False, row_groups=1))
             if 17 <= t <= 24:
@@ -124,8 +131,8 @@ def main() -> None:
              "sms": sms}
     path = write_result("skinny-gemm", rows, extra, a.out)
     print(f"wrote {path}")
-    print_table(rows, ["shape", "t", "roofline_us", "cublas_us", "skinny_us", "skinny_pf_us", "skinny_rg1_us",
-                       "skinny_tt4_us", "sweep_best_us",
+    print_table(rows, ["shape", "t", "roofline_us", "cublas_us", "skinny_us", "wgmma_us", "skinny_pf_us",
+                       "skinny_rg1_us", "skinny_tt4_us", "sweep_best_us",
                        "cublas_fraction", "skinny_fraction", "skinny_pf_fraction", "speedup_vs_cublas"])
 
 

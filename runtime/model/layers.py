@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from core.env_flags import env_flag
 from plugins.common.precision import acc
 from plugins.layer_fusion import rms_norm, silu_mul
-from plugins.skinny_gemm import skinny_gemm
+from plugins.skinny_gemm import skinny_gemm, wgmma_launch
 from plugins.skinny_gemm.launch import supports as skinny_supports
 
 __all__ = ["linear", "rms_norm", "swiglu_mlp"]
@@ -23,6 +23,12 @@ __all__ = ["linear", "rms_norm", "swiglu_mlp"]
 SKINNY_GEMM = env_flag("KDTREE_SKINNY_GEMM", True)
 SKINNY_LIMITS = (1, 31 << 20)  # (tokens, weight bytes): 32.5 MB takes qkv_a's 30.3 MB, not the dense MLP's 33.0 MB down
 SKINNY_MAX_TOKENS, SKINNY_MAX_WEIGHT_BYTES = SKINNY_LIMITS  # the ones in force (a benchmark may widen them)
+# KDTREE_SKINNY_WGMMA=1: bf16 GEMMs on sm_90 of WGMMA_TOKENS tokens within the same weight limit go to
+# plugins/skinny_gemm's skinny_wgmma.cu (weights as wgmma's M side through a TMA ring, k split over CTAs with the last
+# one reducing): the DDTree rounds' GEMMs, which are cuBLAS's at 9..32 tokens.  Off until measured (k26_switches
+# skinny_wgmma).
+SKINNY_WGMMA = env_flag("KDTREE_SKINNY_WGMMA", False)
+WGMMA_TOKENS = (2, 32)
 _MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype") and \
     torch._C._dispatch_has_kernel_for_dispatch_key("aten::mm.dtype", "CUDA")
 
@@ -40,6 +46,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None,
     epilogue)."""
     out_dtype = out_dtype or x.dtype
     n, k = w.shape
+    if SKINNY_WGMMA and x.is_cuda:
+        y = _skinny(x, w, c, out_dtype, wgmma=True)
+        if y is not None:
+            return y
     if SKINNY_GEMM and x.is_cuda:
         y = _skinny(x, w, c, out_dtype)
         if y is not None:
@@ -55,15 +65,22 @@ def linear(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None,
     return (y if c is None else y + acc(c)).to(out_dtype)
 
 
-def _skinny(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor | None:
-    """linear's product through kdtree::skinny_gemm, or None where the kernel does not take it."""
+def _skinny(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, out_dtype: torch.dtype,
+            wgmma: bool = False) -> torch.Tensor | None:
+    """linear's product through kdtree::skinny_gemm (wgmma: skinny_wgmma.cu for WGMMA_TOKENS tokens), or None where
+    the kernel does not take it."""
     n, k = w.shape
     out_f32 = out_dtype == torch.float32
     if out_dtype not in (x.dtype, torch.float32) or (c is not None and (out_f32 or c.dtype != x.dtype)):
         return None
     x2, c2 = x.reshape(-1, k), (None if c is None else c.reshape(-1, n))  # [t, k], [t, n]
-    if x2.shape[0] > SKINNY_MAX_TOKENS or w.numel() * w.element_size() > SKINNY_MAX_WEIGHT_BYTES:
+    lo, hi = WGMMA_TOKENS if wgmma else (1, SKINNY_MAX_TOKENS)
+    if not lo <= x2.shape[0] <= hi or w.numel() * w.element_size() > SKINNY_MAX_WEIGHT_BYTES:
         return None
+    if wgmma:
+        if not wgmma_launch.supports(x2, w, c2, out_f32):
+            return None
+        return wgmma_launch.skinny_wgmma(x2, w, c2, out_f32).view(*x.shape[:-1], n)
     if not skinny_supports(x2, w, c2, out_f32):
         return None
     return skinny_gemm(x2, w, c2, out_f32).view(*x.shape[:-1], n)

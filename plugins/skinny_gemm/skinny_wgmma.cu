@@ -1,0 +1,270 @@
+// skinny_wgmma: y [t, n] = x [t, k] . w [n, k]^T (+ c [t, n]) for t <= 32 tokens on Hopper's warpgroup MMA (sm_90a),
+// bf16 in, fp32 sums, bf16 or fp32 out: the dense GEMMs of a DDTree round (9..32 tokens), where skinny_gemm.cu's
+// mma.sync tiles re-read the token columns per warp and lose to cuBLAS (NOTES.md).  reference.py is the oracle.
+//
+// Weights are the M side (64 rows a CTA), the tokens the N side (NT = 8, 16, 24 or 32 slots; rows past t read as
+// zeros): per 64-column k tile one warpgroup issues 4 x wgmma m64nNTk16 with both operands in shared memory.  The
+// tiles come through the tensor memory accelerator (one thread issues them: a 64 x 64 box of w, 8 KB, and an NT x 64
+// box of x, NT x 128 B, 128-byte swizzle written by the copy) into a ring of STAGES stages, each completing on its
+// mbarrier; a stage is refilled once every warp has passed the barrier after the wgmmas that read it, so STAGES - 1
+// tiles (~84 KB at STAGES 8) stay in flight a CTA.
+//
+// Grid (n / 64 row blocks, KS k splits): split s takes k tiles [s per, (s + 1) per), per = cdiv(k / 64, KS).  KS = 1:
+// the CTA writes y.  KS > 1: each CTA writes its partial tile [64 x NT] fp32 to parts[s][row block], then takes a
+// ticket of its row block; the last of the KS sums the KS partials in split order (the same order whichever CTA comes
+// last), writes y and puts the ticket back to zero for the next call.
+//
+// PDL: weights do not depend on the predecessor grid, so the first STAGES tiles of w are requested before
+// griddepcontrol.wait and those of x after it; then the next grid may launch (it waits for this one's completion).
+// No headers: NVRTC compiles this file as it stands.
+
+#define KDTREE_ARCH_FEATURES  // plugins/common/cubin.py: compiled for sm_90a where the arch is sm_90 (wgmma)
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned long long u64;
+
+#define BM 64  // weight rows a CTA
+#define BK 64  // k columns a tile (128 bytes of bf16: one swizzle row)
+#define STAGES 8
+#define W_BYTES (BM * BK * 2)  // 8 KB a stage
+#define THREADS 128  // one warpgroup
+
+__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+struct __align__(64) TensorMap {  // a CUtensorMap (skinny_wgmma_launch.py), passed by value
+    u64 bytes[16];
+};
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile(
+        "{\n.reg .pred p;\nWAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        "@!p bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+
+// A box (k column c0, row c1) of the 2-d tensor behind `map` into shared memory at dst, completing on bar.
+__device__ __forceinline__ void tma_2d(u32 dst, const TensorMap* map, int c0, int c1, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+        ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wgmma_commit() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wgmma_wait_all() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#endif
+}
+
+// K-major operand in shared memory, 128-byte swizzle: 8 rows of 128 bytes an atom, the next 8 rows 1024 bytes on; a
+// k step of 16 columns moves the start by 32 bytes.
+__device__ __forceinline__ u64 smem_desc(u32 addr) {
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | (1ull << 62);
+}
+
+// D [64 x NT] += A [64 x 16] . B [NT x 16]^T, fp32 accumulators: NT / 2 a thread.
+template <int NT>
+__device__ __forceinline__ void wgmma_tile(float* d, u64 da, u64 db);
+
+template <>
+__device__ __forceinline__ void wgmma_tile<8>(float* d, u64 da, u64 db) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\nwgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3}, %4, %5, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "l"(da), "l"(db));
+#else
+    __trap();
+#endif
+}
+
+template <>
+__device__ __forceinline__ void wgmma_tile<16>(float* d, u64 da, u64 db) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\nwgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, "
+                 "%7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+                 : "l"(da), "l"(db));
+#else
+    __trap();
+#endif
+}
+
+template <>
+__device__ __forceinline__ void wgmma_tile<24>(float* d, u64 da, u64 db) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\nwgmma.mma_async.sync.aligned.m64n24k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, "
+                 "%7, %8, %9, %10, %11}, %12, %13, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11])
+                 : "l"(da), "l"(db));
+#else
+    __trap();
+#endif
+}
+
+template <>
+__device__ __forceinline__ void wgmma_tile<32>(float* d, u64 da, u64 db) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\nwgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, "
+                 "%7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),
+                   "+f"(d[15])
+                 : "l"(da), "l"(db));
+#else
+    __trap();
+#endif
+}
+
+__device__ __forceinline__ u16 to_bf16(float f) {
+    u16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+}
+
+__device__ __forceinline__ float from_bf16(u16 v) { return __uint_as_float(((u32)v) << 16); }
+
+// Accumulator element e (0 .. NT / 2 - 1) of this thread: row 16 warp + lane / 4 (+ 8 for e % 4 >= 2), column (token)
+// 8 (e / 4) + 2 (lane % 4) + e % 2 (wgmma's D layout).
+__device__ __forceinline__ int acc_row(int e, int warp, int lane) { return warp * 16 + (lane >> 2) + ((e & 2) << 2); }
+__device__ __forceinline__ int acc_col(int e, int lane) { return (e >> 2) * 8 + 2 * (lane & 3) + (e & 1); }
+
+// out: y [t, n] (row stride ldy), bf16 (OUT_F32 0) or fp32; c [t, n] bf16 (row stride ldc) added before the rounding
+// where given (bf16 out only).  parts [KS][n / 64][64 x NT] fp32 and tickets [n / 64] int32 (zero between calls) when
+// KS > 1.
+template <int NT, int OUT_F32>
+__device__ __forceinline__ void skinny_wgmma(const TensorMap& w_map, const TensorMap& x_map, void* y, const u16* c,
+                                             float* parts, int* tickets, int t, int n, int k, int ldy, int ldc,
+                                             int ks) {
+    extern __shared__ unsigned char smem_raw[];
+    constexpr u32 X_BYTES = NT * BK * 2;
+    constexpr u32 STAGE = W_BYTES + X_BYTES;  // a multiple of 1024 for every NT
+    const u32 raw = smem_u32(smem_raw);
+    const u32 pad = (1024u - (raw & 1023u)) & 1023u;
+    const u32 sb = raw + pad;  // stage i: w at sb + i STAGE, x after it
+    const u32 bar = sb + STAGES * STAGE;  // STAGES mbarriers
+    int* s_last = (int*)(smem_raw + pad + STAGES * STAGE + STAGES * 8);
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int rb = blockIdx.x, s = blockIdx.y;
+    const int tiles = k / BK, per = (tiles + ks - 1) / ks;
+    const int kt0 = s * per, kt1 = min(kt0 + per, tiles), count = max(kt1 - kt0, 0);
+
+    if (tid == 0) {
+        for (int i = 0; i < STAGES; ++i) mbar_init(bar + 8 * i, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        for (int i = 0; i < STAGES && i < count; ++i) {  // weights first: they do not wait for the predecessor
+            mbar_expect_tx(bar + 8 * i, STAGE);
+            tma_2d(sb + i * STAGE, &w_map, (kt0 + i) * BK, rb * BM, bar + 8 * i);
+        }
+    }
+    pdl_wait();  // x (and c) come from the predecessor grids
+    if (tid == 0)
+        for (int i = 0; i < STAGES && i < count; ++i)
+            tma_2d(sb + i * STAGE + W_BYTES, &x_map, (kt0 + i) * BK, 0, bar + 8 * i);
+    __syncthreads();  // the mbarriers' init visible to every thread
+    pdl_trigger();
+
+    float acc[NT / 2];
+#pragma unroll
+    for (int e = 0; e < NT / 2; ++e) acc[e] = 0.f;
+    for (int i = 0; i < count; ++i) {
+        const int st = i % STAGES;
+        mbar_wait(bar + 8 * st, (i / STAGES) & 1);
+        const u32 wa = sb + st * STAGE, xa = wa + W_BYTES;
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) wgmma_tile<NT>(acc, smem_desc(wa + kk * 32), smem_desc(xa + kk * 32));
+        wgmma_commit();
+        wgmma_wait_all();
+        __syncthreads();  // every warp's wgmmas have read stage st
+        if (tid == 0 && i + STAGES < count) {
+            const int kt = kt0 + i + STAGES;
+            mbar_expect_tx(bar + 8 * st, STAGE);
+            tma_2d(wa, &w_map, kt * BK, rb * BM, bar + 8 * st);
+            tma_2d(xa, &x_map, kt * BK, 0, bar + 8 * st);
+        }
+    }
+
+    if (ks > 1) {  // this split's partial, then the last CTA of the row block sums all KS in split order
+        float* mine = parts + ((long long)s * gridDim.x + rb) * (BM * NT);
+#pragma unroll
+        for (int e = 0; e < NT / 2; ++e) mine[acc_col(e, lane) * BM + acc_row(e, warp, lane)] = acc[e];
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) *s_last = atomicAdd(tickets + rb, 1) == ks - 1;
+        __syncthreads();
+        if (!*s_last) return;
+        __threadfence();
+#pragma unroll
+        for (int e = 0; e < NT / 2; ++e) acc[e] = 0.f;
+        for (int j = 0; j < ks; ++j) {
+            const float* p = parts + ((long long)j * gridDim.x + rb) * (BM * NT);
+#pragma unroll
+            for (int e = 0; e < NT / 2; ++e) acc[e] += __ldcg(p + acc_col(e, lane) * BM + acc_row(e, warp, lane));
+        }
+        if (tid == 0) tickets[rb] = 0;
+    }
+#pragma unroll
+    for (int e = 0; e < NT / 2; ++e) {
+        const int col = acc_col(e, lane), row = rb * BM + acc_row(e, warp, lane);
+        if (col >= t || row >= n) continue;
+        if (OUT_F32) {
+            ((float*)y)[(long long)col * ldy + row] = acc[e];
+        } else {
+            const float v = c ? acc[e] + from_bf16(c[(long long)col * ldc + row]) : acc[e];
+            ((u16*)y)[(long long)col * ldy + row] = to_bf16(v);
+        }
+    }
+}
+
+#define SKINNY_WGMMA(NT, NAME, OUT_F32)                                                                            \
+    extern "C" __global__ void __launch_bounds__(THREADS) kdtree_skinny_wgmma_t##NT##_##NAME(                        \
+        const __grid_constant__ TensorMap w_map, const __grid_constant__ TensorMap x_map, void* y, const u16* c,      \
+        float* parts, int* tickets, int t, int n, int k, int ldy, int ldc, int ks) {                                 \
+        skinny_wgmma<NT, OUT_F32>(w_map, x_map, y, c, parts, tickets, t, n, k, ldy, ldc, ks);                       \
+    }
+
+SKINNY_WGMMA(8, bf16, 0)
+SKINNY_WGMMA(16, bf16, 0)
+SKINNY_WGMMA(24, bf16, 0)
+SKINNY_WGMMA(32, bf16, 0)
+SKINNY_WGMMA(8, f32, 1)
+SKINNY_WGMMA(16, f32, 1)
+SKINNY_WGMMA(24, f32, 1)
+SKINNY_WGMMA(32, f32, 1)

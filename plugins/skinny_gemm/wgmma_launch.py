@@ -1,0 +1,183 @@
+"""Launcher of skinny_wgmma.cu (y = x . w^T for t <= 32 tokens on Hopper's warpgroup MMA, weights as the M side):
+the plan (token slots NT, k splits KS), the tensor maps of w and x, the split workspace, one launch through the driver
+API on torch's current stream (capturable in a CUDA graph, PDL on sm_90).  The cubin comes from the artifact, the
+kdtree cache or NVRTC/nvcc, compiled for sm_90a (plugins/common/cubin.py).  runtime/model/layers.py decides where it
+runs; reference.py is the oracle.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from plugins.common.cubin import CubinUnavailable, load_module
+from plugins.common.device import device_facts
+from plugins.common.driver import checked, launch
+from plugins.common.pdl import USE_PDL
+
+SOURCE = Path(__file__).with_name("skinny_wgmma.cu")
+THREADS = 128  # one warpgroup (the .cu's THREADS)
+BLOCK_M = BLOCK_K = 64  # weight rows a CTA, k columns a tile (the .cu's BM, BK)
+STAGES = 8  # the .cu's STAGES
+MAX_TOKENS = 32  # NT = 8, 16, 24 or 32 token slots (wgmma's N)
+MAX_SPLITS = 16
+PARTS_FLOATS = 1 << 20  # the per-device split workspace: KS x row blocks x 64 x NT partial floats at most ...
+TICKETS = 4096  # ... and one ticket a row block (zero between calls: each call's last CTAs put them back)
+MAX_MAPS = 512  # encoded tensor maps kept (weights: one a GEMM; token buffers: fixed in the runtime's graphs)
+
+
+class SkinnyWgmmaWarning(UserWarning):
+    """skinny_wgmma.cu cannot be loaded on a device: its GEMMs stay on the other paths."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    kernel: str
+    nt: int  # token slots (wgmma N)
+    splits: int  # KS
+    row_blocks: int
+    smem: int
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return self.row_blocks, self.splits
+
+
+def smem_bytes(nt: int) -> int:
+    """The .cu's dynamic shared memory: STAGES stages of w (8 KB) and x (nt x 128 B), the mbarriers, the last-CTA flag,
+    and the slack that aligns the ring to 1024 bytes."""
+    return STAGES * (BLOCK_M * BLOCK_K * 2 + nt * BLOCK_K * 2) + STAGES * 8 + 4 + 1024
+
+
+def plan(t: int, n: int, k: int, out_f32: bool, sms: int, splits: int | None = None) -> Plan:
+    """The launch for x [t, k] . w [n, k]^T: NT the tokens rounded up to 8; KS the k splits that bring the CTAs (row
+    blocks x KS) closest to one a SM without exceeding the k tiles (splits overrides, for tests and sweeps)."""
+    if not 1 <= t <= MAX_TOKENS or k % BLOCK_K:
+        raise ValueError(f"skinny_wgmma: needs 1 <= t <= {MAX_TOKENS} and k % {BLOCK_K} == 0, got t {t}, k {k}")
+    nt = -(-t // 8) * 8
+    blocks, tiles = -(-n // BLOCK_M), k // BLOCK_K
+    ks = splits or max(1, min(tiles, MAX_SPLITS, round(sms / blocks)))
+    if not 1 <= ks <= min(tiles, MAX_SPLITS):
+        raise ValueError(f"skinny_wgmma: splits must be in [1, {min(tiles, MAX_SPLITS)}], got {ks}")
+    if ks > 1 and (blocks > TICKETS or ks * blocks * BLOCK_M * nt > PARTS_FLOATS):
+        raise ValueError(f"skinny_wgmma: {ks} k splits of {blocks} row blocks exceed the split workspace")
+    return Plan(f"kdtree_skinny_wgmma_t{nt}_{'f32' if out_f32 else 'bf16'}", nt, ks, blocks, smem_bytes(nt))
+
+
+def supports(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, out_f32: bool) -> bool:
+    """Whether the kernel takes these: CUDA bf16 x [t <= 32, k] with 16-byte aligned rows, w [n, k] contiguous, k a
+    multiple of 64, c (bf16 out only) [t, n] bf16 with a contiguous last dim; and it loads on the device (sm_90)."""
+    if not (x.is_cuda and x.dtype == w.dtype == torch.bfloat16 and x.dim() == 2 and w.dim() == 2):
+        return False
+    t, k = x.shape
+    ok = (1 <= t <= MAX_TOKENS and k % BLOCK_K == 0 and w.shape[1] == k and w.is_contiguous() and x.stride(1) == 1
+          and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0 and x.device == w.device)
+    if c is not None:
+        ok = ok and not out_f32 and c.dtype == torch.bfloat16 and c.shape == (t, w.shape[0]) and c.stride(1) == 1 \
+            and c.device == x.device
+    return ok and available(x.device)
+
+
+@dataclass
+class _Module:
+    """One device's loaded kernels and split workspace (the calls of one stream at a time, as skinny_gemm's)."""
+    cu: object
+    module: object
+    funcs: dict  # kernel name -> CUfunction (its shared memory limit set)
+    pdl: bool
+    parts: torch.Tensor  # [PARTS_FLOATS] fp32
+    tickets: torch.Tensor  # [TICKETS] int32, zero between calls
+
+
+_MODULES: dict[int, _Module] = {}
+_UNAVAILABLE: dict[int, str] = {}
+_MAPS: dict[tuple, object] = {}
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernels load on `device` (an sm_90 GPU; loaded at the first ask, never inside a CUDA graph capture);
+    one SkinnyWgmmaWarning naming why when they do not."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index in _MODULES:
+        return True
+    if index in _UNAVAILABLE or torch.cuda.is_current_stream_capturing():
+        return False
+    dev = torch.device("cuda", index)
+    arch = device_facts(dev).arch
+    if arch != "sm_90":
+        _UNAVAILABLE[index] = f"{arch} has no wgmma (sm_90a)"
+        return False
+    try:
+        from cuda.bindings import driver as cu
+        torch.empty(1, device=dev)  # the primary context, current before the driver loads the module
+        module, _ = load_module(SOURCE, dev, "skinny_wgmma")
+    except (CubinUnavailable, ImportError, RuntimeError) as exc:
+        _UNAVAILABLE[index] = f"{type(exc).__name__}: {exc}"
+        warnings.warn(SkinnyWgmmaWarning(f"skinny_wgmma unavailable on cuda:{index} ({_UNAVAILABLE[index]})"),
+                      stacklevel=2)
+        return False
+    _MODULES[index] = _Module(cu, module, {}, USE_PDL, torch.empty(PARTS_FLOATS, dtype=torch.float32, device=dev),
+                              torch.zeros(TICKETS, dtype=torch.int32, device=dev))
+    return True
+
+
+def _func(mod: _Module, p: Plan):
+    func = mod.funcs.get(p.kernel)
+    if func is None:
+        cu = mod.cu
+        func = checked(cu, cu.cuModuleGetFunction(mod.module, p.kernel.encode()), f"{p.kernel}: cuModuleGetFunction")
+        checked(cu, cu.cuFuncSetAttribute(func, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                          smem_bytes(32)), f"{p.kernel}: cuFuncSetAttribute")
+        mod.funcs[p.kernel] = func
+    return func
+
+
+def tensor_map(cu, t: torch.Tensor, box_rows: int) -> object:
+    """The CUtensorMap of a [rows, k] bf16 matrix (unit stride along k) as the .cu reads it: boxes of 64 columns x
+    box_rows rows, 128-byte swizzle, rows past the end read as zeros; encoded once a buffer and shape."""
+    rows, k = t.shape
+    key = (t.device.index, t.data_ptr(), rows, k, t.stride(0), box_rows)
+    found = _MAPS.get(key)
+    if found is None:
+        u64, u32 = cu.cuuint64_t, cu.cuuint32_t
+        found = checked(cu, cu.cuTensorMapEncodeTiled(
+            cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, t.data_ptr(),
+            [u64(k), u64(rows)], [u64(t.stride(0) * t.element_size())], [u32(BLOCK_K), u32(box_rows)],
+            [u32(1), u32(1)], cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+            cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+            cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
+            f"skinny_wgmma: cuTensorMapEncodeTiled {tuple(t.shape)}")
+        if len(_MAPS) >= MAX_MAPS:
+            _MAPS.pop(next(iter(_MAPS)))
+        _MAPS[key] = found
+    return found
+
+
+def skinny_wgmma(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None, out_f32: bool = False,
+                 splits: int | None = None, pdl: bool | None = None) -> torch.Tensor:
+    """x [t, k] . w [n, k]^T (+ c) -> [t, n] bf16 (fp32 with out_f32), fp32 sums rounded once; supports() was asked
+    first.  splits / pdl override the plan and the PDL default (tests, sweeps)."""
+    t, k = x.shape
+    n = w.shape[0]
+    dev = x.device
+    mod = _MODULES[dev.index if dev.index is not None else torch.cuda.current_device()]
+    p = plan(t, n, k, out_f32, device_facts(dev).sms, splits)
+    y = torch.empty(t, n, dtype=torch.float32 if out_f32 else torch.bfloat16, device=dev)
+    cu = mod.cu
+    ptr, i32 = ctypes.c_void_p, ctypes.c_int
+    args = (tensor_map(cu, w, BLOCK_M), tensor_map(cu, x, p.nt), y.data_ptr(), 0 if c is None else c.data_ptr(),
+            mod.parts.data_ptr(), mod.tickets.data_ptr(), t, n, k, y.stride(0), 0 if c is None else c.stride(0),
+            p.splits)
+    types = (None, None, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32)
+    stream = cu.CUstream(torch.cuda.current_stream(dev).cuda_stream)
+    launch(cu, _func(mod, p), p.grid, THREADS, p.smem, stream, args, types, mod.pdl if pdl is None else pdl,
+           f"{p.kernel}: launch", dev.index)
+    return y
