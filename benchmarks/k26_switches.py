@@ -23,11 +23,11 @@ default (DEFAULT_ON), which are set again after the run):
   moe_w16   the MoE's 16-warp gate_up where it applies (plugins/moe_w4a16/launch_v3.USE_W16)
   moe_early the MoE's down kernel loads its weights before its PDL wait (launch_v3.EARLY_WEIGHTS; on by default)
   moe_route_pf the MoE routing kernel's extra programs put an AR step's picked experts' gate_up weights into L2
-            (launch_v3.ROUTE_PREFETCH)
+            (launch_v3.ROUTE_PREFETCH; off: AR +2.2 %, k26-switches-h100.json call 12)
   skinny_wgmma GEMMs of 2..32 tokens (DDTree rounds, the drafter's block) on skinny_wgmma.cu, sm_90
-            (runtime.model.layers.SKINNY_WGMMA)
+            (runtime.model.layers.SKINNY_WGMMA; on by default: DDTree-16 -1.8 % at 4K, call 12)
   route_stores the MoE routing of one token writes its counts and lists by stores, not atomics
-            (route_kernel.ONE_TOKEN_STORES)
+            (route_kernel.ONE_TOKEN_STORES; on by default: AR -0.85 %, call 12)
   glue_early the attention's two absorb kernels load their W_UK / W_UV tile before the PDL wait
             (plugins/layer_fusion/kernel.EARLY_WEIGHTS)
   attn_long the attention's 64-key tiles, 3 stages, one program per SM for an AR step over a 16K-64K cache
@@ -109,7 +109,8 @@ SWITCHES = {"moe_pf": _set_moe_pf, "skinny_pf": _set_skinny_pf, "skinny_wide": _
 
 
 # the runtime's defaults among SWITCHES
-DEFAULT_ON = frozenset({"skinny", "moe_early", "skinny_early", "glue_early", "moe_w16", "attn_long", "attn_wgmma"})
+DEFAULT_ON = frozenset({"skinny", "moe_early", "skinny_early", "glue_early", "moe_w16", "attn_long", "attn_wgmma",
+                        "skinny_wgmma", "route_stores"})
 
 
 def parse_settings(text: str) -> list[tuple[str, frozenset[str]]]:

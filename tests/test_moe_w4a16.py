@@ -236,23 +236,26 @@ def _interp_case(t, e, d, i, k, n_group, topk_group, e_start, e_local, int4, dty
                            down, early=early)
         res["combine_early_equal"] = torch.equal(*ys) and not counts.any().item()
     # the routing kernel without the active-expert list (v3's form): the same picks, weights, counts and lists
-    from plugins.moe_w4a16.route_kernel import launch_route
-    routed = []
-    for active_list in (True, False):
-        bufs = [torch.zeros(t * k, dtype=torch.int32), torch.zeros(t * k), torch.zeros(e_local + 1, dtype=torch.int32),
-                torch.zeros(e_local, dtype=torch.int32), torch.full((e_local, t), -1, dtype=torch.int32)]
-        launch_route(logits, bias, bufs[0], bufs[1], bufs[2], bufs[3], bufs[4], e_start, e_local, 2.5, k, n_group,
-                     topk_group, True, active_list=active_list)
-        routed.append(bufs)
     import plugins.moe_w4a16.route_kernel as route_module
-    route_module.ONE_TOKEN_STORES = True  # t = 1: counts and lists by plain stores (route_kernel.ONE_TOKEN_STORES)
+    from plugins.moe_w4a16.route_kernel import launch_route
+    was = route_module.ONE_TOKEN_STORES
+    routed = []
+    route_module.ONE_TOKEN_STORES = False  # the atomics everywhere first
     try:
+        for active_list in (True, False):
+            bufs = [torch.zeros(t * k, dtype=torch.int32), torch.zeros(t * k),
+                    torch.zeros(e_local + 1, dtype=torch.int32), torch.zeros(e_local, dtype=torch.int32),
+                    torch.full((e_local, t), -1, dtype=torch.int32)]
+            launch_route(logits, bias, bufs[0], bufs[1], bufs[2], bufs[3], bufs[4], e_start, e_local, 2.5, k, n_group,
+                         topk_group, True, active_list=active_list)
+            routed.append(bufs)
+        route_module.ONE_TOKEN_STORES = True  # t = 1: counts and lists by plain stores (route_kernel.ONE_TOKEN_STORES)
         bufs = [torch.zeros(t * k, dtype=torch.int32), torch.zeros(t * k), torch.zeros(e_local + 1, dtype=torch.int32),
                 torch.zeros(e_local, dtype=torch.int32), torch.full((e_local, t), -1, dtype=torch.int32)]
         launch_route(logits, bias, bufs[0], bufs[1], bufs[2], bufs[3], bufs[4], e_start, e_local, 2.5, k, n_group,
                      topk_group, True, active_list=False)
     finally:
-        route_module.ONE_TOKEN_STORES = False
+        route_module.ONE_TOKEN_STORES = was
     res["route_one_token_stores"] = all(torch.equal(a, b) for a, b in zip(bufs, routed[1]))
     (i1, w1, c1, _, l1), (i2, w2_, c2, a2, l2) = routed
     res["route_without_active_list"] = bool(torch.equal(i1, i2) and torch.equal(w1, w2_)

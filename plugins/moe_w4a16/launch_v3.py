@@ -65,6 +65,8 @@ EARLY_WEIGHTS = True
 # one slice of one picked expert's gate_up weights and scales into L2 (route_kernel.launch_route's prefetch): the
 # HBM stream of gate_up starts during the routing and gate_up's launch instead of after its prologue, and from 128
 # SMs' bulk-copy units (one SM issuing them all was 4x slower, 2026-12-05).  A hint: the same bits either way.
+# Off: measured (H100, K2.6 rank at 40 layers, 4K, k26-switches-h100.json call 12) AR step 3425.6 -> 3500.7 µs (+2.2 %)
+# where -4.5 % was predicted (plugins/moe_w4a16/NOTES.md).
 ROUTE_PREFETCH = env_flag("KDTREE_MOE_ROUTE_PREFETCH", False)
 ROUTE_PREFETCH_SLOTS = 8
 ROUTE_PREFETCH_SLICES = 16  # 128 programs of 129 KB: a bulk prefetch issues at ~0.2 TB/s an SM (moe NOTES, 2026-12-05)

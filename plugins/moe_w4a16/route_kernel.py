@@ -34,8 +34,9 @@ from plugins.common.pdl import pdl_args, pdl_for, pdl_prologue
 
 # One token without the list of active experts (v3's AR step): the counts and lists by plain stores, not atomics (each
 # pick is a distinct expert, so each count goes 0 -> 1 and the slot is its list's only entry): the same values, one
-# L2 atomic round trip fewer before the lists are written.  Off until measured (k26_switches route_stores).
-ONE_TOKEN_STORES = False
+# L2 atomic round trip fewer before the lists are written.  On since measured (H100, K2.6 rank at 40 layers, 4K,
+# k26-switches-h100.json call 12): AR step 3425.6 -> 3396.5 µs (-0.85 %, predicted ~-28 µs), DDTree rounds unchanged.
+ONE_TOKEN_STORES = True
 PF_REQUEST = tl.constexpr(65536)  # bytes per bulk L2 prefetch request
 KEY_NONE = tl.constexpr(-(2**63))  # below every packed key: a lane already picked, masked or outside the allowed groups
 

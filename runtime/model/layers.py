@@ -23,11 +23,13 @@ __all__ = ["linear", "rms_norm", "swiglu_mlp"]
 SKINNY_GEMM = env_flag("KDTREE_SKINNY_GEMM", True)
 SKINNY_LIMITS = (1, 31 << 20)  # (tokens, weight bytes): 32.5 MB takes qkv_a's 30.3 MB, not the dense MLP's 33.0 MB down
 SKINNY_MAX_TOKENS, SKINNY_MAX_WEIGHT_BYTES = SKINNY_LIMITS  # the ones in force (a benchmark may widen them)
-# KDTREE_SKINNY_WGMMA=1: bf16 GEMMs on sm_90 of WGMMA_TOKENS tokens within the same weight limit go to
+# KDTREE_SKINNY_WGMMA (on unless "0"): bf16 GEMMs on sm_90 of WGMMA_TOKENS tokens within the same weight limit go to
 # plugins/skinny_gemm's skinny_wgmma.cu (weights as wgmma's M side through a TMA ring, k split over CTAs with the last
-# one reducing): the DDTree rounds' GEMMs, which are cuBLAS's at 9..32 tokens.  Off until measured (k26_switches
-# skinny_wgmma).
-SKINNY_WGMMA = env_flag("KDTREE_SKINNY_WGMMA", False)
+# one reducing; PDL): the DDTree rounds' and the drafter's GEMMs, which were cuBLAS's.  H100, 40 layers, 4K
+# (k26-switches-h100.json call 12): DDTree-16 round 6001.2 -> 5895.7 µs (-1.8 %), the drafter 623.6 -> 609.0; alone
+# (skinny-gemm-h100.json, t = 17 against cuBLAS) o_proj 8.58 -> 7.25 µs, the router 10.7 -> 10.3, qkv_a 16.7 / 16.9,
+# q_b 5.55 -> 7.12 (its k split costs more than it saves).
+SKINNY_WGMMA = env_flag("KDTREE_SKINNY_WGMMA", True)
 WGMMA_TOKENS = (2, 32)
 _MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype") and \
     torch._C._dispatch_has_kernel_for_dispatch_key("aten::mm.dtype", "CUDA")
