@@ -1,6 +1,7 @@
 """Small building blocks shared by the target and drafter forward passes (the fused kernels of
 plugins/layer_fusion on CUDA, their torch references elsewhere; GEMMs are cuBLAS's, or plugins/skinny_gemm's where
-that wins: one token, weights up to SKINNY_MAX_WEIGHT_BYTES; KDTREE_SKINNY_GEMM=0 turns it off)."""
+that wins: one token (skinny_gemm.cu) or 2..32 tokens on sm_90 (skinny_wgmma.cu), weights up to
+SKINNY_MAX_WEIGHT_BYTES; KDTREE_SKINNY_GEMM=0 / KDTREE_SKINNY_WGMMA=0 turn them off)."""
 
 from __future__ import annotations
 
