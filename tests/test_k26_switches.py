@@ -11,7 +11,8 @@ def test_switch_settings_parse_and_name_unknown_switches():
     assert parse_settings("base,skinny+moe_pf") == [("base", frozenset()), ("skinny+moe_pf",
                                                                               frozenset({"skinny", "moe_pf"}))]
     assert parse_settings("default") == [("default", frozenset({"skinny", "moe_early", "skinny_early", "glue_early",
-                                                                 "moe_w16", "attn_long", "attn_wgmma"}))]
+                                                                 "moe_w16", "attn_long", "attn_wgmma", "skinny_wgmma",
+                                                                 "route_stores"}))]
     with pytest.raises(ValueError, match=r"unknown switch \['turbo'\]"):
         parse_settings("base,skinny+turbo")
 
@@ -29,3 +30,12 @@ def test_skinny_tree_widens_the_token_limit_and_the_defaults_restore_it():
     finally:
         apply(DEFAULT_ON)
     assert (layers.SKINNY_MAX_TOKENS, layers.SKINNY_MAX_WEIGHT_BYTES) == layers.SKINNY_LIMITS
+
+
+def test_default_on_is_the_modules_defaults():
+    """DEFAULT_ON names exactly the flag switches whose module attribute is on when nothing was set."""
+    import importlib
+
+    from benchmarks.k26_switches import _FLAGS, DEFAULT_ON
+    for name, (module, attr) in _FLAGS.items():
+        assert bool(getattr(importlib.import_module(module), attr)) == (name in DEFAULT_ON), name
