@@ -22,8 +22,6 @@ default (DEFAULT_ON), which are set again after the run):
   skinny_early with skinny: each warp's first weights before the PDL wait (skinny_gemm/launch.EARLY_WEIGHTS; default)
   moe_w16   the MoE's 16-warp gate_up where it applies (plugins/moe_w4a16/launch_v3.USE_W16)
   moe_early the MoE's down kernel loads its weights before its PDL wait (launch_v3.EARLY_WEIGHTS; on by default)
-  moe_route_pf the MoE routing kernel's extra programs put an AR step's picked experts' gate_up weights into L2
-            (launch_v3.ROUTE_PREFETCH; off: AR +2.2 %, k26-switches-h100.json call 12)
   skinny_wgmma GEMMs of 2..32 tokens (DDTree rounds, the drafter's block) on skinny_wgmma.cu, sm_90
             (runtime.model.layers.SKINNY_WGMMA; on by default: DDTree-16 -1.8 % at 4K, call 12)
   route_stores the MoE routing of one token writes its counts and lists by stores, not atomics
@@ -96,7 +94,6 @@ _FLAGS = {"skinny": ("runtime.model.layers", "SKINNY_GEMM"),
           "skinny_early": ("plugins.skinny_gemm.launch", "EARLY_WEIGHTS"),
           "moe_w16": ("plugins.moe_w4a16.launch_v3", "USE_W16"),
           "moe_early": ("plugins.moe_w4a16.launch_v3", "EARLY_WEIGHTS"),
-          "moe_route_pf": ("plugins.moe_w4a16.launch_v3", "ROUTE_PREFETCH"),
           "route_stores": ("plugins.moe_w4a16.route_kernel", "ONE_TOKEN_STORES"),
           "skinny_wgmma": ("runtime.model.layers", "SKINNY_WGMMA"),
           "glue_early": ("plugins.layer_fusion.kernel", "EARLY_WEIGHTS"),

@@ -96,25 +96,22 @@ def bench_shape(name: str, t: int, routing: str, ex: dict, e_start: int, dev, de
     # v3_pf: v3 with its L2 prefetch of the expert weights (KDTREE_MOE_PREFETCH, read when the graph is captured);
     # v3_late_w8 / _w16: down's weights loaded after its PDL wait (launch_v3.EARLY_WEIGHTS off), with the 8- / 16-warp
     # gate_up (launch_v3.USE_W16: the 16-warp one where it applies, t = 1); v3_early_w8: before the wait, 8 warps
-    # v3_route_pf: the routing kernel's programs put the picked experts' gate_up weights into L2 (an AR step's t = 1;
-    # launch_v3.ROUTE_PREFETCH)
-    w16_default, early_default, rpf_default = launch_v3.USE_W16, launch_v3.EARLY_WEIGHTS, launch_v3.ROUTE_PREFETCH
-    for label, experts, pf, w16, early, rpf in (
-            ("v3", ex["frag"], "0", w16_default, early_default, rpf_default),
-            ("v3_pf", ex["frag"], "1", w16_default, early_default, rpf_default),
-            ("v3_route_pf", ex["frag"], "0", w16_default, early_default, True),
-            ("v3_late_w8", ex["frag"], "0", False, False, rpf_default),
-            ("v3_late_w16", ex["frag"], "0", True, False, rpf_default),
-            ("v3_early_w8", ex["frag"], "0", False, True, rpf_default),
-            ("v2c", ex["planar"], "0", True, False, False)):
+    w16_default, early_default = launch_v3.USE_W16, launch_v3.EARLY_WEIGHTS
+    for label, experts, pf, w16, early in (
+            ("v3", ex["frag"], "0", w16_default, early_default),
+            ("v3_pf", ex["frag"], "1", w16_default, early_default),
+            ("v3_late_w8", ex["frag"], "0", False, False),
+            ("v3_late_w16", ex["frag"], "0", True, False),
+            ("v3_early_w8", ex["frag"], "0", False, True),
+            ("v2c", ex["planar"], "0", True, False)):
         os.environ[PREFETCH_ENV] = pf
-        launch_v3.USE_W16, launch_v3.EARLY_WEIGHTS, launch_v3.ROUTE_PREFETCH = w16, early, rpf
+        launch_v3.USE_W16, launch_v3.EARLY_WEIGHTS = w16, early
         call = lambda: moe_w4a16(x, logits, None, bias, *experts, K, 1, 1, True, SCALING, e_start,  # noqa: E731,B023
                                  ws.buffer)
         us = time_us(call, graph=True)
         row[f"{label}_us"], row[f"{label}_fraction"] = us, roof / us
     os.environ.pop(PREFETCH_ENV)
-    launch_v3.USE_W16, launch_v3.EARLY_WEIGHTS, launch_v3.ROUTE_PREFETCH = w16_default, early_default, rpf_default
+    launch_v3.USE_W16, launch_v3.EARLY_WEIGHTS = w16_default, early_default
     # another token tile than the choice (launch_v3.token_tile: NT = 1 to t = 17, then 2): is the switch at the right
     # t under tree routing, where most experts see a few of the tokens, and does NT = 4 still lose at many tokens?
     other = {8: 2, 9: 2, 16: 2, 17: 2, 33: 1, 64: 4, 256: 4, 512: 4}.get(t)

@@ -60,16 +60,6 @@ def prefetch_on() -> bool:
 # that replaced it, measured 2026-12-06 (H100, 40 layers, benchmarks/results/k26-switches-h100.json): AR step 3569
 # against 3602 µs without it (-0.9 %), DDTree-16 round 6193 against 6271 (-1.2 %).
 EARLY_WEIGHTS = True
-# KDTREE_MOE_ROUTE_PREFETCH=1: where a call routes at most ROUTE_PREFETCH_SLOTS (token, expert) slots (an AR step),
-# the routing kernel has top_k x ROUTE_PREFETCH_SLICES programs more that each recompute the token's picks and put
-# one slice of one picked expert's gate_up weights and scales into L2 (route_kernel.launch_route's prefetch): the
-# HBM stream of gate_up starts during the routing and gate_up's launch instead of after its prologue, and from 128
-# SMs' bulk-copy units (one SM issuing them all was 4x slower, 2026-12-05).  A hint: the same bits either way.
-# Off: measured (H100, K2.6 rank at 40 layers, 4K, k26-switches-h100.json call 12) AR step 3425.6 -> 3500.7 µs (+2.2 %)
-# where -4.5 % was predicted (plugins/moe_w4a16/NOTES.md).
-ROUTE_PREFETCH = env_flag("KDTREE_MOE_ROUTE_PREFETCH", False)
-ROUTE_PREFETCH_SLOTS = 8
-ROUTE_PREFETCH_SLICES = 16  # 128 programs of 129 KB: a bulk prefetch issues at ~0.2 TB/s an SM (moe NOTES, 2026-12-05)
 WARPS = 8  # moe_v3.cu's WARPS: every k group count is a multiple (k padded to 256)
 MAX_TOKENS = 4096  # per launch: the entry list of 4096 tokens x top-8 fits in shared memory
 
@@ -334,10 +324,8 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
             ws.h.data_ptr(), t, top_k, e_local, d // GROUP, c1, pairs13, i, *pf[0])
     types = (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32, *pf[1])
     # counts [e_local + 1] is zero here (MoEWorkspace.allocate zeroes it, every call's combine re-zeroes it)
-    route_pf = ROUTE_PREFETCH and t * top_k <= ROUTE_PREFETCH_SLOTS
     launch_route(logits, bias, ws.topk_idx, ws.topk_w, ws.counts, ws.active, ws.lists, e_start, e_local,
-                 scaling, top_k, n_group, topk_group, norm_topk_prob, shared_gate_up, shared_h, active_list=False,
-                 prefetch=(w13, w13_scale) if route_pf else None, prefetch_slices=ROUTE_PREFETCH_SLICES)
+                 scaling, top_k, n_group, topk_group, norm_topk_prob, shared_gate_up, shared_h, active_list=False)
     name, warps = gate_up_kernel(nt, c1, n_items, sms)
     if warps == W16 and not (mod.prefetch_arg and _has(mod, name)):  # an older cubin: the 8-warp kernel
         name, warps = gate_up_variant(nt, c1), WARPS

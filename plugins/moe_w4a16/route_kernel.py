@@ -14,10 +14,6 @@ With SHARED the launch also forms the shared expert's activation, silu(gate) * u
 GEMM also computes the shared expert's gate_up: runtime/model/moe.py), in programs of its own beside the routing
 ones (grid (t, 2)): one launch fewer per MoE layer, and nothing in front of the routing.
 
-With a prefetch (an AR step's, launch_v3.ROUTE_PREFETCH) the launch also has top_k x slices programs per token
-that compute the same picks and put one slice each of the picked experts' gate_up weights into L2, so gate_up's
-HBM stream starts before gate_up does (bulk prefetches from as many SMs: one SM issues them at ~0.2 TB/s).
-
 Workspace (int32, zeroed before the launch): counts [e_local + 1] (the last entry counts active
 experts), active [e_local], lists [e_local, t] holding slot ids s = token * K + j.
 """
@@ -37,30 +33,16 @@ from plugins.common.pdl import pdl_args, pdl_for, pdl_prologue
 # L2 atomic round trip fewer before the lists are written.  On since measured (H100, K2.6 rank at 40 layers, 4K,
 # k26-switches-h100.json call 12): AR step 3425.6 -> 3396.5 µs (-0.85 %, predicted ~-28 µs), DDTree rounds unchanged.
 ONE_TOKEN_STORES = True
-PF_REQUEST = tl.constexpr(65536)  # bytes per bulk L2 prefetch request
 KEY_NONE = tl.constexpr(-(2**63))  # below every packed key: a lane already picked, masked or outside the allowed groups
-
-
-@triton.jit
-def _prefetch_l2(base, nbytes, NCH: tl.constexpr):
-    """An L2 hint (sm_90's bulk prefetch, not waited for) of nbytes (a multiple of 16; <= 0: none) from base (int8
-    pointer, 16-byte aligned), in NCH requests of at most PF_REQUEST bytes."""
-    off = tl.arange(0, NCH).to(tl.int64) * PF_REQUEST
-    size = tl.minimum(nbytes - off, PF_REQUEST).to(tl.int32)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
-        "=r,l,r", [base + off, size], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
 def route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, counts_ptr, active_ptr, lists_ptr,
                  T, E, stride_l, e_start, e_local, scaling, su_ptr, h_ptr, I_SH, stride_su, stride_h,
-                 pfw_ptr, pfs_ptr, PFW_SLICE, PFS_SLICE,
                  K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr,
                  BT: tl.constexpr, BE: tl.constexpr, BKK: tl.constexpr, BG: tl.constexpr,
                  SHARED: tl.constexpr, BS: tl.constexpr, IEEE_EXP: tl.constexpr, PDL: tl.constexpr,
-                 ACTIVE: tl.constexpr = True, PF_SLICES: tl.constexpr = 0, PFW_NCH: tl.constexpr = 1,
-                 PFS_NCH: tl.constexpr = 1, ONE_TOKEN: tl.constexpr = False):
+                 ACTIVE: tl.constexpr = True, ONE_TOKEN: tl.constexpr = False):
     pdl_prologue(PDL)
     NEG = float("-inf")
     pid = tl.program_id(0)
@@ -79,10 +61,7 @@ def route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, counts_ptr, active_ptr, l
                 tl.store(h_ptr + rt[:, None] * stride_h + cols[None, :],
                          silu_mul_rounded(g, u, h_ptr.dtype.element_ty, IEEE_EXP), mask=m2)
                 c0 += BS
-    # programs (p, 0): the routing of token p; (p, PF0 + K q + j), PF_SLICES > 0: the same picks, then slice q of
-    # slot j's expert weights (PFW_SLICE bytes of pfw [e_local, ...], PFS_SLICE of its scales pfs) into L2
-    PF0: tl.constexpr = 2 if SHARED else 1
-    if (tl.program_id(1) == 0) | (tl.program_id(1) >= PF0):
+    if tl.program_id(1) == 0:  # the routing of token pid
         re = tl.arange(0, BE)  # [BE] experts (padded to a power of two)
         tmask = rt < T
         emask = re < E
@@ -129,80 +108,47 @@ def route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, counts_ptr, active_ptr, l
             sel_w = sel_w / (tl.sum(sel_w, axis=1)[:, None] + 1e-20)
         sel_w = sel_w * scaling
 
-        if PF_SLICES > 0:
-            if tl.program_id(1) >= PF0:  # a prefetch program: its slice of one picked expert's weights, nothing else
-                pf_y = tl.program_id(1) - PF0
-                pf_j = pf_y % K
-                pf_e = tl.sum(tl.where(kmask & (rk[None, :] == pf_j), sel_i, 0)) - e_start  # the slot's local expert
-                pf_on = (pf_e >= 0) & (pf_e < e_local)
-                pf_at = pf_e.to(tl.int64) * PF_SLICES + pf_y // K  # slice (expert, q) of the experts' bytes
-                _prefetch_l2(pfw_ptr.to(tl.pointer_type(tl.int8)) + pf_at * PFW_SLICE, tl.where(pf_on, PFW_SLICE, 0),
-                             PFW_NCH)
-                _prefetch_l2(pfs_ptr.to(tl.pointer_type(tl.int8)) + pf_at * PFS_SLICE, tl.where(pf_on, PFS_SLICE, 0),
-                             PFS_NCH)
-        if tl.program_id(1) == 0:  # the routing program: the picks, their weights and the lists
-            slot = rt[:, None] * K + rk[None, :]  # [BT, BKK]
-            tl.store(idx_ptr + slot, sel_i, mask=kmask)
-            tl.store(w_ptr + slot, sel_w, mask=kmask)
+        slot = rt[:, None] * K + rk[None, :]  # [BT, BKK]
+        tl.store(idx_ptr + slot, sel_i, mask=kmask)
+        tl.store(w_ptr + slot, sel_w, mask=kmask)
 
-            le = sel_i - e_start  # local expert index
-            local = kmask & (le >= 0) & (le < e_local)
-            le = tl.where(local, le, 0)
-            if ONE_TOKEN:  # t = 1: each picked expert's list is this slot alone (its count 0 -> 1), no atomics
-                pos = tl.zeros([BT, BKK], tl.int32)
-                tl.store(counts_ptr + le, pos + 1, mask=local)
-            else:
-                pos = tl.atomic_add(counts_ptr + le, 1, mask=local)  # [BT, BKK] place in the expert's list
-            if ACTIVE:  # the list of active experts (v2c's kernels walk it; v3 reads the counts only)
-                first = local & (pos == 0)
-                a = tl.atomic_add(counts_ptr + e_local + le * 0, 1, mask=first)
-                tl.store(active_ptr + a, le, mask=first)
-            tl.store(lists_ptr + le * T + pos, slot, mask=local)
+        le = sel_i - e_start  # local expert index
+        local = kmask & (le >= 0) & (le < e_local)
+        le = tl.where(local, le, 0)
+        if ONE_TOKEN:  # t = 1: each picked expert's list is this slot alone (its count 0 -> 1), no atomics
+            pos = tl.zeros([BT, BKK], tl.int32)
+            tl.store(counts_ptr + le, pos + 1, mask=local)
+        else:
+            pos = tl.atomic_add(counts_ptr + le, 1, mask=local)  # [BT, BKK] place in the expert's list
+        if ACTIVE:  # the list of active experts (v2c's kernels walk it; v3 reads the counts only)
+            first = local & (pos == 0)
+            a = tl.atomic_add(counts_ptr + e_local + le * 0, 1, mask=first)
+            tl.store(active_ptr + a, le, mask=first)
+        tl.store(lists_ptr + le * T + pos, slot, mask=local)
 
 
 def launch_route(logits: torch.Tensor, bias: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,
                  counts: torch.Tensor, active: torch.Tensor, lists: torch.Tensor, e_start: int, e_local: int,
                  scaling: float, top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool,
                  shared_gate_up: torch.Tensor | None = None, shared_h: torch.Tensor | None = None,
-                 active_list: bool = True, prefetch: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 prefetch_slices: int = 8) -> None:
+                 active_list: bool = True) -> None:
     """route_kernel over logits [t, e] (rows may be strided): one token per one-warp program, each pick a
     warp-shuffle reduction.  With shared_gate_up [t, 2i] (unit stride along 2i) and shared_h [t, i] (x's
     dtype), one more program per token writes shared_h = silu(gate) * up (plugins/common/activation_kernel.py).
     active_list False: no
     list of active experts (active and counts[e_local] untouched; one dependent atomic fewer), for v3, which walks
-    the counts.  prefetch (w, scales), each [e_local, ...] contiguous with 16-byte aligned experts (CUDA, sm_90): the
-    launch has top_k x prefetch_slices programs more per token, each computing the token's picks and putting one
-    slice of one picked local expert's w and scales in flight into L2 (bulk prefetches: a hint, spread over as many
-    SMs as programs; the same results either way), so the next kernel's weight stream starts from L2."""
+    the counts."""
     t, e = logits.shape
     shared = shared_h is not None
     i_sh = shared_h.shape[1] if shared else 0
-    pf = _prefetch_plan(prefetch, prefetch_slices)
-    route_kernel[(t, (2 if shared else 1) + (top_k * prefetch_slices if pf else 0))](
+    route_kernel[(t, 2 if shared else 1)](
         logits, bias, topk_idx, topk_w, counts, active, lists, t, e, logits.stride(0), e_start, e_local,
         float(scaling), shared_gate_up if shared else logits, shared_h if shared else logits, i_sh,
-        shared_gate_up.stride(0) if shared else 0, shared_h.stride(0) if shared else 0,
-        *(prefetch if pf else (logits, logits)), *(pf["slices"] if pf else (0, 0)), K=top_k,
+        shared_gate_up.stride(0) if shared else 0, shared_h.stride(0) if shared else 0, K=top_k,
         N_GROUP=n_group, TOPK_GROUP=topk_group, NORM=bool(norm_topk_prob), BT=1, BE=next_pow2(e),
         BKK=next_pow2(top_k), BG=next_pow2(n_group), SHARED=shared, BS=min(1024, next_pow2(max(i_sh, 1))),
         IEEE_EXP=logits.is_cuda, num_warps=1, ACTIVE=active_list,
-        ONE_TOKEN=ONE_TOKEN_STORES and t == 1 and not active_list, **pdl_args(pdl_for(logits)),
-        **({"PF_SLICES": prefetch_slices, "PFW_NCH": pf["nch"][0], "PFS_NCH": pf["nch"][1]} if pf else {}))
-
-
-def _prefetch_plan(prefetch: tuple[torch.Tensor, torch.Tensor] | None, slices: int) -> dict | None:
-    """Slice bytes and requests per slice of each prefetched tensor (one expert's bytes / slices), or None where the
-    prefetch does not apply: none asked, or the experts' bytes do not split into 16-byte aligned slices."""
-    if prefetch is None:
-        return None
-    sizes = []
-    for ten in prefetch:
-        per_expert = ten[0].numel() * ten.element_size()
-        if not ten.is_contiguous() or ten.data_ptr() % 16 or per_expert % (16 * slices):
-            return None
-        sizes.append(per_expert // slices)
-    return {"slices": tuple(sizes), "nch": tuple(next_pow2(-(-b // 65536)) for b in sizes)}
+        ONE_TOKEN=ONE_TOKEN_STORES and t == 1 and not active_list, **pdl_args(pdl_for(logits)))
 
 
 def next_pow2(n: int) -> int:
