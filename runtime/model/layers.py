@@ -49,11 +49,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None,
     epilogue)."""
     out_dtype = out_dtype or x.dtype
     n, k = w.shape
-    if SKINNY_WGMMA and x.is_cuda:
-        y = _skinny(x, w, c, out_dtype, wgmma=True)
-        if y is not None:
-            return y
-    if SKINNY_GEMM and x.is_cuda:
+    if (SKINNY_GEMM or SKINNY_WGMMA) and x.is_cuda:
         y = _skinny(x, w, c, out_dtype)
         if y is not None:
             return y
@@ -68,25 +64,21 @@ def linear(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None,
     return (y if c is None else y + acc(c)).to(out_dtype)
 
 
-def _skinny(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, out_dtype: torch.dtype,
-            wgmma: bool = False) -> torch.Tensor | None:
-    """linear's product through kdtree::skinny_gemm (wgmma: skinny_wgmma.cu for WGMMA_TOKENS tokens), or None where
-    the kernel does not take it."""
+def _skinny(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor | None:
+    """linear's product through skinny_wgmma.cu (SKINNY_WGMMA, WGMMA_TOKENS tokens) or kdtree::skinny_gemm
+    (SKINNY_GEMM, up to SKINNY_MAX_TOKENS), the first that takes it, or None where neither does."""
     n, k = w.shape
     out_f32 = out_dtype == torch.float32
-    if out_dtype not in (x.dtype, torch.float32) or (c is not None and (out_f32 or c.dtype != x.dtype)):
+    if out_dtype not in (x.dtype, torch.float32) or (c is not None and (out_f32 or c.dtype != x.dtype)) \
+            or w.numel() * w.element_size() > SKINNY_MAX_WEIGHT_BYTES:
         return None
     x2, c2 = x.reshape(-1, k), (None if c is None else c.reshape(-1, n))  # [t, k], [t, n]
-    lo, hi = WGMMA_TOKENS if wgmma else (1, SKINNY_MAX_TOKENS)
-    if not lo <= x2.shape[0] <= hi or w.numel() * w.element_size() > SKINNY_MAX_WEIGHT_BYTES:
-        return None
-    if wgmma:
-        if not wgmma_launch.supports(x2, w, c2, out_f32):
-            return None
+    t = x2.shape[0]
+    if SKINNY_WGMMA and WGMMA_TOKENS[0] <= t <= WGMMA_TOKENS[1] and wgmma_launch.supports(x2, w, c2, out_f32):
         return wgmma_launch.skinny_wgmma(x2, w, c2, out_f32).view(*x.shape[:-1], n)
-    if not skinny_supports(x2, w, c2, out_f32):
-        return None
-    return skinny_gemm(x2, w, c2, out_f32).view(*x.shape[:-1], n)
+    if SKINNY_GEMM and t <= SKINNY_MAX_TOKENS and skinny_supports(x2, w, c2, out_f32):
+        return skinny_gemm(x2, w, c2, out_f32).view(*x.shape[:-1], n)
+    return None
 
 
 def swiglu_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, c: torch.Tensor | None = None
