@@ -24,6 +24,10 @@ default (DEFAULT_ON), which are set again after the run):
   moe_early the MoE's down kernel loads its weights before its PDL wait (launch_v3.EARLY_WEIGHTS; on by default)
   skinny_wgmma GEMMs of 2..32 tokens (DDTree rounds, the drafter's block) on skinny_wgmma.cu, sm_90
             (runtime.model.layers.SKINNY_WGMMA; on by default: DDTree-16 -1.8 % at 4K, call 12)
+  wgmma_kb4 with skinny_wgmma: four 64-column boxes a TMA stage (512 contiguous bytes of each weight row at once,
+            4 stages; plugins/skinny_gemm/wgmma_launch.KB4; DDTree-16 +0.9 % at 4K, call 13: off)
+  absorb_tree the attention's W_UV product in 16-wide value blocks up to 32 tokens (DDTree rounds), not 16
+            (plugins/layer_fusion/kernel.V_ABSORB_TREE; on by default: DDTree-16 -1.0 % at 4K, call 13)
   route_stores the MoE routing of one token writes its counts and lists by stores, not atomics
             (route_kernel.ONE_TOKEN_STORES; on by default: AR -0.85 %, call 12)
   glue_early the attention's two absorb kernels load their W_UK / W_UV tile before the PDL wait
@@ -96,6 +100,8 @@ _FLAGS = {"skinny": ("runtime.model.layers", "SKINNY_GEMM"),
           "moe_early": ("plugins.moe_w4a16.launch_v3", "EARLY_WEIGHTS"),
           "route_stores": ("plugins.moe_w4a16.route_kernel", "ONE_TOKEN_STORES"),
           "skinny_wgmma": ("runtime.model.layers", "SKINNY_WGMMA"),
+          "wgmma_kb4": ("plugins.skinny_gemm.wgmma_launch", "KB4"),
+          "absorb_tree": ("plugins.layer_fusion.kernel", "V_ABSORB_TREE"),
           "glue_early": ("plugins.layer_fusion.kernel", "EARLY_WEIGHTS"),
           "attn_long": ("plugins.tree_verify_mla.launcher", "LONG_TILE"),
           "attn_wgmma": ("plugins.tree_verify_mla.launcher", "WGMMA")}
@@ -107,7 +113,7 @@ SWITCHES = {"moe_pf": _set_moe_pf, "skinny_pf": _set_skinny_pf, "skinny_wide": _
 
 # the runtime's defaults among SWITCHES
 DEFAULT_ON = frozenset({"skinny", "moe_early", "skinny_early", "glue_early", "moe_w16", "attn_long", "attn_wgmma",
-                        "skinny_wgmma", "route_stores"})
+                        "skinny_wgmma", "route_stores", "absorb_tree"})
 
 
 def parse_settings(text: str) -> list[tuple[str, frozenset[str]]]:

@@ -67,7 +67,7 @@ KERNEL_CLASSES = (  # (class, kernel-name pattern), first match wins
     ("moe_route", r"route_kernel"),
     ("tree_ops", r"_tree_kernel|_lse_partial|_radix_pass|_gather_kernel|_sort_rows|_tree_accept|kv_commit|"
                  r"_advance_lens|posterior|_round_emit"),
-    ("gemm", r"gemm|gemv|nvjet|cutlass|xmma|splitK|cublas|Kernel2|sm90"),
+    ("gemm", r"gemm|gemv|skinny_wgmma|nvjet|cutlass|xmma|splitK|cublas|Kernel2|sm90"),
     ("other", r"."),  # elementwise, reductions, copies, cat, embedding
 )
 

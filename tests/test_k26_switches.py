@@ -12,7 +12,7 @@ def test_switch_settings_parse_and_name_unknown_switches():
                                                                               frozenset({"skinny", "moe_pf"}))]
     assert parse_settings("default") == [("default", frozenset({"skinny", "moe_early", "skinny_early", "glue_early",
                                                                  "moe_w16", "attn_long", "attn_wgmma", "skinny_wgmma",
-                                                                 "route_stores"}))]
+                                                                 "route_stores", "absorb_tree"}))]
     with pytest.raises(ValueError, match=r"unknown switch \['turbo'\]"):
         parse_settings("base,skinny+turbo")
 

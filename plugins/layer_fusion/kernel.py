@@ -48,6 +48,12 @@ _OPTS = {"enable_fp_fusion": False}
 # the others load what they loaded before.
 EARLY_WEIGHTS = env_flag("KDTREE_GLUE_EARLY", True)
 EARLY_MAX_K = 512  # v_absorb's whole-width dot up to this latent width (its weight tile in registers: 16 KB)
+# v_absorb's narrow u blocks (16 value dims: 8 heads x 8 programs, the whole width in one dot, W_UV before the wait)
+# up to this many tokens; past it 64-wide blocks (16 programs at 8 heads) that step through the width 128 at a time.
+# V_ABSORB_TREE (KDTREE_V_ABSORB_TREE, k26_switches absorb_tree): up to 32, a DDTree round's 17 tokens included.  On:
+# the K2.6 rank (H100, 40 layers, 4K, k26-switches-h100.json call 13) DDTree-16 round 5915.5 -> 5855.8 µs (-1.0 %), the
+# AR step level (3361.0 / 3361.8)
+V_ABSORB_TREE = env_flag("KDTREE_V_ABSORB_TREE", True)
 
 
 def _opts(t: torch.Tensor) -> dict:
@@ -285,7 +291,8 @@ def mla_v_absorb_triton(o_lat: torch.Tensor, w_uv: torch.Tensor, out: torch.Tens
     if t == 0:
         return
     bt = min(64, max(16, triton.next_power_of_2(t)))
-    block_u = max(16, min(16 if t <= 16 else 64, triton.next_power_of_2(u)))  # decode: 8 heads x 8 blocks of 128
+    narrow = t <= (32 if V_ABSORB_TREE else 16)  # decode: 8 heads x 8 blocks of 16
+    block_u = max(16, min(16 if narrow else 64, triton.next_power_of_2(u)))
     width = max(16, triton.next_power_of_2(c))
     early = EARLY_WEIGHTS and block_u == 16 and width <= EARLY_MAX_K  # the whole width's W_UV tile, 16 KB at most
     _mla_v_absorb_kernel[(triton.cdiv(t, bt), h, triton.cdiv(u, block_u))](

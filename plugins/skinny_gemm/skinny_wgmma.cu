@@ -25,9 +25,8 @@ typedef unsigned short u16;
 typedef unsigned long long u64;
 
 #define BM 64  // weight rows a CTA
-#define BK 64  // k columns a tile (128 bytes of bf16: one swizzle row)
-#define STAGES 8
-#define W_BYTES (BM * BK * 2)  // 8 KB a stage
+#define BK 64  // k columns a box (128 bytes of bf16: one swizzle row)
+#define BOX_W_BYTES (BM * BK * 2)  // 8 KB a weight box
 #define THREADS 128  // one warpgroup
 
 __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
@@ -165,16 +164,27 @@ __device__ __forceinline__ float from_bf16(u16 v) { return __uint_as_float(((u32
 __device__ __forceinline__ int acc_row(int e, int warp, int lane) { return warp * 16 + (lane >> 2) + ((e & 2) << 2); }
 __device__ __forceinline__ int acc_col(int e, int lane) { return (e >> 2) * 8 + 2 * (lane & 3) + (e & 1); }
 
+// Stage i of a CTA: KB boxes of 64 k columns (KB x 64 contiguous columns of each weight row), the weight boxes at
+// w_at and the token boxes at x_at, all completing on bar; nb <= KB boxes where the stage runs past k.
+template <int NT, int KB>
+__device__ __forceinline__ void stage_weights(const TensorMap* w_map, u32 w_at, int kt, int nb, int row, u32 bar) {
+    for (int b = 0; b < nb; ++b) tma_2d(w_at + b * BOX_W_BYTES, w_map, (kt + b) * BK, row, bar);
+}
+template <int NT, int KB>
+__device__ __forceinline__ void stage_tokens(const TensorMap* x_map, u32 x_at, int kt, int nb, u32 bar) {
+    for (int b = 0; b < nb; ++b) tma_2d(x_at + b * (NT * BK * 2), x_map, (kt + b) * BK, 0, bar);
+}
+
 // out: y [t, n] (row stride ldy), bf16 (OUT_F32 0) or fp32; c [t, n] bf16 (row stride ldc) added before the rounding
 // where given (bf16 out only).  parts [KS][n / 64][64 x NT] fp32 and tickets [n / 64] int32 (zero between calls) when
-// KS > 1.
-template <int NT, int OUT_F32>
+// KS > 1.  KB boxes a stage, STAGES stages in the ring: (1, 8) takes 64 columns of a row at a time, (4, 4) 256.
+template <int NT, int OUT_F32, int KB, int STAGES>
 __device__ __forceinline__ void skinny_wgmma(const TensorMap& w_map, const TensorMap& x_map, void* y, const u16* c,
                                              float* parts, int* tickets, int t, int n, int k, int ldy, int ldc,
                                              int ks) {
     extern __shared__ unsigned char smem_raw[];
-    constexpr u32 X_BYTES = NT * BK * 2;
-    constexpr u32 STAGE = W_BYTES + X_BYTES;  // a multiple of 1024 for every NT
+    constexpr u32 X_BOX = NT * BK * 2;
+    constexpr u32 W_BYTES = KB * BOX_W_BYTES, STAGE = W_BYTES + KB * X_BOX;  // a multiple of 1024 for every NT
     const u32 raw = smem_u32(smem_raw);
     const u32 pad = (1024u - (raw & 1023u)) & 1023u;
     const u32 sb = raw + pad;  // stage i: w at sb + i STAGE, x after it
@@ -182,21 +192,22 @@ __device__ __forceinline__ void skinny_wgmma(const TensorMap& w_map, const Tenso
     int* s_last = (int*)(smem_raw + pad + STAGES * STAGE + STAGES * 8);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int rb = blockIdx.x, s = blockIdx.y;
-    const int tiles = k / BK, per = (tiles + ks - 1) / ks;
-    const int kt0 = s * per, kt1 = min(kt0 + per, tiles), count = max(kt1 - kt0, 0);
+    const int tiles = k / BK, stages = (tiles + KB - 1) / KB, per = (stages + ks - 1) / ks;
+    const int st0 = s * per, count = max(min(st0 + per, stages) - st0, 0);
+    auto boxes = [&](int i) { return min(KB, tiles - (st0 + i) * KB); };  // of stage i (the last may be short)
 
     if (tid == 0) {
         for (int i = 0; i < STAGES; ++i) mbar_init(bar + 8 * i, 1);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         for (int i = 0; i < STAGES && i < count; ++i) {  // weights first: they do not wait for the predecessor
-            mbar_expect_tx(bar + 8 * i, STAGE);
-            tma_2d(sb + i * STAGE, &w_map, (kt0 + i) * BK, rb * BM, bar + 8 * i);
+            mbar_expect_tx(bar + 8 * i, boxes(i) * (BOX_W_BYTES + X_BOX));
+            stage_weights<NT, KB>(&w_map, sb + i * STAGE, (st0 + i) * KB, boxes(i), rb * BM, bar + 8 * i);
         }
     }
     pdl_wait();  // x (and c) come from the predecessor grids
     if (tid == 0)
         for (int i = 0; i < STAGES && i < count; ++i)
-            tma_2d(sb + i * STAGE + W_BYTES, &x_map, (kt0 + i) * BK, 0, bar + 8 * i);
+            stage_tokens<NT, KB>(&x_map, sb + i * STAGE + W_BYTES, (st0 + i) * KB, boxes(i), bar + 8 * i);
     __syncthreads();  // the mbarriers' init visible to every thread
     pdl_trigger();
 
@@ -204,20 +215,26 @@ __device__ __forceinline__ void skinny_wgmma(const TensorMap& w_map, const Tenso
 #pragma unroll
     for (int e = 0; e < NT / 2; ++e) acc[e] = 0.f;
     for (int i = 0; i < count; ++i) {
-        const int st = i % STAGES;
+        const int st = i % STAGES, nb = boxes(i);
         mbar_wait(bar + 8 * st, (i / STAGES) & 1);
         const u32 wa = sb + st * STAGE, xa = wa + W_BYTES;
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk) wgmma_tile<NT>(acc, smem_desc(wa + kk * 32), smem_desc(xa + kk * 32));
+        for (int b = 0; b < KB; ++b) {
+            if (b < nb) {
+#pragma unroll
+                for (int kk = 0; kk < BK / 16; ++kk)
+                    wgmma_tile<NT>(acc, smem_desc(wa + b * BOX_W_BYTES + kk * 32), smem_desc(xa + b * X_BOX + kk * 32));
+            }
+        }
         wgmma_commit();
         wgmma_wait_all();
         __syncthreads();  // every warp's wgmmas have read stage st
         if (tid == 0 && i + STAGES < count) {
-            const int kt = kt0 + i + STAGES;
-            mbar_expect_tx(bar + 8 * st, STAGE);
-            tma_2d(wa, &w_map, kt * BK, rb * BM, bar + 8 * st);
-            tma_2d(xa, &x_map, kt * BK, 0, bar + 8 * st);
+            const int j = i + STAGES, kt = (st0 + j) * KB;
+            mbar_expect_tx(bar + 8 * st, boxes(j) * (BOX_W_BYTES + X_BOX));
+            stage_weights<NT, KB>(&w_map, wa, kt, boxes(j), rb * BM, bar + 8 * st);
+            stage_tokens<NT, KB>(&x_map, xa, kt, boxes(j), bar + 8 * st);
         }
     }
 
@@ -253,12 +270,17 @@ __device__ __forceinline__ void skinny_wgmma(const TensorMap& w_map, const Tenso
     }
 }
 
-#define SKINNY_WGMMA(NT, NAME, OUT_F32)                                                                            \
-    extern "C" __global__ void __launch_bounds__(THREADS) kdtree_skinny_wgmma_t##NT##_##NAME(                        \
+#define SKINNY_WGMMA_KERNEL(NAME, NT, OUT_F32, KB, STAGES)                                                         \
+    extern "C" __global__ void __launch_bounds__(THREADS) NAME(                                                      \
         const __grid_constant__ TensorMap w_map, const __grid_constant__ TensorMap x_map, void* y, const u16* c,      \
         float* parts, int* tickets, int t, int n, int k, int ldy, int ldc, int ks) {                                 \
-        skinny_wgmma<NT, OUT_F32>(w_map, x_map, y, c, parts, tickets, t, n, k, ldy, ldc, ks);                       \
+        skinny_wgmma<NT, OUT_F32, KB, STAGES>(w_map, x_map, y, c, parts, tickets, t, n, k, ldy, ldc, ks);           \
     }
+// kdtree_skinny_wgmma_t<NT>_<out>: one box a stage, 8 stages; kdtree_skinny_wgmma_kb4_t<NT>_<out>: four, 4 stages
+// (wgmma_launch.BOXES picks)
+#define SKINNY_WGMMA(NT, NAME, OUT_F32)                                                        \
+    SKINNY_WGMMA_KERNEL(kdtree_skinny_wgmma_t##NT##_##NAME, NT, OUT_F32, 1, 8)                 \
+    SKINNY_WGMMA_KERNEL(kdtree_skinny_wgmma_kb4_t##NT##_##NAME, NT, OUT_F32, 4, 4)
 
 SKINNY_WGMMA(8, bf16, 0)
 SKINNY_WGMMA(16, bf16, 0)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from core.env_flags import env_flag
 from plugins.common.cubin import CubinUnavailable, load_module
 from plugins.common.device import device_facts
 from plugins.common.driver import checked, launch
@@ -21,8 +22,13 @@ from plugins.common.pdl import USE_PDL
 
 SOURCE = Path(__file__).with_name("skinny_wgmma.cu")
 THREADS = 128  # one warpgroup (the .cu's THREADS)
-BLOCK_M = BLOCK_K = 64  # weight rows a CTA, k columns a tile (the .cu's BM, BK)
-STAGES = 8  # the .cu's STAGES
+BLOCK_M = BLOCK_K = 64  # weight rows a CTA, k columns a box (the .cu's BM, BK)
+STAGES = {1: 8, 4: 4}  # boxes a stage -> stages in the ring (the .cu's SKINNY_WGMMA variants)
+# KDTREE_SKINNY_WGMMA_KB4=1: four boxes a stage (256 contiguous columns of each weight row in flight together, 4
+# stages), where one box a stage reads each row 128 bytes at a time.  Off: faster alone (H100, qkv_a at t = 17 16.9 ->
+# 15.2 µs, skinny-gemm-h100.json wgmma_kb4) but the K2.6 rank's DDTree-16 round +0.9 % (k26-switches-h100.json call 13;
+# NOTES.md says the likely cause)
+KB4 = env_flag("KDTREE_SKINNY_WGMMA_KB4", False)
 MAX_TOKENS = 32  # NT = 8, 16, 24 or 32 token slots (wgmma's N)
 MAX_SPLITS = 16
 PARTS_FLOATS = 1 << 20  # the per-device split workspace: KS x row blocks x 64 x NT partial floats at most ...
@@ -41,31 +47,39 @@ class Plan:
     splits: int  # KS
     row_blocks: int
     smem: int
+    boxes: int = 1  # 64-column boxes a stage (1 or 4)
 
     @property
     def grid(self) -> tuple[int, int]:
         return self.row_blocks, self.splits
 
 
-def smem_bytes(nt: int) -> int:
-    """The .cu's dynamic shared memory: STAGES stages of w (8 KB) and x (nt x 128 B), the mbarriers, the last-CTA flag,
-    and the slack that aligns the ring to 1024 bytes."""
-    return STAGES * (BLOCK_M * BLOCK_K * 2 + nt * BLOCK_K * 2) + STAGES * 8 + 4 + 1024
+def smem_bytes(nt: int, boxes: int = 1) -> int:
+    """The .cu's dynamic shared memory: STAGES[boxes] stages of `boxes` boxes of w (8 KB) and x (nt x 128 B), the
+    mbarriers, the last-CTA flag, and the slack that aligns the ring to 1024 bytes."""
+    stages = STAGES[boxes]
+    return stages * boxes * (BLOCK_M * BLOCK_K * 2 + nt * BLOCK_K * 2) + stages * 8 + 4 + 1024
 
 
-def plan(t: int, n: int, k: int, out_f32: bool, sms: int, splits: int | None = None) -> Plan:
+def plan(t: int, n: int, k: int, out_f32: bool, sms: int, splits: int | None = None, boxes: int | None = None
+         ) -> Plan:
     """The launch for x [t, k] . w [n, k]^T: NT the tokens rounded up to 8; KS the k splits that bring the CTAs (row
-    blocks x KS) closest to one a SM without exceeding the k tiles (splits overrides, for tests and sweeps)."""
+    blocks x KS) closest to one a SM without exceeding the stages of `boxes` k boxes (4 where KB4, else 1); splits
+    and boxes override, for tests and sweeps."""
     if not 1 <= t <= MAX_TOKENS or k % BLOCK_K:
         raise ValueError(f"skinny_wgmma: needs 1 <= t <= {MAX_TOKENS} and k % {BLOCK_K} == 0, got t {t}, k {k}")
+    boxes = boxes or (4 if KB4 else 1)
+    if boxes not in STAGES:
+        raise ValueError(f"skinny_wgmma: boxes a stage must be one of {sorted(STAGES)}, got {boxes}")
     nt = -(-t // 8) * 8
-    blocks, tiles = -(-n // BLOCK_M), k // BLOCK_K
-    ks = splits or max(1, min(tiles, MAX_SPLITS, round(sms / blocks)))
-    if not 1 <= ks <= min(tiles, MAX_SPLITS):
-        raise ValueError(f"skinny_wgmma: splits must be in [1, {min(tiles, MAX_SPLITS)}], got {ks}")
+    blocks, stages = -(-n // BLOCK_M), -(-(k // BLOCK_K) // boxes)
+    ks = splits or max(1, min(stages, MAX_SPLITS, round(sms / blocks)))
+    if not 1 <= ks <= min(stages, MAX_SPLITS):
+        raise ValueError(f"skinny_wgmma: splits must be in [1, {min(stages, MAX_SPLITS)}], got {ks}")
     if ks > 1 and (blocks > TICKETS or ks * blocks * BLOCK_M * nt > PARTS_FLOATS):
         raise ValueError(f"skinny_wgmma: {ks} k splits of {blocks} row blocks exceed the split workspace")
-    return Plan(f"kdtree_skinny_wgmma_t{nt}_{'f32' if out_f32 else 'bf16'}", nt, ks, blocks, smem_bytes(nt))
+    name = f"kdtree_skinny_wgmma{'_kb4' if boxes == 4 else ''}_t{nt}_{'f32' if out_f32 else 'bf16'}"
+    return Plan(name, nt, ks, blocks, smem_bytes(nt, boxes), boxes)
 
 
 def supports(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, out_f32: bool) -> bool:
@@ -134,7 +148,7 @@ def _func(mod: _Module, p: Plan):
         cu = mod.cu
         func = checked(cu, cu.cuModuleGetFunction(mod.module, p.kernel.encode()), f"{p.kernel}: cuModuleGetFunction")
         checked(cu, cu.cuFuncSetAttribute(func, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                          smem_bytes(32)), f"{p.kernel}: cuFuncSetAttribute")
+                                          smem_bytes(32, p.boxes)), f"{p.kernel}: cuFuncSetAttribute")
         mod.funcs[p.kernel] = func
     return func
 
@@ -162,14 +176,14 @@ def tensor_map(cu, t: torch.Tensor, box_rows: int) -> object:
 
 
 def skinny_wgmma(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None, out_f32: bool = False,
-                 splits: int | None = None, pdl: bool | None = None) -> torch.Tensor:
+                 splits: int | None = None, pdl: bool | None = None, boxes: int | None = None) -> torch.Tensor:
     """x [t, k] . w [n, k]^T (+ c) -> [t, n] bf16 (fp32 with out_f32), fp32 sums rounded once; supports() was asked
-    first.  splits / pdl override the plan and the PDL default (tests, sweeps)."""
+    first.  splits / pdl / boxes override the plan and the defaults (tests, sweeps)."""
     t, k = x.shape
     n = w.shape[0]
     dev = x.device
     mod = _MODULES[dev.index if dev.index is not None else torch.cuda.current_device()]
-    p = plan(t, n, k, out_f32, device_facts(dev).sms, splits)
+    p = plan(t, n, k, out_f32, device_facts(dev).sms, splits, boxes)
     y = torch.empty(t, n, dtype=torch.float32 if out_f32 else torch.bfloat16, device=dev)
     cu = mod.cu
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
