@@ -26,6 +26,8 @@ default (DEFAULT_ON), which are set again after the run):
             (runtime.model.layers.SKINNY_WGMMA; on by default: DDTree-16 -1.8 % at 4K, call 12)
   wgmma_kb4 with skinny_wgmma: four 64-column boxes a TMA stage (512 contiguous bytes of each weight row at once,
             4 stages; plugins/skinny_gemm/wgmma_launch.KB4; DDTree-16 +0.9 % at 4K, call 13: off)
+  wgmma_pf  with skinny_wgmma: each CTA's weights past its ring requested into L2 before the PDL wait
+            (wgmma_launch.PREFETCH)
   absorb_tree the attention's W_UV product in 16-wide value blocks up to 32 tokens (DDTree rounds), not 16
             (plugins/layer_fusion/kernel.V_ABSORB_TREE; on by default: DDTree-16 -1.0 % at 4K, call 13)
   route_stores the MoE routing of one token writes its counts and lists by stores, not atomics
@@ -101,6 +103,7 @@ _FLAGS = {"skinny": ("runtime.model.layers", "SKINNY_GEMM"),
           "route_stores": ("plugins.moe_w4a16.route_kernel", "ONE_TOKEN_STORES"),
           "skinny_wgmma": ("runtime.model.layers", "SKINNY_WGMMA"),
           "wgmma_kb4": ("plugins.skinny_gemm.wgmma_launch", "KB4"),
+          "wgmma_pf": ("plugins.skinny_gemm.wgmma_launch", "PREFETCH"),
           "absorb_tree": ("plugins.layer_fusion.kernel", "V_ABSORB_TREE"),
           "glue_early": ("plugins.layer_fusion.kernel", "EARLY_WEIGHTS"),
           "attn_long": ("plugins.tree_verify_mla.launcher", "LONG_TILE"),

@@ -62,6 +62,11 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
         "@!p bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
 }
 
+// [p, p + bytes) into L2, not waited for (p and bytes multiples of 16)
+__device__ __forceinline__ void l2_prefetch(const void* p, u32 bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+
 // A box (k column c0, row c1) of the 2-d tensor behind `map` into shared memory at dst, completing on bar.
 __device__ __forceinline__ void tma_2d(u32 dst, const TensorMap* map, int c0, int c1, u32 bar) {
     asm volatile(
@@ -178,10 +183,13 @@ __device__ __forceinline__ void stage_tokens(const TensorMap* x_map, u32 x_at, i
 // out: y [t, n] (row stride ldy), bf16 (OUT_F32 0) or fp32; c [t, n] bf16 (row stride ldc) added before the rounding
 // where given (bf16 out only).  parts [KS][n / 64][64 x NT] fp32 and tickets [n / 64] int32 (zero between calls) when
 // KS > 1.  KB boxes a stage, STAGES stages in the ring: (1, 8) takes 64 columns of a row at a time, (4, 4) 256.
-template <int NT, int OUT_F32, int KB, int STAGES>
+// PF: before the PDL wait the CTA also puts the rest of its weights (past the ring's first STAGES stages) in flight
+// into L2, one bulk prefetch per row (w: the weights' base, rows of k bf16), so that more than the ring's bytes are in
+// flight without more shared memory; the ring's later copies then find them in L2.
+template <int NT, int OUT_F32, int KB, int STAGES, bool PF>
 __device__ __forceinline__ void skinny_wgmma(const TensorMap& w_map, const TensorMap& x_map, void* y, const u16* c,
                                              float* parts, int* tickets, int t, int n, int k, int ldy, int ldc,
-                                             int ks) {
+                                             int ks, const u16* w) {
     extern __shared__ unsigned char smem_raw[];
     constexpr u32 X_BOX = NT * BK * 2;
     constexpr u32 W_BYTES = KB * BOX_W_BYTES, STAGE = W_BYTES + KB * X_BOX;  // a multiple of 1024 for every NT
@@ -203,6 +211,10 @@ __device__ __forceinline__ void skinny_wgmma(const TensorMap& w_map, const Tenso
             mbar_expect_tx(bar + 8 * i, boxes(i) * (BOX_W_BYTES + X_BOX));
             stage_weights<NT, KB>(&w_map, sb + i * STAGE, (st0 + i) * KB, boxes(i), rb * BM, bar + 8 * i);
         }
+    }
+    if (PF && count > STAGES && tid < BM && rb * BM + tid < n) {
+        const int c0 = (st0 + STAGES) * KB * BK, c1 = min((st0 + count) * KB, tiles) * BK;  // columns past the ring's
+        l2_prefetch(w + (long long)(rb * BM + tid) * k + c0, (u32)(c1 - c0) * 2u);
     }
     pdl_wait();  // x (and c) come from the predecessor grids
     if (tid == 0)
@@ -270,17 +282,18 @@ __device__ __forceinline__ void skinny_wgmma(const TensorMap& w_map, const Tenso
     }
 }
 
-#define SKINNY_WGMMA_KERNEL(NAME, NT, OUT_F32, KB, STAGES)                                                         \
+#define SKINNY_WGMMA_KERNEL(NAME, NT, OUT_F32, KB, STAGES, PF)                                                     \
     extern "C" __global__ void __launch_bounds__(THREADS) NAME(                                                      \
         const __grid_constant__ TensorMap w_map, const __grid_constant__ TensorMap x_map, void* y, const u16* c,      \
-        float* parts, int* tickets, int t, int n, int k, int ldy, int ldc, int ks) {                                 \
-        skinny_wgmma<NT, OUT_F32, KB, STAGES>(w_map, x_map, y, c, parts, tickets, t, n, k, ldy, ldc, ks);           \
+        float* parts, int* tickets, int t, int n, int k, int ldy, int ldc, int ks, const u16* w) {                   \
+        skinny_wgmma<NT, OUT_F32, KB, STAGES, PF>(w_map, x_map, y, c, parts, tickets, t, n, k, ldy, ldc, ks, w);    \
     }
-// kdtree_skinny_wgmma_t<NT>_<out>: one box a stage, 8 stages; kdtree_skinny_wgmma_kb4_t<NT>_<out>: four, 4 stages
-// (wgmma_launch.BOXES picks)
+// kdtree_skinny_wgmma_t<NT>_<out>: one box a stage, 8 stages; _pf_: the same with the L2 prefetch of the rest (PF);
+// _kb4_: four boxes a stage, 4 stages (wgmma_launch.plan picks)
 #define SKINNY_WGMMA(NT, NAME, OUT_F32)                                                        \
-    SKINNY_WGMMA_KERNEL(kdtree_skinny_wgmma_t##NT##_##NAME, NT, OUT_F32, 1, 8)                 \
-    SKINNY_WGMMA_KERNEL(kdtree_skinny_wgmma_kb4_t##NT##_##NAME, NT, OUT_F32, 4, 4)
+    SKINNY_WGMMA_KERNEL(kdtree_skinny_wgmma_t##NT##_##NAME, NT, OUT_F32, 1, 8, false)          \
+    SKINNY_WGMMA_KERNEL(kdtree_skinny_wgmma_pf_t##NT##_##NAME, NT, OUT_F32, 1, 8, true)        \
+    SKINNY_WGMMA_KERNEL(kdtree_skinny_wgmma_kb4_t##NT##_##NAME, NT, OUT_F32, 4, 4, false)
 
 SKINNY_WGMMA(8, bf16, 0)
 SKINNY_WGMMA(16, bf16, 0)
