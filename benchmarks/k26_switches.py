@@ -28,6 +28,8 @@ default (DEFAULT_ON), which are set again after the run):
             4 stages; plugins/skinny_gemm/wgmma_launch.KB4; DDTree-16 +0.9 % at 4K, call 13: off)
   wgmma_pf  with skinny_wgmma: each CTA's weights past its ring requested into L2 before the PDL wait
             (wgmma_launch.PREFETCH)
+  wgmma_t1  with skinny_wgmma: one-token GEMMs (the AR step's) on skinny_wgmma.cu too, not skinny_gemm.cu
+            (runtime.model.layers.WGMMA_TOKENS from 1)
   absorb_tree the attention's W_UV product in 16-wide value blocks up to 32 tokens (DDTree rounds), not 16
             (plugins/layer_fusion/kernel.V_ABSORB_TREE; on by default: DDTree-16 -1.0 % at 4K, call 13)
   route_stores the MoE routing of one token writes its counts and lists by stores, not atomics
@@ -63,6 +65,11 @@ def _set_skinny_wide(on: bool) -> None:
     from runtime.model import layers
     layers.SKINNY_MAX_TOKENS, layers.SKINNY_MAX_WEIGHT_BYTES = (launch.MAX_TOKENS, launch.MAX_WEIGHT_BYTES) if on \
         else layers.SKINNY_LIMITS
+
+
+def _set_wgmma_t1(on: bool) -> None:
+    from runtime.model import layers
+    layers.WGMMA_TOKENS = (1 if on else 2, layers.WGMMA_TOKENS[1])
 
 
 def _widen_skinny_tokens(tokens: int):
@@ -110,7 +117,7 @@ _FLAGS = {"skinny": ("runtime.model.layers", "SKINNY_GEMM"),
           "attn_wgmma": ("plugins.tree_verify_mla.launcher", "WGMMA")}
 # see the module doc; skinny_wide before skinny_tree and skinny_8 (which widen only what skinny_wide left)
 SWITCHES = {"moe_pf": _set_moe_pf, "skinny_pf": _set_skinny_pf, "skinny_wide": _set_skinny_wide,
-            "skinny_tree": _widen_skinny_tokens(24), "skinny_8": _widen_skinny_tokens(8),
+            "skinny_tree": _widen_skinny_tokens(24), "skinny_8": _widen_skinny_tokens(8), "wgmma_t1": _set_wgmma_t1,
             **{name: _set_flag(*at) for name, at in _FLAGS.items()}}
 
 

@@ -32,6 +32,19 @@ def test_skinny_tree_widens_the_token_limit_and_the_defaults_restore_it():
     assert (layers.SKINNY_MAX_TOKENS, layers.SKINNY_MAX_WEIGHT_BYTES) == layers.SKINNY_LIMITS
 
 
+def test_wgmma_t1_takes_one_token_and_the_defaults_restore_it():
+    from benchmarks.k26_switches import DEFAULT_ON, apply
+    from runtime.model import layers
+
+    default = layers.WGMMA_TOKENS
+    try:
+        apply(DEFAULT_ON | {"wgmma_t1"})
+        assert layers.WGMMA_TOKENS == (1, default[1])
+    finally:
+        apply(DEFAULT_ON)
+    assert layers.WGMMA_TOKENS == default == (2, 32)
+
+
 def test_default_on_is_the_modules_defaults():
     """DEFAULT_ON names exactly the flag switches whose module attribute is on when nothing was set."""
     import importlib
