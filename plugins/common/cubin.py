@@ -6,7 +6,8 @@ Found in order:
      (register_kernel_dir) so ops called deep inside a model find it;
   2. the kdtree cache: <cache>/kernels/<arch>/<stem>-<source sha>.cubin;
   3. compiled now by NVRTC (cuda.bindings.nvrtc), else nvcc, and stored in the cache (once per machine and
-     source).  The sources take no headers, so NVRTC needs no include path.
+     source).  A source's `#include "..."` of a header under plugins/ (plugins/common/cuda/*.cuh) is inlined first
+     (source_text: what is hashed and compiled), so NVRTC needs no include path.
 
 CubinUnavailable names what is missing when none of them gives one.
 
@@ -18,11 +19,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
+PLUGINS = Path(__file__).resolve().parent.parent  # the folder whose headers a source may include
+_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[^\n]*$', re.MULTILINE)
 _KERNEL_DIRS: list[Path] = []
 COMPILED: list[str] = []  # "<source> for <arch>" of each cubin this process compiled (tests assert none)
 
@@ -38,6 +42,27 @@ def compile_arch(text: bytes, arch: str) -> str:
 
 class CubinUnavailable(RuntimeError):
     """No cubin of a kernel source for this arch could be found or compiled."""
+
+
+def source_text(source: Path, _seen: set[Path] | None = None) -> bytes:
+    """The source with each quoted `#include` of a file under plugins/ replaced by that file's text (recursively; a
+    header included twice is inlined once, as its `#pragma once` would have it): what NVRTC compiles without an
+    include path, and what the cache key hashes.  An include that is missing or leaves plugins/ is a
+    CubinUnavailable naming the source and the path."""
+    seen = set() if _seen is None else _seen
+    source = Path(source).resolve()
+    seen.add(source)
+
+    def inline(m: re.Match) -> bytes:
+        name = m.group(1).decode(errors="replace")
+        target = (source.parent / name).resolve()
+        if not target.is_relative_to(PLUGINS) or not target.is_file():
+            raise CubinUnavailable(f"{source.name}: #include \"{name}\" is not a file under {PLUGINS}")
+        if target in seen:
+            return b"// " + m.group(0).lstrip()  # already inlined above
+        return source_text(target, seen)
+
+    return _INCLUDE.sub(inline, source.read_bytes())
 
 
 def register_kernel_dir(path: Path) -> None:
@@ -56,7 +81,7 @@ def cubin(source: Path, arch: str, cache: Path) -> tuple[bytes, str]:
         built = kernels / arch / op / (source.stem + ".cubin")
         if built.is_file():
             return built.read_bytes(), str(built)
-    text = source.read_bytes()
+    text = source_text(source)
     cached = cache / "kernels" / arch / f"{source.stem}-{hashlib.sha256(text).hexdigest()[:16]}.cubin"
     if cached.is_file():
         return cached.read_bytes(), str(cached)

@@ -24,7 +24,10 @@
 // FLAG_LATE_TRIGGER, once every CTA has finished its k loop (its waiting CTAs then do not take SM slots from this
 // kernel's later CTAs).
 //
-// No headers: NVRTC compiles this file as it stands (bf16 through PTX on raw 32-bit registers).
+// bf16 through PTX on raw 32-bit registers; plugins/common/cuda/hopper.cuh (pdl_wait / pdl_trigger, l2_prefetch) is
+// its one header (cubin.py inlines it for NVRTC).
+
+#include "../common/cuda/hopper.cuh"  // pdl_wait, pdl_trigger, l2_prefetch
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -61,25 +64,6 @@ __device__ __forceinline__ float ld_partial(const float* p) {  // another CTA's 
     float r;
     asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
     return r;
-}
-
-__device__ __forceinline__ void l2_prefetch(const void* p, u32 bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-#endif
-}
-
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-
-// Lets the next kernel of the stream launch (its CTAs then wait at their own pdl_wait, holding their SM slots).
-__device__ __forceinline__ void pdl_trigger() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
 }
 
 #define FLAG_PREFETCH 1  // flags: this CTA's weights into L2 before the wait

@@ -16,80 +16,28 @@
 //
 // PDL: weights do not depend on the predecessor grid, so the first STAGES tiles of w are requested before
 // griddepcontrol.wait and those of x after it; then the next grid may launch (it waits for this one's completion).
-// No headers: NVRTC compiles this file as it stands.
+// plugins/common/cuda/hopper.cuh is its one header (cubin.py inlines it for NVRTC).
 
 #define KDTREE_ARCH_FEATURES  // plugins/common/cubin.py: compiled for sm_90a where the arch is sm_90 (wgmma)
 
-typedef unsigned int u32;
+#include "../common/cuda/hopper.cuh"  // smem_u32, pdl_*, mbar_*, l2_prefetch, wgmma_fence / commit / wait_all
+
 typedef unsigned short u16;
-typedef unsigned long long u64;
 
 #define BM 64  // weight rows a CTA
 #define BK 64  // k columns a box (128 bytes of bf16: one swizzle row)
 #define BOX_W_BYTES (BM * BK * 2)  // 8 KB a weight box
 #define THREADS 128  // one warpgroup
 
-__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void pdl_trigger() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
 struct __align__(64) TensorMap {  // a CUtensorMap (skinny_wgmma_launch.py), passed by value
     u64 bytes[16];
 };
-
-__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-    asm volatile(
-        "{\n.reg .pred p;\nWAIT_%=:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-        "@!p bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
-}
-
-// [p, p + bytes) into L2, not waited for (p and bytes multiples of 16)
-__device__ __forceinline__ void l2_prefetch(const void* p, u32 bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-}
 
 // A box (k column c0, row c1) of the 2-d tensor behind `map` into shared memory at dst, completing on bar.
 __device__ __forceinline__ void tma_2d(u32 dst, const TensorMap* map, int c0, int c1, u32 bar) {
     asm volatile(
         "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
         ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void wgmma_fence() {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void wgmma_commit() {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void wgmma_wait_all() {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-#endif
 }
 
 // K-major operand in shared memory, 128-byte swizzle: 8 rows of 128 bytes an atom, the next 8 rows 1024 bytes on; a

@@ -30,13 +30,13 @@
 // scale * log2 e), fp32 scores and sums, p rounded to bf16 for the value product (as the Triton kernel).
 //
 // PDL: the program waits for its predecessor grid (griddepcontrol.wait) before reading anything, then lets the
-// combine launch.  No headers: NVRTC compiles this file as it stands.
+// combine launch.  plugins/common/cuda/hopper.cuh is its one header (cubin.py inlines it for NVRTC).
 
 #define KDTREE_ARCH_FEATURES  // plugins/common/cubin.py: compiled for sm_90a where the arch is sm_90 (wgmma)
 
-typedef unsigned int u32;
+#include "../common/cuda/hopper.cuh"  // smem_u32, pdl_*, mbar_*, wgmma_fence / commit / wait_all
+
 typedef unsigned short u16;
-typedef unsigned long long u64;
 
 #define D_QK 576
 #define D_V 512
@@ -55,22 +55,6 @@ static_assert(SMEM_BYTES == SMEM_BAR + 16, "SMEM_BYTES is the end of the shared-
 #define THREADS 256
 #define NEG_INF (-__int_as_float(0x7f800000))
 
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-    return (u32)__cvta_generic_to_shared(p);
-}
-
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void pdl_trigger() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
 // 16 bytes global -> shared, zero-filled past src_bytes (0 or 16); .cg: through L2 only (the key tile is read by the
 // CTAs of the other m-blocks from L2).
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 src_bytes) {
@@ -85,24 +69,6 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 __device__ __forceinline__ void fence_async_smem() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void wgmma_fence() {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void wgmma_commit() {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void wgmma_wait_all() {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 #endif
 }
 
@@ -196,21 +162,6 @@ __device__ __forceinline__ u32 tile_offset(int tid) {
 struct __align__(64) TensorMap {
     u64 bytes[16];
 };
-
-__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {  // this thread arrives; `bytes` will land
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {  // until the phase of this parity has completed
-    asm volatile(
-        "{\n.reg .pred p;\nWAIT_%=:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-        "@!p bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
-}
 
 // One 64 x 64 box (columns c0.., rows c1.., request c2) of the tensor behind `map` into shared memory at dst (1024-byte
 // aligned: the swizzle is the one wgmma reads), completing `bytes` on the mbarrier at bar.

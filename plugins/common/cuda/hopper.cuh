@@ -1,0 +1,69 @@
+// Hopper (sm_90) primitives shared by the CUDA C kernels: programmatic dependent launch, shared-memory addresses, the
+// L2 bulk prefetch, mbarriers (the tensor memory accelerator's completion) and the warpgroup MMA's fence / commit /
+// wait.  Each wraps one PTX instruction; where an arch lacks it (PDL and the prefetch below sm_90, wgmma outside
+// sm_90a) it compiles to nothing, so the same source builds for sm_120 (whose kernels never take those paths).
+//
+// Included by the .cu files as "../common/cuda/hopper.cuh"; plugins/common/cubin.py inlines it before NVRTC
+// compiles a file (NVRTC gets no include path), nvcc (kdtree build, the tests) resolves it next to the source.
+#pragma once
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+// Wait until the predecessor grid has completed and its memory is visible (returns at once without the launch
+// attribute).
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// Let the next grid launch: its CTAs become resident and wait at their own pdl_wait (holding their SM slots) for
+// this grid's completion before reading what it writes.
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// [p, p + bytes) into L2, not waited for (p and bytes multiples of 16; nothing below sm_90)
+__device__ __forceinline__ void l2_prefetch(const void* p, u32 bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {  // this thread arrives; `bytes` will land
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {  // until the phase of this parity has completed
+    asm volatile(
+        "{\n.reg .pred p;\nWAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        "@!p bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wgmma_commit() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wgmma_wait_all() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#endif
+}
