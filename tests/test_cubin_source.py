@@ -15,8 +15,9 @@ TREE_VERIFY = cubin.PLUGINS / "tree_verify_mla" / "tree_verify_wgmma.cu"
 HEADER = cubin.PLUGINS / "common" / "cuda" / "hopper.cuh"
 
 
-def test_the_wgmma_sources_include_the_shared_header_and_get_it_inlined():
-    for source in (TREE_VERIFY, cubin.PLUGINS / "skinny_gemm" / "skinny_wgmma.cu"):
+def test_the_kernel_sources_include_the_shared_header_and_get_it_inlined():
+    others = ("skinny_gemm/skinny_wgmma.cu", "skinny_gemm/skinny_gemm.cu", "moe_w4a16/moe_v3.cu")
+    for source in (TREE_VERIFY, *(cubin.PLUGINS / f for f in others)):
         assert b'#include "../common/cuda/hopper.cuh"' in source.read_bytes()
         text = cubin.source_text(source)
         assert b"#include" not in text and HEADER.read_bytes() in text

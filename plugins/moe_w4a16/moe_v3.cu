@@ -18,9 +18,11 @@
 // register slots (loads P groups ahead of the math).  Grids are persistent: items are strided over
 // gridDim.x CTAs (gate_up) or over all warps (down).
 //
-// No headers: NVRTC compiles this file as it stands (bf16 through PTX on raw 32-bit registers).
+// bf16 through PTX on raw 32-bit registers; plugins/common/cuda/hopper.cuh (PDL, l2_prefetch) is its one header
+// (cubin.py inlines it for NVRTC).
 
-typedef unsigned int u32;
+#include "../common/cuda/hopper.cuh"  // pdl_wait, pdl_trigger, l2_prefetch
+
 typedef unsigned short u16;
 
 #define WARPS 8
@@ -67,15 +69,10 @@ __device__ __forceinline__ uint4 ld_tokens_or_zero(const uint4* p, bool on) {
     return r;
 }
 
-// L2 prefetch (sm_90+: the bulk prefetch, one request per `bytes`, not waited for): a hint that puts a work item's
-// weights in flight at once, where the register ring alone keeps only P groups per warp in flight.  Nothing reads
-// what it fetched, so it cannot change a result.  p and bytes: multiples of 16.
+// L2 prefetch (l2_prefetch, sm_90+: the bulk prefetch, one request per `bytes`, not waited for): a hint that puts a
+// work item's weights in flight at once, where the register ring alone keeps only P groups per warp in flight.
+// Nothing reads what it fetched, so it cannot change a result.  p and bytes: multiples of 16.
 #define PF_CHUNK 16384u
-__device__ __forceinline__ void l2_prefetch(const void* p, unsigned int bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-#endif
-}
 
 // The lanes of one warp prefetch [p, p + bytes) in PF_CHUNK pieces.
 __device__ __forceinline__ void warp_prefetch(const void* p, unsigned int bytes, int lane) {
@@ -87,10 +84,8 @@ __device__ __forceinline__ void warp_prefetch(const void* p, unsigned int bytes,
 // completed and its memory is visible, before reading anything, then let this kernel's dependents launch.
 // Without the launch attribute the wait returns at once.
 __device__ __forceinline__ void pdl_prologue() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
+    pdl_wait();
+    pdl_trigger();
 }
 
 // The kernels' last argument `pf`, bit flags (0: none):
