@@ -36,11 +36,11 @@ MLA_MEM_NEXT = ("33-1024 rows run tree_verify_wgmma.cu (two warpgroups on 64 row
                 "and consumers on separate row blocks, which needs Q's shared memory halved or 32-key stages")
 MLA_CMP = ("tree_verify_wgmma.cu (58 % at h8 N64 L32K, H100): the 36 score wgmmas' issue and the P / rescale phase "
            "in series with the value wgmmas (plugins/tree_verify_mla/NOTES.md, ncu)")
-MOE = ("four dependent launches (route, gate_up, down, combine: ~5 + 13 + 7 + 3.5 us a layer at t = 1 in the "
-       "H100 round); gate_up ~100 instructions per 512-byte k group at issue ~50 % (ncu, t = 17), so more bytes "
-       "in flight did not pay (plugins/moe_w4a16/NOTES.md, the shared-memory ring)")
-MOE_NEXT = ("fewer instructions per weight byte in gate_up (the dequant and scale chain), fewer launches (the "
-            "routing and the combine folded into their neighbours)")
+MOE = ("four dependent launches (route, gate_up, down, combine: 4.3 + 11.5 + 6.9 + 3.1 us a layer at t = 1 in the "
+       "H100 round, 5.0 + 33.7 + 16.7 + 3.1 at t = 17); gate_up ~74 SASS instructions per 512-byte k group at issue "
+       "~50 % (ncu, t = 17), so more bytes in flight did not pay (plugins/moe_w4a16/NOTES.md, the shared-memory ring)")
+MOE_NEXT = ("fewer launches (the routing folded into gate_up, the combine into down); fewer instructions per weight "
+            "byte other than the dequant's shifts (bf16 needs a source per nibble pair, NOTES.md 2026-12-06)")
 COLUMNS = {"moe_w4a16_v3": ("v3_us", "v3_fraction")}  # the runtime's kernel among the benchmark's peers
 GOALS = [
     *[("tree_verify_mla", f"h8 N{n} L{l_len // 1024}K", _mla(8, n, l_len), "fraction", 0.8, MLA_MEM, MLA_MEM_NEXT)
