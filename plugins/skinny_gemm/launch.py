@@ -10,14 +10,14 @@ comes from the artifact, the kdtree cache or NVRTC/nvcc (plugins/common/cubin.py
 from __future__ import annotations
 
 import ctypes
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from plugins.common.cubin import CubinUnavailable, load_module
+from plugins.common.cubin import load_module
 from plugins.common.device import device_facts
+from plugins.common.device_modules import PerDevice
 from plugins.common.driver import checked, launch
 from plugins.common.pdl import USE_PDL
 
@@ -146,59 +146,51 @@ class SkinnyGemmWarning(UserWarning):
     """skinny_gemm.cu cannot be loaded on a device: its GEMMs stay cuBLAS's."""
 
 
-_UNAVAILABLE: dict[int, str] = {}  # device index -> why the module does not load there (final per process)
+@dataclass
+class KernelModule:
+    """One device's loaded kernels and split-k workspace (skinny_gemm.cu's here, skinny_wgmma.cu's in
+    wgmma_launch.py).  The workspace serves the calls of one stream at a time (each call's last CTAs leave its tickets
+    zero for the next): the decode round's, eager or replayed."""
+    cu: object
+    module: object
+    funcs: dict  # kernel name -> CUfunction
+    pdl: bool  # ask for PDL (sm_90+ and KDTREE_PDL; plugins/common/driver.launch remembers a refusal)
+    parts: torch.Tensor  # [parts floats] fp32
+    tickets: torch.Tensor  # [tickets] int32, zero between calls
+
+    @classmethod
+    def load(cls, source: Path, dev: torch.device, what: str, pdl: bool, parts: int, tickets: int) -> KernelModule:
+        """source's cubin loaded on dev (a CUDA device with an index) and a fresh split workspace."""
+        from cuda.bindings import driver as cu
+        torch.empty(1, device=dev)  # the primary context, current before the driver loads the module
+        module, _ = load_module(source, dev, what)
+        return cls(cu, module, {}, pdl, torch.empty(parts, dtype=torch.float32, device=dev),
+                   torch.zeros(tickets, dtype=torch.int32, device=dev))
+
+
+_KERNELS: PerDevice[KernelModule] = PerDevice("skinny_gemm", SkinnyGemmWarning, "the few-token GEMMs stay cuBLAS's")
+
+
+def _load(dev: torch.device) -> KernelModule:
+    return KernelModule.load(SOURCE, dev, "skinny_gemm", USE_PDL and device_facts(dev).capability[0] >= 9,
+                             PARTS_FLOATS, TICKETS)
 
 
 def available(device: torch.device) -> bool:
     """Whether the kernels load on `device` (loading them at the first ask); one SkinnyGemmWarning, naming why, when
     they do not (no cubin for the arch and no compiler, no cuda-python, the driver refused the module).  Asked first
     inside a CUDA graph capture, False without loading (the runtime's warm-up calls come before any capture)."""
-    if device.type != "cuda":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index in _MODULES:
-        return True
-    if index in _UNAVAILABLE or torch.cuda.is_current_stream_capturing():
-        return False
-    try:
-        _module(device)
-    except (CubinUnavailable, ImportError, RuntimeError) as exc:
-        _UNAVAILABLE[index] = f"{type(exc).__name__}: {exc}"
-        warnings.warn(SkinnyGemmWarning(f"skinny_gemm unavailable on cuda:{index} ({_UNAVAILABLE[index]}); the "
-                                        f"few-token GEMMs stay cuBLAS's"), stacklevel=2)
-        return False
-    return True
+    return _KERNELS.get(device, _load) is not None
 
 
-@dataclass
-class _Module:
-    """One device's loaded kernels and split-k workspace.  The workspace serves the calls of one stream at a time
-    (each call's last CTAs leave its tickets zero for the next): the decode round's, eager or replayed."""
-    cu: object
-    module: object
-    funcs: dict  # kernel name -> CUfunction
-    pdl: bool  # ask for PDL (sm_90+ and KDTREE_PDL; plugins/common/driver.launch remembers a refusal)
-    parts: torch.Tensor  # [PARTS_FLOATS] fp32
-    tickets: torch.Tensor  # [TICKETS] int32, zero between calls
-
-
-_MODULES: dict[int, _Module] = {}
-
-
-def _module(device: torch.device) -> _Module:
-    """The loaded module and split workspace of `device`, made at its first call, which must not be inside a CUDA
-    graph capture (the workspace would live in the capture's pool): the runtime's warm-up calls come first."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    mod = _MODULES.get(index)
+def _module(device: torch.device) -> KernelModule:
+    """The loaded module and split workspace of `device` (loaded at its first call, which must not be inside a CUDA
+    graph capture: the workspace would live in the capture's pool)."""
+    mod = _KERNELS.get(device, _load)
     if mod is None:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("skinny_gemm: first call inside a CUDA graph capture; call it once before capturing")
-        from cuda.bindings import driver as cu
-        dev = torch.device("cuda", index)
-        module, _ = load_module(SOURCE, dev, "skinny_gemm")
-        mod = _MODULES[index] = _Module(cu, module, {}, USE_PDL and device_facts(dev).capability[0] >= 9,
-                                        torch.empty(PARTS_FLOATS, dtype=torch.float32, device=dev),
-                                        torch.zeros(TICKETS, dtype=torch.int32, device=dev))
+        why = _KERNELS.why_not.get(_KERNELS.index(device), "first call inside a CUDA graph capture; call it once "
+                                   "before capturing")
+        raise RuntimeError(f"skinny_gemm: not loaded on {device}: {why}")
     return mod
 
 

@@ -119,11 +119,10 @@ __device__ __forceinline__ int acc_col(int e, int lane) { return (e >> 2) * 8 + 
 
 // Stage i of a CTA: KB boxes of 64 k columns (KB x 64 contiguous columns of each weight row), the weight boxes at
 // w_at and the token boxes at x_at, all completing on bar; nb <= KB boxes where the stage runs past k.
-template <int NT, int KB>
 __device__ __forceinline__ void stage_weights(const TensorMap* w_map, u32 w_at, int kt, int nb, int row, u32 bar) {
     for (int b = 0; b < nb; ++b) tma_2d(w_at + b * BOX_W_BYTES, w_map, (kt + b) * BK, row, bar);
 }
-template <int NT, int KB>
+template <int NT>
 __device__ __forceinline__ void stage_tokens(const TensorMap* x_map, u32 x_at, int kt, int nb, u32 bar) {
     for (int b = 0; b < nb; ++b) tma_2d(x_at + b * (NT * BK * 2), x_map, (kt + b) * BK, 0, bar);
 }
@@ -157,7 +156,7 @@ __device__ __forceinline__ void skinny_wgmma(const TensorMap& w_map, const Tenso
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         for (int i = 0; i < STAGES && i < count; ++i) {  // weights first: they do not wait for the predecessor
             mbar_expect_tx(bar + 8 * i, boxes(i) * (BOX_W_BYTES + X_BOX));
-            stage_weights<NT, KB>(&w_map, sb + i * STAGE, (st0 + i) * KB, boxes(i), rb * BM, bar + 8 * i);
+            stage_weights(&w_map, sb + i * STAGE, (st0 + i) * KB, boxes(i), rb * BM, bar + 8 * i);
         }
     }
     if (PF && count > STAGES && tid < BM && rb * BM + tid < n) {
@@ -167,7 +166,7 @@ __device__ __forceinline__ void skinny_wgmma(const TensorMap& w_map, const Tenso
     pdl_wait();  // x (and c) come from the predecessor grids
     if (tid == 0)
         for (int i = 0; i < STAGES && i < count; ++i)
-            stage_tokens<NT, KB>(&x_map, sb + i * STAGE + W_BYTES, (st0 + i) * KB, boxes(i), bar + 8 * i);
+            stage_tokens<NT>(&x_map, sb + i * STAGE + W_BYTES, (st0 + i) * KB, boxes(i), bar + 8 * i);
     __syncthreads();  // the mbarriers' init visible to every thread
     pdl_trigger();
 
@@ -193,8 +192,8 @@ __device__ __forceinline__ void skinny_wgmma(const TensorMap& w_map, const Tenso
         if (tid == 0 && i + STAGES < count) {
             const int j = i + STAGES, kt = (st0 + j) * KB;
             mbar_expect_tx(bar + 8 * st, boxes(j) * (BOX_W_BYTES + X_BOX));
-            stage_weights<NT, KB>(&w_map, wa, kt, boxes(j), rb * BM, bar + 8 * st);
-            stage_tokens<NT, KB>(&x_map, xa, kt, boxes(j), bar + 8 * st);
+            stage_weights(&w_map, wa, kt, boxes(j), rb * BM, bar + 8 * st);
+            stage_tokens<NT>(&x_map, xa, kt, boxes(j), bar + 8 * st);
         }
     }
 

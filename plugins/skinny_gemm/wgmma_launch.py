@@ -8,17 +8,17 @@ runs; reference.py is the oracle.
 from __future__ import annotations
 
 import ctypes
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from core.env_flags import env_flag
-from plugins.common.cubin import CubinUnavailable, load_module
 from plugins.common.device import device_facts
+from plugins.common.device_modules import NotForThisDevice, PerDevice
 from plugins.common.driver import checked, launch
 from plugins.common.pdl import USE_PDL
+from plugins.skinny_gemm.launch import KernelModule
 
 SOURCE = Path(__file__).with_name("skinny_wgmma.cu")
 THREADS = 128  # one warpgroup (the .cu's THREADS)
@@ -102,53 +102,25 @@ def supports(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, out_f32: 
     return ok and available(x.device)
 
 
-@dataclass
-class _Module:
-    """One device's loaded kernels and split workspace (the calls of one stream at a time, as skinny_gemm's)."""
-    cu: object
-    module: object
-    funcs: dict  # kernel name -> CUfunction (its shared memory limit set)
-    pdl: bool
-    parts: torch.Tensor  # [PARTS_FLOATS] fp32
-    tickets: torch.Tensor  # [TICKETS] int32, zero between calls
-
-
-_MODULES: dict[int, _Module] = {}
-_UNAVAILABLE: dict[int, str] = {}
+_KERNELS: PerDevice[KernelModule] = PerDevice("skinny_wgmma", SkinnyWgmmaWarning)
+_UNAVAILABLE = _KERNELS.why_not  # device index -> why the kernels do not load there
 _MAPS: dict[tuple, object] = {}
+
+
+def _load(dev: torch.device) -> KernelModule:
+    arch = device_facts(dev).arch
+    if arch != "sm_90":
+        raise NotForThisDevice(f"{arch} has no wgmma (sm_90a)")
+    return KernelModule.load(SOURCE, dev, "skinny_wgmma", USE_PDL, PARTS_FLOATS, TICKETS)
 
 
 def available(device: torch.device) -> bool:
     """Whether the kernels load on `device` (an sm_90 GPU; loaded at the first ask, never inside a CUDA graph capture);
     one SkinnyWgmmaWarning naming why when they do not."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index in _MODULES:
-        return True
-    if index in _UNAVAILABLE or torch.cuda.is_current_stream_capturing():
-        return False
-    dev = torch.device("cuda", index)
-    arch = device_facts(dev).arch
-    if arch != "sm_90":
-        _UNAVAILABLE[index] = f"{arch} has no wgmma (sm_90a)"
-        return False
-    try:
-        from cuda.bindings import driver as cu
-        torch.empty(1, device=dev)  # the primary context, current before the driver loads the module
-        module, _ = load_module(SOURCE, dev, "skinny_wgmma")
-    except (CubinUnavailable, ImportError, RuntimeError) as exc:
-        _UNAVAILABLE[index] = f"{type(exc).__name__}: {exc}"
-        warnings.warn(SkinnyWgmmaWarning(f"skinny_wgmma unavailable on cuda:{index} ({_UNAVAILABLE[index]})"),
-                      stacklevel=2)
-        return False
-    _MODULES[index] = _Module(cu, module, {}, USE_PDL, torch.empty(PARTS_FLOATS, dtype=torch.float32, device=dev),
-                              torch.zeros(TICKETS, dtype=torch.int32, device=dev))
-    return True
+    return _KERNELS.get(device, _load) is not None
 
 
-def _func(mod: _Module, p: Plan):
+def _func(mod: KernelModule, p: Plan):
     func = mod.funcs.get(p.kernel)
     if func is None:
         cu = mod.cu
@@ -189,7 +161,7 @@ def skinny_wgmma(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None
     t, k = x.shape
     n = w.shape[0]
     dev = x.device
-    mod = _MODULES[dev.index if dev.index is not None else torch.cuda.current_device()]
+    mod = _KERNELS[dev]
     p = plan(t, n, k, out_f32, device_facts(dev).sms, splits, boxes, prefetch)
     y = torch.empty(t, n, dtype=torch.float32 if out_f32 else torch.bfloat16, device=dev)
     cu = mod.cu

@@ -7,13 +7,13 @@ plan, the workspace and the combine are the Triton path's); this file loads and 
 from __future__ import annotations
 
 import ctypes
-import warnings
 from pathlib import Path
 
 import torch
 
-from plugins.common.cubin import CubinUnavailable, load_module
+from plugins.common.cubin import load_module
 from plugins.common.device import device_facts
+from plugins.common.device_modules import NotForThisDevice, PerDevice
 from plugins.common.driver import checked, launch
 
 SOURCE = Path(__file__).with_name("tree_verify_wgmma.cu")
@@ -28,39 +28,29 @@ class WgmmaAttentionWarning(UserWarning):
     """The wgmma kernel could not be loaded; the Triton split kernel runs instead."""
 
 
-_FUNCS: dict[int, tuple[object, object]] = {}  # device index -> (cuda.bindings.driver, CUfunction)
-_UNAVAILABLE: dict[int, str] = {}
+def _load(dev: torch.device) -> tuple[object, object]:
+    """(cuda.bindings.driver, the kernel's CUfunction, its shared memory limit set) on dev."""
+    arch = device_facts(dev).arch
+    if arch != "sm_90":
+        raise NotForThisDevice(f"{arch} has no wgmma (sm_90a)")
+    from cuda.bindings import driver as cu
+    torch.empty(1, device=dev)  # the device's primary context, current before the driver loads the module
+    module, _ = load_module(SOURCE, dev, "tree_verify_wgmma")
+    func = checked(cu, cu.cuModuleGetFunction(module, KERNEL.encode()), f"{KERNEL}: cuModuleGetFunction")
+    checked(cu, cu.cuFuncSetAttribute(func, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                      SMEM), f"{KERNEL}: cuFuncSetAttribute (shared memory {SMEM} B)")
+    return cu, func
+
+
+_FUNCS: PerDevice[tuple[object, object]] = PerDevice("tree_verify_wgmma", WgmmaAttentionWarning,
+                                                       "the Triton split kernel runs")
+_UNAVAILABLE = _FUNCS.why_not  # device index -> why the kernel does not load there
 
 
 def available(device: torch.device) -> bool:
     """Whether the kernel loads on `device` (an sm_90 GPU; loading it at the first ask); one warning naming why when it
     does not.  Asked first inside a CUDA graph capture, False without loading (the warm-up calls come first)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index in _FUNCS:
-        return True
-    if index in _UNAVAILABLE or torch.cuda.is_current_stream_capturing():
-        return False
-    arch = device_facts(device).arch
-    if arch != "sm_90":
-        _UNAVAILABLE[index] = f"{arch} has no wgmma (sm_90a)"
-        return False
-    try:
-        from cuda.bindings import driver as cu
-        torch.empty(1, device=device)  # the device's primary context, current before the driver loads the module
-        module, _ = load_module(SOURCE, torch.device("cuda", index), "tree_verify_wgmma")
-        func = checked(cu, cu.cuModuleGetFunction(module, KERNEL.encode()), f"{KERNEL}: cuModuleGetFunction")
-        checked(cu, cu.cuFuncSetAttribute(func, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                          SMEM), f"{KERNEL}: cuFuncSetAttribute (shared memory {SMEM} B)")
-    except (CubinUnavailable, ImportError, RuntimeError) as exc:
-        _UNAVAILABLE[index] = f"{type(exc).__name__}: {exc}"
-        warnings.warn(WgmmaAttentionWarning(f"tree_verify_wgmma unavailable on cuda:{index} ({_UNAVAILABLE[index]}); "
-                                            f"the Triton split kernel runs"), stacklevel=2)
-        return False
-    _FUNCS[index] = (cu, func)
-    return True
+    return _FUNCS.get(device, _load) is not None
 
 
 def takes(dtype: torch.dtype, d_qk: int, d_v: int) -> bool:
@@ -111,7 +101,7 @@ def launch_split(q: torch.Tensor, cache: torch.Tensor, cache_lens: torch.Tensor,
     bf16 with d_qk 576, d_v 512, aligned(); available(q.device) was asked first.  The key tiles come through tensor
     maps of cache and tree_kv (a cache of 0 rows takes the tree's map: no committed tile is read then)."""
     b, n, h, _ = q.shape
-    cu, func = _FUNCS[q.device.index if q.device.index is not None else torch.cuda.current_device()]
+    cu, func = _FUNCS[q.device]
     tree_map = tensor_map(cu, tree_kv)
     cache_map = tensor_map(cu, cache) if cache.shape[1] else tree_map
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
