@@ -26,8 +26,6 @@ default (DEFAULT_ON), which are set again after the run):
             (runtime.model.layers.SKINNY_WGMMA; on by default: DDTree-16 -1.8 % at 4K, call 12)
   wgmma_kb4 with skinny_wgmma: four 64-column boxes a TMA stage (512 contiguous bytes of each weight row at once,
             4 stages; plugins/skinny_gemm/wgmma_launch.KB4; DDTree-16 +0.9 % at 4K, call 13: off)
-  wgmma_pf  with skinny_wgmma: each CTA's weights past its ring requested into L2 before the PDL wait
-            (wgmma_launch.PREFETCH)
   wgmma_t1  with skinny_wgmma: one-token GEMMs (the AR step's) on skinny_wgmma.cu too, not skinny_gemm.cu
             (runtime.model.layers.WGMMA_TOKENS from 1)
   absorb_tree the attention's W_UV product in 16-wide value blocks up to 32 tokens (DDTree rounds), not 16
@@ -110,7 +108,6 @@ _FLAGS = {"skinny": ("runtime.model.layers", "SKINNY_GEMM"),
           "route_stores": ("plugins.moe_w4a16.route_kernel", "ONE_TOKEN_STORES"),
           "skinny_wgmma": ("runtime.model.layers", "SKINNY_WGMMA"),
           "wgmma_kb4": ("plugins.skinny_gemm.wgmma_launch", "KB4"),
-          "wgmma_pf": ("plugins.skinny_gemm.wgmma_launch", "PREFETCH"),
           "absorb_tree": ("plugins.layer_fusion.kernel", "V_ABSORB_TREE"),
           "glue_early": ("plugins.layer_fusion.kernel", "EARLY_WEIGHTS"),
           "attn_long": ("plugins.tree_verify_mla.launcher", "LONG_TILE"),

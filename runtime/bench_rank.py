@@ -17,13 +17,14 @@ at each cache length L (the caches primed as after L committed tokens: random la
 Modelled, not measured: the collectives (2 all-reduces per layer per forward, and the drafter's 1 + 2
 per layer when sharded) at a stated latency per call, giving a TP8 tokens/s per user as a function of
 tau.  Roofline bytes: every weight the forward reads once (the distinct routed experts counted from the
-run's own routing), the committed cache rows, the lm_head; at the device's table bandwidth
-(plugins/common/device.py).
+run's own routing), the committed cache rows, the lm_head; at this GPU's device-copy rate, measured at the start
+of the run (an H100's rooflines at the H100's rate; before 2026-12-06 every sm_90 run used the H200's 4.25 TB/s).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import re
 import time
 from pathlib import Path
@@ -78,6 +79,7 @@ def run_rank_bench(source: str = "kimi-k2.6", tp: int = 8, rank: int = 0, layers
     """Every figure of the module doc, as one JSON-able dict.  source: a --synthetic preset (rank `rank`
     of a tp-way plan drawn in GPU memory) or an artifact folder (its plan; rank `rank` read from disk)."""
     dev = torch.device("cuda")
+    _bandwidth(dev)  # the copy rate first, while its 2 GiB are free, and out of the peak below
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     target, drafter, replicated, preset = load_rank_models(source, tp, rank, layers, seed, dev, progress)
@@ -105,7 +107,9 @@ def run_rank_bench(source: str = "kimi-k2.6", tp: int = 8, rank: int = 0, layers
         "benchmark": "k26-rank", "source": source, "preset": preset, "tp": target.plan.tp, "rank": rank, "layers": cfg.num_layers, "seed": seed,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "git_commit": git_commit(),
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "iters": iters,
-        "bandwidth_bytes_per_s": _bandwidth(dev), "bandwidth_source": RATES[device_facts(dev).capability][2],
+        "bandwidth_bytes_per_s": round(_bandwidth(dev), -9),
+        "bandwidth_source": "this GPU's device copy (bytes read + written), measured in this run"
+        if dev.type == "cuda" else RATES[device_facts(dev).capability][2],
         "load_s": round(load_s, 1), "loaded_by": "drawn in GPU memory" if preset == source else "read_rank", "memory": mem, "rows": rows, "profiles": profiles,
         "collectives_model": _collectives_model(rows, cfg.num_layers, drafter),
         "notes": ["the rank runs alone (SoloRankComm): collectives cost nothing in the measured times",
@@ -407,7 +411,32 @@ def _gb(n: float) -> float:
 
 
 def _bandwidth(device) -> float:
-    return RATES[device_facts(device).capability][0]
+    """The rooflines' memory rate: this GPU's device-to-device copy, measured once a device (_copy_rate); the
+    table's (RATES: the H200's for sm_90) off CUDA."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return RATES[device_facts(device).capability][0]
+    return _copy_rate(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _copy_rate(index: int, nbytes: int = 1 << 30, iters: int = 5) -> float:
+    """Bytes read + written per second by the best of `iters` copies of nbytes on CUDA device `index` (how DESIGN.md
+    measured the H200's 4.25 TB/s), so an H100 run's rooflines use the H100's rate, not the table's H200 one."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{index}")
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up
+    best = float("inf")
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / best
 
 
 def format_rank_table(res: dict) -> str:

@@ -5,7 +5,8 @@ launcher's shared memory is the source's layout; the plan.  GPU (`-m gpu`): 200 
 multiple of 64 or not, k a multiple of 64, 1..16 k splits or the plan's, bf16 or fp32 out, with and without c, PDL
 on and off, the K2.6 TP8 shapes) against x . w^T (+ c) in fp32: fp32 out within 1e-5 relative, bf16 out within the
 output's rounding (2^-8 relative a element); the same bits twice (the split sums in split order, whichever CTA comes
-last) and with either split count equal to the reference within the tolerance; a CUDA graph replaying new tokens.
+last) and with either split count equal to the reference within the tolerance; a CUDA graph replaying new tokens; a
+row's bits the same whatever the token count.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ def test_source_compiles_for_sm90a_with_wgmma_and_no_spills(tmp_path):
     cubin = tmp_path / "k.cubin"
     res = subprocess.run([NVCC, "-O3", "-std=c++17", "-cubin", "-arch=sm_90a", "-Xptxas", "-v", "-o", str(cubin),
                           str(wgmma_launch.SOURCE)], capture_output=True, text=True, check=True)
-    # 8 kernels (NT 8..32, bf16 / fp32 out) for each of one box a stage, one with the L2 prefetch, four boxes
-    assert res.stderr.count("0 bytes spill stores") == 24 and "bytes stack frame" in res.stderr, res.stderr
+    # 8 kernels (NT 8..32, bf16 / fp32 out) for each of one and four boxes a stage
+    assert res.stderr.count("0 bytes spill stores") == 16 and "bytes stack frame" in res.stderr, res.stderr
     tool = _cuobjdump()
     if tool is None:
         pytest.skip("cuobjdump not found")
@@ -48,8 +49,8 @@ def test_launcher_constants_are_the_sources():
     defines = dict(re.findall(r"#define (\w+) (\d+)\b", wgmma_launch.SOURCE.read_text()))
     assert int(defines["BM"]) == wgmma_launch.BLOCK_M and int(defines["BK"]) == wgmma_launch.BLOCK_K
     assert int(defines["THREADS"]) == wgmma_launch.THREADS
-    variants = re.findall(r"SKINNY_WGMMA_KERNEL\(kdtree_skinny_wgmma(_kb\d|_pf)?_t##NT##_##NAME, NT, OUT_F32, "
-                          r"(\d+), (\d+), \w+\)", wgmma_launch.SOURCE.read_text())
+    variants = re.findall(r"SKINNY_WGMMA_KERNEL\(kdtree_skinny_wgmma(_kb\d)?_t##NT##_##NAME, NT, OUT_F32, "
+                          r"(\d+), (\d+)\)", wgmma_launch.SOURCE.read_text())
     assert {int(kb): int(st) for _, kb, st in variants} == wgmma_launch.STAGES, variants
     assert all(wgmma_launch.smem_bytes(32, kb) <= 227 * 1024 for kb in wgmma_launch.STAGES)
 
@@ -67,9 +68,6 @@ def test_plan():
     p4 = wgmma_launch.plan(17, 2112, 7168, False, 132, boxes=4)  # 28 stages of 256 columns
     assert (p4.splits, p4.kernel, p4.boxes) == (4, "kdtree_skinny_wgmma_kb4_t24_bf16", 4)
     assert wgmma_launch.plan(9, 64, 320, False, 132, boxes=4).splits == 2  # 5 boxes: stages of 4 and 1
-    assert wgmma_launch.plan(9, 64, 320, False, 132, prefetch=True).kernel == "kdtree_skinny_wgmma_pf_t16_bf16"
-    kb4 = wgmma_launch.plan(9, 64, 320, False, 132, boxes=4, prefetch=True)  # no prefetch kernel with four boxes
-    assert (kb4.kernel, kb4.prefetch) == ("kdtree_skinny_wgmma_kb4_t16_bf16", False)
     with pytest.raises(ValueError, match="splits must be"):
         wgmma_launch.plan(1, 64, 512, False, 132, splits=3, boxes=4)
 
@@ -104,18 +102,17 @@ def test_gpu_random_cases():
         x = torch.randn(t, k, device="cuda", generator=g).to(torch.bfloat16)
         w = (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).to(torch.bfloat16)
         c = torch.randn(t, n, device="cuda", generator=g).to(torch.bfloat16) if with_c else None
-        # one box a stage, that with the L2 prefetch of the rest, or four boxes (a short last stage too)
-        boxes, prefetch = ((1, False), (1, False), (1, True), (1, True), (1, True), (4, False), (4, False))[i % 7]
+        boxes = 4 if i % 7 >= 4 else 1  # four 64-column boxes a stage in 3 of 7 cases (a short last stage too)
         stages = -(-(k // 64) // boxes)
         splits = None if i % 2 else int(torch.randint(1, min(stages, 16) + 1, (1,), generator=gen))
         pdl = bool(i % 5)
-        y = wgmma_launch.skinny_wgmma(x, w, c, out_f32, splits=splits, pdl=pdl, boxes=boxes, prefetch=prefetch)
-        y2 = wgmma_launch.skinny_wgmma(x, w, c, out_f32, splits=splits, pdl=pdl, boxes=boxes, prefetch=prefetch)
+        y = wgmma_launch.skinny_wgmma(x, w, c, out_f32, splits=splits, pdl=pdl, boxes=boxes)
+        y2 = wgmma_launch.skinny_wgmma(x, w, c, out_f32, splits=splits, pdl=pdl, boxes=boxes)
         torch.cuda.synchronize()
         e = _errors(y, _reference(x, w, c, out_f32), out_f32)
         ok = e["finite"] and e["rel"] <= e["tol"] and bool(torch.equal(y, y2))
         row = {"t": t, "n": n, "k": k, "out_f32": out_f32, "c": with_c, "splits": splits, "pdl": pdl,
-               "boxes": boxes, "prefetch": prefetch} | e | \
+               "boxes": boxes} | e | \
             {"deterministic": bool(torch.equal(y, y2)), "pass": ok}
         rows.append(row)
         if not ok:
@@ -148,3 +145,24 @@ def test_gpu_graph_replays_new_tokens():
     torch.cuda.synchronize()
     e = _errors(y, _reference(x, w, None, False), False)
     assert e["finite"] and e["rel"] <= e["tol"], e
+
+
+@pytest.mark.gpu
+def test_gpu_a_rows_bits_do_not_depend_on_the_token_count():
+    """A row's bits do not depend on the token count: y [t, n] of the first t of 32 tokens is the first t rows of
+    y [32, n], for t = 1..32 on the K2.6 shapes, bf16 and fp32 out, one and four boxes a stage.  plan() takes the k
+    splits (KS) from n, k, the SMs and the boxes only, never from t, so every output sums the same k splits in the
+    same split order at every t; t changes only NT (t rounded up to 8), the wgmma's width, whose token columns are
+    summed apart."""
+    if not wgmma_launch.available(torch.device("cuda")):
+        pytest.skip("skinny_wgmma does not load here (not sm_90)")
+    for n, k in K26:
+        g = torch.Generator(device="cuda").manual_seed(n + k)
+        x = torch.randn(32, k, device="cuda", generator=g).to(torch.bfloat16)  # [32, k]
+        w = (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).to(torch.bfloat16)  # [n, k]
+        for out_f32 in (False, True):
+            for boxes in (1, 4):
+                y32 = wgmma_launch.skinny_wgmma(x, w, None, out_f32, boxes=boxes)  # [32, n]
+                for t in range(1, 33):
+                    y = wgmma_launch.skinny_wgmma(x[:t].contiguous(), w, None, out_f32, boxes=boxes)
+                    assert torch.equal(y, y32[:t]), (n, k, out_f32, boxes, t)

@@ -20,7 +20,7 @@
 
 #define KDTREE_ARCH_FEATURES  // plugins/common/cubin.py: compiled for sm_90a where the arch is sm_90 (wgmma)
 
-#include "../common/cuda/hopper.cuh"  // smem_u32, pdl_*, mbar_*, l2_prefetch, wgmma_fence / commit / wait_all
+#include "../common/cuda/hopper.cuh"  // smem_u32, pdl_*, mbar_*, wgmma_fence / commit / wait_all
 
 typedef unsigned short u16;
 
@@ -130,13 +130,10 @@ __device__ __forceinline__ void stage_tokens(const TensorMap* x_map, u32 x_at, i
 // out: y [t, n] (row stride ldy), bf16 (OUT_F32 0) or fp32; c [t, n] bf16 (row stride ldc) added before the rounding
 // where given (bf16 out only).  parts [KS][n / 64][64 x NT] fp32 and tickets [n / 64] int32 (zero between calls) when
 // KS > 1.  KB boxes a stage, STAGES stages in the ring: (1, 8) takes 64 columns of a row at a time, (4, 4) 256.
-// PF: before the PDL wait the CTA also puts the rest of its weights (past the ring's first STAGES stages) in flight
-// into L2, one bulk prefetch per row (w: the weights' base, rows of k bf16), so that more than the ring's bytes are in
-// flight without more shared memory; the ring's later copies then find them in L2.
-template <int NT, int OUT_F32, int KB, int STAGES, bool PF>
+template <int NT, int OUT_F32, int KB, int STAGES>
 __device__ __forceinline__ void skinny_wgmma(const TensorMap& w_map, const TensorMap& x_map, void* y, const u16* c,
                                              float* parts, int* tickets, int t, int n, int k, int ldy, int ldc,
-                                             int ks, const u16* w) {
+                                             int ks) {
     extern __shared__ unsigned char smem_raw[];
     constexpr u32 X_BOX = NT * BK * 2;
     constexpr u32 W_BYTES = KB * BOX_W_BYTES, STAGE = W_BYTES + KB * X_BOX;  // a multiple of 1024 for every NT
@@ -158,10 +155,6 @@ __device__ __forceinline__ void skinny_wgmma(const TensorMap& w_map, const Tenso
             mbar_expect_tx(bar + 8 * i, boxes(i) * (BOX_W_BYTES + X_BOX));
             stage_weights(&w_map, sb + i * STAGE, (st0 + i) * KB, boxes(i), rb * BM, bar + 8 * i);
         }
-    }
-    if (PF && count > STAGES && tid < BM && rb * BM + tid < n) {
-        const int c0 = (st0 + STAGES) * KB * BK, c1 = min((st0 + count) * KB, tiles) * BK;  // columns past the ring's
-        l2_prefetch(w + (long long)(rb * BM + tid) * k + c0, (u32)(c1 - c0) * 2u);
     }
     pdl_wait();  // x (and c) come from the predecessor grids
     if (tid == 0)
@@ -229,18 +222,17 @@ __device__ __forceinline__ void skinny_wgmma(const TensorMap& w_map, const Tenso
     }
 }
 
-#define SKINNY_WGMMA_KERNEL(NAME, NT, OUT_F32, KB, STAGES, PF)                                                     \
+#define SKINNY_WGMMA_KERNEL(NAME, NT, OUT_F32, KB, STAGES)                                                           \
     extern "C" __global__ void __launch_bounds__(THREADS) NAME(                                                      \
         const __grid_constant__ TensorMap w_map, const __grid_constant__ TensorMap x_map, void* y, const u16* c,      \
-        float* parts, int* tickets, int t, int n, int k, int ldy, int ldc, int ks, const u16* w) {                   \
-        skinny_wgmma<NT, OUT_F32, KB, STAGES, PF>(w_map, x_map, y, c, parts, tickets, t, n, k, ldy, ldc, ks, w);    \
+        float* parts, int* tickets, int t, int n, int k, int ldy, int ldc, int ks) {                                 \
+        skinny_wgmma<NT, OUT_F32, KB, STAGES>(w_map, x_map, y, c, parts, tickets, t, n, k, ldy, ldc, ks);           \
     }
-// kdtree_skinny_wgmma_t<NT>_<out>: one box a stage, 8 stages; _pf_: the same with the L2 prefetch of the rest (PF);
-// _kb4_: four boxes a stage, 4 stages (wgmma_launch.plan picks)
+// kdtree_skinny_wgmma_t<NT>_<out>: one box a stage, 8 stages; kdtree_skinny_wgmma_kb4_t<NT>_<out>: four, 4 stages
+// (wgmma_launch.plan picks)
 #define SKINNY_WGMMA(NT, NAME, OUT_F32)                                                        \
-    SKINNY_WGMMA_KERNEL(kdtree_skinny_wgmma_t##NT##_##NAME, NT, OUT_F32, 1, 8, false)          \
-    SKINNY_WGMMA_KERNEL(kdtree_skinny_wgmma_pf_t##NT##_##NAME, NT, OUT_F32, 1, 8, true)        \
-    SKINNY_WGMMA_KERNEL(kdtree_skinny_wgmma_kb4_t##NT##_##NAME, NT, OUT_F32, 4, 4, false)
+    SKINNY_WGMMA_KERNEL(kdtree_skinny_wgmma_t##NT##_##NAME, NT, OUT_F32, 1, 8)                 \
+    SKINNY_WGMMA_KERNEL(kdtree_skinny_wgmma_kb4_t##NT##_##NAME, NT, OUT_F32, 4, 4)
 
 SKINNY_WGMMA(8, bf16, 0)
 SKINNY_WGMMA(16, bf16, 0)

@@ -29,10 +29,6 @@ STAGES = {1: 8, 4: 4}  # boxes a stage -> stages in the ring (the .cu's SKINNY_W
 # 15.2 µs, skinny-gemm-h100.json wgmma_kb4) but the K2.6 rank's DDTree-16 round +0.9 % (k26-switches-h100.json call 13;
 # NOTES.md says the likely cause)
 KB4 = env_flag("KDTREE_SKINNY_WGMMA_KB4", False)
-# KDTREE_SKINNY_WGMMA_PF=1 (k26_switches `wgmma_pf`): one box a stage, and before the PDL wait each CTA's weights past
-# its ring's first 8 stages requested into L2 (a bulk prefetch per row): kb4's bytes in flight with the one-box ring's
-# shared memory (off until measured)
-PREFETCH = env_flag("KDTREE_SKINNY_WGMMA_PF", False)
 MAX_TOKENS = 32  # NT = 8, 16, 24 or 32 token slots (wgmma's N)
 MAX_SPLITS = 16
 PARTS_FLOATS = 1 << 20  # the per-device split workspace: KS x row blocks x 64 x NT partial floats at most ...
@@ -52,7 +48,6 @@ class Plan:
     row_blocks: int
     smem: int
     boxes: int = 1  # 64-column boxes a stage (1 or 4)
-    prefetch: bool = False  # the kernel's L2 prefetch of the CTA's weights past the ring (one box a stage only)
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -66,11 +61,11 @@ def smem_bytes(nt: int, boxes: int = 1) -> int:
     return stages * boxes * (BLOCK_M * BLOCK_K * 2 + nt * BLOCK_K * 2) + stages * 8 + 4 + 1024
 
 
-def plan(t: int, n: int, k: int, out_f32: bool, sms: int, splits: int | None = None, boxes: int | None = None,
-         prefetch: bool | None = None) -> Plan:
+def plan(t: int, n: int, k: int, out_f32: bool, sms: int, splits: int | None = None, boxes: int | None = None
+         ) -> Plan:
     """The launch for x [t, k] . w [n, k]^T: NT the tokens rounded up to 8; KS the k splits that bring the CTAs (row
-    blocks x KS) closest to one a SM without exceeding the stages of `boxes` k boxes (4 where KB4, else 1); the L2
-    prefetch where PREFETCH and one box a stage; splits, boxes and prefetch override, for tests and sweeps."""
+    blocks x KS) closest to one a SM without exceeding the stages of `boxes` k boxes (4 where KB4, else 1); splits
+    and boxes override, for tests and sweeps."""
     if not 1 <= t <= MAX_TOKENS or k % BLOCK_K:
         raise ValueError(f"skinny_wgmma: needs 1 <= t <= {MAX_TOKENS} and k % {BLOCK_K} == 0, got t {t}, k {k}")
     boxes = boxes or (4 if KB4 else 1)
@@ -83,9 +78,8 @@ def plan(t: int, n: int, k: int, out_f32: bool, sms: int, splits: int | None = N
         raise ValueError(f"skinny_wgmma: splits must be in [1, {min(stages, MAX_SPLITS)}], got {ks}")
     if ks > 1 and (blocks > TICKETS or ks * blocks * BLOCK_M * nt > PARTS_FLOATS):
         raise ValueError(f"skinny_wgmma: {ks} k splits of {blocks} row blocks exceed the split workspace")
-    pf = (PREFETCH if prefetch is None else prefetch) and boxes == 1
-    name = f"kdtree_skinny_wgmma{'_kb4' if boxes == 4 else '_pf' if pf else ''}_t{nt}_{'f32' if out_f32 else 'bf16'}"
-    return Plan(name, nt, ks, blocks, smem_bytes(nt, boxes), boxes, pf)
+    name = f"kdtree_skinny_wgmma{'_kb4' if boxes == 4 else ''}_t{nt}_{'f32' if out_f32 else 'bf16'}"
+    return Plan(name, nt, ks, blocks, smem_bytes(nt, boxes), boxes)
 
 
 def supports(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, out_f32: bool) -> bool:
@@ -154,22 +148,21 @@ def tensor_map(cu, t: torch.Tensor, box_rows: int) -> object:
 
 
 def skinny_wgmma(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None, out_f32: bool = False,
-                 splits: int | None = None, pdl: bool | None = None, boxes: int | None = None,
-                 prefetch: bool | None = None) -> torch.Tensor:
+                 splits: int | None = None, pdl: bool | None = None, boxes: int | None = None) -> torch.Tensor:
     """x [t, k] . w [n, k]^T (+ c) -> [t, n] bf16 (fp32 with out_f32), fp32 sums rounded once; supports() was asked
-    first.  splits / pdl / boxes / prefetch override the plan and the defaults (tests, sweeps)."""
+    first.  splits / pdl / boxes override the plan and the defaults (tests, sweeps)."""
     t, k = x.shape
     n = w.shape[0]
     dev = x.device
     mod = _KERNELS[dev]
-    p = plan(t, n, k, out_f32, device_facts(dev).sms, splits, boxes, prefetch)
+    p = plan(t, n, k, out_f32, device_facts(dev).sms, splits, boxes)
     y = torch.empty(t, n, dtype=torch.float32 if out_f32 else torch.bfloat16, device=dev)
     cu = mod.cu
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     args = (tensor_map(cu, w, BLOCK_M), tensor_map(cu, x, p.nt), y.data_ptr(), 0 if c is None else c.data_ptr(),
             mod.parts.data_ptr(), mod.tickets.data_ptr(), t, n, k, y.stride(0), 0 if c is None else c.stride(0),
-            p.splits, w.data_ptr())
-    types = (None, None, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, ptr)
+            p.splits)
+    types = (None, None, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32)
     stream = cu.CUstream(torch.cuda.current_stream(dev).cuda_stream)
     launch(cu, _func(mod, p), p.grid, THREADS, p.smem, stream, args, types, mod.pdl if pdl is None else pdl,
            f"{p.kernel}: launch", dev.index)
