@@ -289,19 +289,22 @@ def _gpu_shapes(n_shapes: int = 240) -> list[dict]:
         if sum(min(topk, vocab) ** d for d in range(1, depth + 1)) < budget:
             continue
         shapes.append(dict(b=b, D=depth, V=vocab, B=budget, topk=topk, mode=rng.choice(modes),
-                           dtype=rng.choice([torch.float32, torch.float32, torch.bfloat16])))
+                           dtype=rng.choice([torch.float32, torch.float32, torch.bfloat16]),
+                           start32=len(shapes) % 2 == 1))  # check_end_to_end's start dtype for seed = the index
     return shapes
 
 
 def _variant_keys(s: dict) -> tuple[tuple, tuple]:
     """What decides the kernels a shape compiles (the request count b does not): (tree kernel key, stage-1
-    key): the workspace's pads and Triton's integer specialisations of the sizes each kernel receives, and the
-    logits dtype (the workspace is allocated on the meta device: sizes only)."""
+    key): the workspace's pads and Triton's integer specialisations of the sizes each kernel receives, the start
+    lengths' dtype (a pointer's type is part of the tree kernel's signature), and the logits dtype (the workspace
+    is allocated on the meta device: sizes only).  Every check passes scores (HAS_SCORES), as warm_worker does."""
     from compile_warmup import int_spec
     from plugins.common.bitmask import mask_words
     from plugins.tree_build.workspace import TreeBuildWorkspace
     ws = TreeBuildWorkspace.allocate(1, s["D"], s["V"], s["B"], s["topk"], "meta")
-    tree = (ws.b_pad, ws.p_pad, ws.d_pad, *map(int_spec, (ws.k, s["B"], s["D"], mask_words(s["B"] + 1))))
+    tree = (ws.b_pad, ws.p_pad, ws.d_pad, *map(int_spec, (ws.k, s["B"], s["D"], mask_words(s["B"] + 1))),
+            s["start32"])
     stage1 = (ws.chunk, ws.chunks, ws.k, *map(int_spec, (s["V"], ws.chunks, ws.k)), str(s["dtype"]))
     return tree, stage1
 
@@ -321,12 +324,15 @@ def _warm_groups(shapes: list[dict]) -> tuple[list[list[dict]], list[int]]:
 
 
 def warm_worker(cases: list[dict]) -> None:
-    """Launches each case once on CUDA (compiles its kernels into Triton's cache); no checks."""
+    """Launches each case once on CUDA as check_end_to_end does (scores on, the case's start dtype), which compiles
+    its kernels into Triton's cache; no checks."""
     from plugins.tree_build.kernel import tree_build_triton
     for c in cases:
         logits = torch.randn(1, c["D"], c["V"], device="cuda").to(getattr(torch, c["dtype"]))
         root = torch.zeros(1, dtype=torch.int64, device="cuda")
-        tree_build_triton(logits, root, root.clone(), c["topk"], *poisoned_outputs(1, c["B"] + 1, "cuda"))
+        start = root.to(torch.int32 if c["start32"] else torch.int64)
+        scores = torch.zeros(1, c["B"] + 1, device="cuda")
+        tree_build_triton(logits, root, start, c["topk"], *poisoned_outputs(1, c["B"] + 1, "cuda"), scores=scores)
     torch.cuda.synchronize()
 
 
