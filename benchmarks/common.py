@@ -1,7 +1,9 @@
 """Shared pieces of the benchmark scripts: hardware ceilings, roofline, timing, result files.
 
-Ceilings were measured on the lent H200 (DESIGN.md "Measured on an H200"): a device-to-device copy
-(bytes read + written) and a large bf16 GEMM.
+The memory ceiling is this GPU's device-to-device copy (bytes read + written), measured once per run
+(plugins/common/device.copy_bytes_per_s): the H200's came to 4.25 TB/s (DESIGN.md "Measured on an H200"), and an
+H100's rooflines divide by the H100's own rate (before 2026-12-06 every run divided by the H200's).  The bf16
+tensor ceiling is the H200's measured large GEMM (the H100 has the same chip).  Without a GPU: the H200's numbers.
 """
 
 from __future__ import annotations
@@ -14,14 +16,22 @@ from typing import Any, Callable
 
 from core.provenance import git_commit
 
-HBM_BYTES_PER_S = 4.25e12
+HBM_BYTES_PER_S = 4.25e12  # the H200's measured copy rate: the ceiling without a GPU
 BF16_FLOPS_PER_S = 687e12
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
+def hbm_bytes_per_s() -> float:
+    """The memory ceiling of this run: the current GPU's measured copy rate, or HBM_BYTES_PER_S without one."""
+    import torch
+
+    from plugins.common.device import copy_bytes_per_s
+    return copy_bytes_per_s(torch.cuda.current_device()) if torch.cuda.is_available() else HBM_BYTES_PER_S
+
+
 def roofline_us(bytes_moved: float, flops: float = 0.0) -> float:
     """The floor in µs: max(bytes / HBM bandwidth, flops / bf16 tensor rate)."""
-    return max(bytes_moved / HBM_BYTES_PER_S, flops / BF16_FLOPS_PER_S) * 1e6
+    return max(bytes_moved / hbm_bytes_per_s(), flops / BF16_FLOPS_PER_S) * 1e6
 
 
 def gpu_name() -> str:
@@ -63,7 +73,9 @@ def write_result(op: str, rows: list[dict[str, Any]], extra: dict[str, Any] | No
     """Writes <out_dir or benchmarks/results>/<op>.json: date, commit, GPU, versions, rows."""
     doc = {"op": op, "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
            "git_commit": git_commit(), "gpu": gpu_name(), "versions": versions(),
-           "ceilings": {"hbm_bytes_per_s": HBM_BYTES_PER_S, "bf16_flops_per_s": BF16_FLOPS_PER_S},
+           "ceilings": {"hbm_bytes_per_s": round(hbm_bytes_per_s(), -9), "bf16_flops_per_s": BF16_FLOPS_PER_S,
+                        "hbm_source": "this GPU's device copy, measured in this run" if gpu_name() != "cpu"
+                        else "the H200's measured copy (no GPU)"},
            "rows": rows, **(extra or {})}
     path = Path(out_dir or RESULTS_DIR) / f"{op}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,7 @@ against the torch reference on CUDA.
 
 Shapes: y = 61 layers, d_qk = 576 bf16, feats f = 6 * 7168 bf16, b in {1, 8, 64}, every request
 accepting L in 1..8 rows (a = 8).  Bytes moved per call = b * L * (y * d_qk + f) * 2 B read and the
-same written (+ indices); roofline = bytes / 4.25 TB/s.  Goal (issue 4): >= 80 % of that roofline.
+same written (+ indices); roofline = bytes / the GPU's measured copy rate.  Goal (issue 4): >= 80 % of that roofline.
 
 Timing: one CUDA graph holds a cache_lens reset and K = 32 commits, each reading different scratch /
 feats rows (so the rows come from HBM, not L2) and appending at the advancing cache_lens; µs per

@@ -7,7 +7,7 @@ D = 7 (block 8; also D = 8 for the issue's B = 256 goal and D = 15 for B = 1024)
 topk = B.  Goal (issue 4): <= 20 µs for B = 256, depth 8, one request, top-K extraction included;
 linear in b up to 64.
 Bytes (minimal): the logits read once, b * D * V * 4; outputs are < 0.2 % of that.  Roofline =
-bytes / 4.25 TB/s (the op does no matrix work).  Inputs smaller than 4x L2 are rotated over several
+bytes / the GPU's measured copy rate (the op does no matrix work).  Inputs smaller than 4x L2 are rotated over several
 buffers inside the captured graph, so the replay reads HBM, not L2.
 Peer (same run): the reference, torch top-k on the GPU + device-to-host copy + Python heap + copies
 back, timed end to end with a host clock.

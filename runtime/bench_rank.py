@@ -24,7 +24,6 @@ of the run (an H100's rooflines at the H100's rate; before 2026-12-06 every sm_9
 from __future__ import annotations
 
 import datetime as _dt
-import functools
 import re
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ import torch
 from build_pipeline.synthetic import PRESETS, drafter_config
 from core.plan import ParallelPlan
 from core.provenance import git_commit
-from plugins.common.device import RATES, device_facts
+from plugins.common.device import RATES, copy_bytes_per_s, device_facts
 from plugins.kv_commit import kv_commit
 from plugins.moe_w4a16.reference import route_reference
 from plugins.tree_accept import tree_accept
@@ -79,7 +78,7 @@ def run_rank_bench(source: str = "kimi-k2.6", tp: int = 8, rank: int = 0, layers
     """Every figure of the module doc, as one JSON-able dict.  source: a --synthetic preset (rank `rank`
     of a tp-way plan drawn in GPU memory) or an artifact folder (its plan; rank `rank` read from disk)."""
     dev = torch.device("cuda")
-    _bandwidth(dev)  # the copy rate first, while its 2 GiB are free, and out of the peak below
+    _bandwidth(dev)  # the copy rate first, while its 1 GiB is free, and out of the peak below
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     target, drafter, replicated, preset = load_rank_models(source, tp, rank, layers, seed, dev, progress)
@@ -411,32 +410,8 @@ def _gb(n: float) -> float:
 
 
 def _bandwidth(device) -> float:
-    """The rooflines' memory rate: this GPU's device-to-device copy, measured once a device (_copy_rate); the
-    table's (RATES: the H200's for sm_90) off CUDA."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return RATES[device_facts(device).capability][0]
-    return _copy_rate(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _copy_rate(index: int, nbytes: int = 1 << 30, iters: int = 5) -> float:
-    """Bytes read + written per second by the best of `iters` copies of nbytes on CUDA device `index` (how DESIGN.md
-    measured the H200's 4.25 TB/s), so an H100 run's rooflines use the H100's rate, not the table's H200 one."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{index}")
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # warm-up
-    best = float("inf")
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * nbytes / best
+    """The rooflines' memory rate: this GPU's device-to-device copy, measured once a device; the table's off CUDA."""
+    return copy_bytes_per_s(device)
 
 
 def format_rank_table(res: dict) -> str:

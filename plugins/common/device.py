@@ -64,3 +64,33 @@ def facts_for(sms: int, capability: tuple[int, int], l2_bytes: int = DEFAULT_L2_
     """The facts of a device with this SM count, compute capability and L2 (e.g. to plan for another GPU)."""
     bandwidth, flops, _ = RATES.get(capability, RATES[DEFAULT_CAPABILITY])
     return DeviceFacts(sms, capability, bandwidth / flops, l2_bytes)
+
+
+def copy_bytes_per_s(device: torch.device | str | None) -> float:
+    """The memory rate rooflines divide by: bytes read + written per second by a device-to-device copy, measured
+    once per CUDA device (how DESIGN.md measured the H200's 4.25 TB/s), so that a run on an H100 divides by the
+    H100's rate; off CUDA the table's rate (RATES: the H200's for sm_90)."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type != "cuda":
+        return RATES[DEFAULT_CAPABILITY][0]
+    return _measured_copy_rate(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _measured_copy_rate(index: int, nbytes: int = 512 << 20, iters: int = 10) -> float:
+    """The best of `iters` copies of nbytes (ten times the L2) on CUDA device `index`, timed with events."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{index}")
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up
+    best = float("inf")
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / best
+
