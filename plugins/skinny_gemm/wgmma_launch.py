@@ -18,6 +18,7 @@ from plugins.common.device import device_facts
 from plugins.common.device_modules import NotForThisDevice, PerDevice
 from plugins.common.driver import checked, launch
 from plugins.common.pdl import USE_PDL
+from plugins.common.tensor_maps import bf16_tensor_map
 from plugins.skinny_gemm.launch import KernelModule
 
 SOURCE = Path(__file__).with_name("skinny_wgmma.cu")
@@ -33,7 +34,6 @@ MAX_TOKENS = 32  # NT = 8, 16, 24 or 32 token slots (wgmma's N)
 MAX_SPLITS = 16
 PARTS_FLOATS = 1 << 20  # the per-device split workspace: KS x row blocks x 64 x NT partial floats at most ...
 TICKETS = 4096  # ... and one ticket a row block (zero between calls: each call's last CTAs put them back)
-MAX_MAPS = 512  # encoded tensor maps kept (weights: one a GEMM; token buffers: fixed in the runtime's graphs)
 
 
 class SkinnyWgmmaWarning(UserWarning):
@@ -98,7 +98,6 @@ def supports(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, out_f32: 
 
 _KERNELS: PerDevice[KernelModule] = PerDevice("skinny_wgmma", SkinnyWgmmaWarning)
 _UNAVAILABLE = _KERNELS.why_not  # device index -> why the kernels do not load there
-_MAPS: dict[tuple, object] = {}
 
 
 def _load(dev: torch.device) -> KernelModule:
@@ -127,24 +126,9 @@ def _func(mod: KernelModule, p: Plan):
 
 def tensor_map(cu, t: torch.Tensor, box_rows: int) -> object:
     """The CUtensorMap of a [rows, k] bf16 matrix (unit stride along k) as the .cu reads it: boxes of 64 columns x
-    box_rows rows, 128-byte swizzle, rows past the end read as zeros; encoded once a buffer and shape."""
+    box_rows rows, 128-byte swizzle, rows past the end read as zeros (plugins/common/tensor_maps)."""
     rows, k = t.shape
-    key = (t.device.index, t.data_ptr(), rows, k, t.stride(0), box_rows)
-    found = _MAPS.get(key)
-    if found is None:
-        u64, u32 = cu.cuuint64_t, cu.cuuint32_t
-        found = checked(cu, cu.cuTensorMapEncodeTiled(
-            cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, t.data_ptr(),
-            [u64(k), u64(rows)], [u64(t.stride(0) * t.element_size())], [u32(BLOCK_K), u32(box_rows)],
-            [u32(1), u32(1)], cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-            cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-            cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
-            f"skinny_wgmma: cuTensorMapEncodeTiled {tuple(t.shape)}")
-        if len(_MAPS) >= MAX_MAPS:
-            _MAPS.pop(next(iter(_MAPS)))
-        _MAPS[key] = found
-    return found
+    return bf16_tensor_map(cu, t, (k, rows), (t.stride(0) * t.element_size(),), (BLOCK_K, box_rows), "skinny_wgmma")
 
 
 def skinny_wgmma(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None, out_f32: bool = False,

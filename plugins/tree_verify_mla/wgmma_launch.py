@@ -15,6 +15,7 @@ from plugins.common.cubin import load_module
 from plugins.common.device import device_facts
 from plugins.common.device_modules import NotForThisDevice, PerDevice
 from plugins.common.driver import checked, launch
+from plugins.common.tensor_maps import bf16_tensor_map
 
 SOURCE = Path(__file__).with_name("tree_verify_wgmma.cu")
 KERNEL = "tree_verify_wgmma"
@@ -65,32 +66,13 @@ def aligned(q: torch.Tensor, cache: torch.Tensor, tree_kv: torch.Tensor) -> bool
                for t in (q, cache, tree_kv))
 
 
-_MAPS: dict[tuple, object] = {}  # (device index, address, rows, b, row stride, batch stride) -> CUtensorMap
-MAX_MAPS = 256  # encoded maps kept (two a layer and shape: the runtime's buffers are fixed, so the same keys recur)
-
-
 def tensor_map(cu, t: torch.Tensor) -> object:
-    """The CUtensorMap of a [b, rows, 576] bf16 tensor as the .cu reads it: boxes of 64 columns x 64 rows x 1
-    request, 128-byte swizzle, rows past `rows` read as zeros; encoded once per buffer and shape."""
+    """The CUtensorMap of a [b, rows, 576] bf16 tensor as the .cu reads it: boxes of 64 columns x BLOCK_N rows x 1
+    request, 128-byte swizzle, rows past `rows` read as zeros (plugins/common/tensor_maps)."""
     b, rows, width = t.shape
-    key = (t.device.index, t.data_ptr(), rows, b, t.stride(1), t.stride(0))
-    found = _MAPS.get(key)
-    if found is not None:
-        return found
-    u64, u32 = cu.cuuint64_t, cu.cuuint32_t
     size = t.element_size()
-    found = checked(cu, cu.cuTensorMapEncodeTiled(
-        cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, t.data_ptr(),
-        [u64(width), u64(max(rows, 1)), u64(b)], [u64(t.stride(1) * size), u64(t.stride(0) * size)],
-        [u32(64), u32(BLOCK_N), u32(1)], [u32(1), u32(1), u32(1)],
-        cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-        cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-        cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
-        f"{KERNEL}: cuTensorMapEncodeTiled {tuple(t.shape)}")
-    if len(_MAPS) >= MAX_MAPS:
-        _MAPS.pop(next(iter(_MAPS)))
-    _MAPS[key] = found
-    return found
+    return bf16_tensor_map(cu, t, (width, max(rows, 1), b), (t.stride(1) * size, t.stride(0) * size), (64, BLOCK_N, 1),
+                           KERNEL)
 
 
 def launch_split(q: torch.Tensor, cache: torch.Tensor, cache_lens: torch.Tensor, tree_kv: torch.Tensor,
