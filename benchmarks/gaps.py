@@ -39,8 +39,10 @@ MLA_CMP = ("tree_verify_wgmma.cu (58 % at h8 N64 L32K, H100): the 36 score wgmma
 MOE = ("four dependent launches (route, gate_up, down, combine: 4.3 + 11.5 + 6.9 + 3.1 us a layer at t = 1 in the "
        "H100 round, 5.0 + 33.7 + 16.7 + 3.1 at t = 17); gate_up ~74 SASS instructions per 512-byte k group at issue "
        "~50 % (ncu, t = 17), so more bytes in flight did not pay (plugins/moe_w4a16/NOTES.md, the shared-memory ring)")
-MOE_NEXT = ("fewer launches (the routing folded into gate_up, the combine into down); fewer instructions per weight "
-            "byte other than the dequant's shifts (bf16 needs a source per nibble pair, NOTES.md 2026-12-06)")
+MOE_NEXT = ("fewer launches: the combine into down (the routing inside gate_up lost: every CTA repeating its serial "
+            "picks cost more than the launch, NOTES.md 2026-12-05); fewer instructions per weight byte other than the "
+            "dequant's shifts (bf16 needs a source per nibble pair, NOTES.md 2026-12-06); on the H100 by its own "
+            "copy rate v3 is at 0.27 / 0.57 / 0.49 / 0.54 / 0.33 (t = 1 / 9 / 17 / 64 / 512, moe_w4a16_v3-h100.json)")
 COLUMNS = {"moe_w4a16_v3": ("v3_us", "v3_fraction")}  # the runtime's kernel among the benchmark's peers
 GOALS = [
     *[("tree_verify_mla", f"h8 N{n} L{l_len // 1024}K", _mla(8, n, l_len), "fraction", 0.8, MLA_MEM, MLA_MEM_NEXT)
