@@ -26,7 +26,7 @@ from pathlib import Path
 from core.errors import KdtreeError
 from core.progress import Progress
 from plugins.common.aot import TritonKernel
-from plugins.common.cubin import compile_arch
+from plugins.common.cubin import compile_arch, source_sha256
 
 REPO = Path(__file__).resolve().parent.parent
 PLUGINS = REPO / "plugins"
@@ -98,7 +98,7 @@ def compile_cuda(src: Path, arch: str, out: Path) -> list[dict]:
             first = next((ln for ln in res.stderr.splitlines() if "error" in ln), res.stderr.strip()[:300])
             raise KdtreeError(f"nvcc failed on {_shown(src)} for {arch}: {first}")
     return [{"kind": "cuda", "op": op, "name": src.stem, "arch": arch, "source": str(_shown(src)),
-             "cubin": cubin.as_posix(), "ptx": ptx.as_posix()}]
+             "source_sha256": source_sha256(src), "cubin": cubin.as_posix(), "ptx": ptx.as_posix()}]
 
 
 def compile_triton(kernel: TritonKernel, arch: str, out: Path) -> dict:

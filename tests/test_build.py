@@ -308,6 +308,10 @@ def test_kernels_compile_to_cubin_without_a_gpu(tmp_path):
     assert recs[2]["cubin"] == "kernels/sm_90/moe_w4a16/moe_v3.cubin"
     assert recs[4]["cubin"] == "kernels/sm_90/skinny_gemm/skinny_wgmma.cubin"  # compiled for sm_90a
     assert recs[5]["cubin"] == "kernels/sm_90/tree_verify_mla/tree_verify_wgmma.cubin"  # compiled for sm_90a
+    from plugins.common.cubin import PLUGINS as SOURCES
+    from plugins.common.cubin import source_sha256
+    for r in recs[:6]:  # the source version the runtime checks before it registers a cubin
+        assert r["source_sha256"] == source_sha256(SOURCES / r["op"] / f"{r['name']}.cu"), r["name"]
     tri = recs[6]
     meta = json.loads((tmp_path / "tri" / tri["meta"]).read_text())
     assert meta["target"][1] == 90 and (tmp_path / "tri" / tri["cubin"]).read_bytes()[:4] == b"\x7fELF"

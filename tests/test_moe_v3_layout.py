@@ -133,23 +133,32 @@ def test_cpu_op_reads_both_layouts_alike():
 
 def test_artifact_cubin_is_found_first_and_checked(tmp_path):
     """A loaded artifact's CUDA C cubins (kdtree build compiles plugins/**/*.cu) are where plugins/common/cubin.py
-    looks first, after their sha256 is checked against the manifest; a corrupted one is refused by name."""
+    looks first, after their sha256 is checked against the manifest; a corrupted one is refused by name, and one built
+    from another version of its source is left out with a warning (its kernels may take other arguments)."""
     import hashlib
 
     from core.errors import CheckpointError
     from plugins.common import cubin as cubin_mod
     from plugins.moe_w4a16.launch_v3 import SOURCE
-    from runtime.load.kernel_cache import register_cuda_kernels
+    from runtime.load.kernel_cache import KernelCacheWarning, register_cuda_kernels
 
     art = tmp_path / "art"
     rel = "kernels/sm_90/moe_w4a16/moe_v3.cubin"
     (art / rel).parent.mkdir(parents=True)
     body = b"\x7fELF not really a cubin"
     (art / rel).write_bytes(body)
-    manifest = {"kernels": [{"kind": "cuda", "op": "moe_w4a16", "name": "moe_v3", "arch": "sm_90", "cubin": rel}],
-                "files": {rel: {"sha256": hashlib.sha256(body).hexdigest(), "bytes": len(body)}}}
-    saved = list(cubin_mod._KERNEL_DIRS)
+    record = {"kind": "cuda", "op": "moe_w4a16", "name": "moe_v3", "arch": "sm_90", "cubin": rel,
+              "source_sha256": cubin_mod.source_sha256(SOURCE)}
+    files = {rel: {"sha256": hashlib.sha256(body).hexdigest(), "bytes": len(body)}}
+    saved = dict(cubin_mod._BUILT)
     try:
+        cubin_mod._BUILT.clear()
+        # built from another version of moe_v3.cu (or before builds recorded it): left out, named, compiled at use
+        for other in ({**record, "source_sha256": "0" * 64}, {k: v for k, v in record.items() if k != "source_sha256"}):
+            with pytest.warns(KernelCacheWarning, match="moe_v3.cubin: built from another version"):
+                assert register_cuda_kernels(art, {"kernels": [other], "files": files}) == []
+            assert not cubin_mod._BUILT
+        manifest = {"kernels": [record], "files": files}
         assert register_cuda_kernels(art, manifest) == [rel]
         data, where = cubin_mod.cubin(SOURCE, "sm_90", tmp_path / "cache")
         assert data == body and where == str(art / rel)  # nothing compiled, the cache untouched
@@ -159,7 +168,8 @@ def test_artifact_cubin_is_found_first_and_checked(tmp_path):
             register_cuda_kernels(art, manifest)
         assert register_cuda_kernels(art, {"kernels": [], "files": {}}) == []  # none: the runtime compiles
     finally:
-        cubin_mod._KERNEL_DIRS[:] = saved
+        cubin_mod._BUILT.clear()
+        cubin_mod._BUILT.update(saved)
 
 
 @pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="nvcc not on PATH")

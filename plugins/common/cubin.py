@@ -2,8 +2,9 @@
 
 Found in order:
   1. an artifact's kernels/<arch>/<op>/<stem>.cubin (`kdtree build` compiles plugins/**/*.cu with nvcc,
-     build_pipeline/compile_kernels.py); the runtime registers a loaded artifact's kernels/ folder
-     (register_kernel_dir) so ops called deep inside a model find it;
+     build_pipeline/compile_kernels.py, recording each source's source_sha256); the runtime registers a loaded
+     artifact's cubins built from the sources it runs (register_cubin; runtime/load/kernel_cache.py) so ops called
+     deep inside a model find them, and never one of another source version, whose kernels may take other arguments;
   2. the kdtree cache: <cache>/kernels/<arch>/<stem>-<source sha>.cubin;
   3. compiled now by NVRTC (cuda.bindings.nvrtc), else nvcc, and stored in the cache (once per machine and
      source).  A source's `#include "..."` of a header under plugins/ (plugins/common/cuda/*.cuh) is inlined first
@@ -27,7 +28,7 @@ from pathlib import Path
 
 PLUGINS = Path(__file__).resolve().parent.parent  # the folder whose headers a source may include
 _INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[^\n]*$', re.MULTILINE)
-_KERNEL_DIRS: list[Path] = []
+_BUILT: dict[tuple[str, str, str], Path] = {}  # (arch, op, stem) -> an artifact's cubin of the current source
 COMPILED: list[str] = []  # "<source> for <arch>" of each cubin this process compiled (tests assert none)
 
 
@@ -65,22 +66,24 @@ def source_text(source: Path, _seen: set[Path] | None = None) -> bytes:
     return _INCLUDE.sub(inline, source.read_bytes())
 
 
-def register_kernel_dir(path: Path) -> None:
-    """An artifact's kernels/ folder, searched first by cubin() (most recent registration first)."""
-    path = Path(path)
-    if path in _KERNEL_DIRS:
-        _KERNEL_DIRS.remove(path)
-    _KERNEL_DIRS.insert(0, path)
+def source_sha256(source: Path) -> str:
+    """sha256 (hex) of source_text(source): the version of a kernel source that a build records beside its cubin and
+    the runtime's cache key hashes."""
+    return hashlib.sha256(source_text(source)).hexdigest()
+
+
+def register_cubin(path: Path, arch: str, op: str, stem: str) -> None:
+    """An artifact's cubin of plugins/<op>/<stem>.cu for `arch` (built from the current source: the caller checks),
+    which cubin() returns from now on instead of compiling (the latest registration wins)."""
+    _BUILT[(arch, op, stem)] = Path(path)
 
 
 def cubin(source: Path, arch: str, cache: Path) -> tuple[bytes, str]:
     """(cubin bytes, where it came from) of plugins/<op>/.../<stem>.cu for arch "sm_90" etc.; cache: the kdtree
     cache root."""
-    op = source.parent.name
-    for kernels in _KERNEL_DIRS:
-        built = kernels / arch / op / (source.stem + ".cubin")
-        if built.is_file():
-            return built.read_bytes(), str(built)
+    built = _BUILT.get((arch, source.parent.name, source.stem))
+    if built is not None and built.is_file():
+        return built.read_bytes(), str(built)
     text = source_text(source)
     cached = cache / "kernels" / arch / f"{source.stem}-{hashlib.sha256(text).hexdigest()[:16]}.cubin"
     if cached.is_file():

@@ -17,7 +17,7 @@ from pathlib import Path
 from build_pipeline.integrity import check_files, member
 from build_pipeline.kernel_cache import unpack
 from core.errors import CheckpointError
-from plugins.common.cubin import register_kernel_dir
+from plugins.common.cubin import PLUGINS, register_cubin, source_sha256
 from plugins.common.device import device_facts
 
 
@@ -72,17 +72,36 @@ def register_cuda_kernels(art_dir: str | Path, manifest: dict) -> list[str]:
     """The artifact's compiled CUDA C kernels (manifest "kernels" of kind "cuda": kernels/<arch>/<op>/<stem>.cubin,
     checked against the manifest's sha256) made the first place plugins/common/cubin.py looks, so ops called
     inside the model (moe_w4a16 v3) and the budget-auto setter load them instead of compiling; returns the cubins
-    registered (none: the runtime compiles at first use, as without an artifact)."""
+    registered (none: the runtime compiles at first use, as without an artifact).  Only cubins built from the
+    sources this runtime runs (the record's source_sha256 against plugins/<op>/<name>.cu) are registered: one of
+    another version (or recorded without one) may take other arguments, so it is left out with a KernelCacheWarning
+    and its source compiles at first use."""
     art_dir = Path(art_dir)
-    cubins = [k["cubin"] for k in manifest.get("kernels", []) if isinstance(k, dict) and k.get("kind") == "cuda"
-              and isinstance(k.get("cubin"), str)]
+    records = [k for k in manifest.get("kernels", []) if isinstance(k, dict) and k.get("kind") == "cuda"
+               and isinstance(k.get("cubin"), str)]
     files = manifest.get("files", {})
-    listed = {rel: files[rel] for rel in cubins if rel in files}
+    listed = {k["cubin"]: files[k["cubin"]] for k in records if k["cubin"] in files}
     if not listed:
         return []
     check_files(art_dir, listed)  # also refuses a path out of the artifact
-    register_kernel_dir(art_dir / "kernels")
-    return sorted(listed)
+    registered, stale = [], []
+    for k in records:
+        rel = k["cubin"]
+        source = PLUGINS / str(k.get("op", "")) / f"{k.get('name', '')}.cu"
+        if rel not in listed:
+            continue
+        if not (source.is_file() and source.resolve().is_relative_to(PLUGINS)
+                and k.get("source_sha256") == source_sha256(source)):
+            stale.append(rel)
+            continue
+        register_cubin(art_dir / rel, str(k.get("arch")), source.parent.name, source.stem)
+        registered.append(rel)
+    if stale:
+        warnings.warn(KernelCacheWarning(
+            f"{art_dir / stale[0]}" + (f" and {len(stale) - 1} more" if len(stale) > 1 else "")
+            + ": built from another version of its plugins/ source (or before builds recorded it): compiled from "
+            "the current source at first use instead (rebuild with `kdtree build --force`)"), stacklevel=2)
+    return sorted(registered)
 
 
 def install_for_device(art_dir: str | Path, manifest: dict, device) -> dict | None:
