@@ -3,7 +3,8 @@
 SM count, compute capability and L2 size come from torch.cuda.get_device_properties (no host sync, cached per
 device index).  Memory bandwidth and the dense bf16 tensor rate cannot be queried, so their ratio
 (bytes per flop: where a kernel turns from memory- to compute-bound) comes from a table keyed by the
-compute capability (major, minor); an arch not in the table takes the sm_90 row.
+compute capability (major, minor); an arch not in the table takes the sm_90 row.  The rooflines the benchmarks
+report divide by copy_bytes_per_s instead: the device's copy rate, measured once (an H100 and an H200 share sm_90).
 
 Without a CUDA device (CPU tensors under TRITON_INTERPRET=1, meta tensors) the facts are the H200's,
 the machine the heuristics were tuned on, so a CPU test plans the same launches as that GPU would.
@@ -93,4 +94,3 @@ def _measured_copy_rate(index: int, nbytes: int = 512 << 20, iters: int = 10) ->
     del src, dst
     torch.cuda.empty_cache()
     return 2 * nbytes / best
-
