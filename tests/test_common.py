@@ -17,6 +17,16 @@ def test_device_facts_without_cuda_are_the_h200s():
         assert f.bytes_per_flop == pytest.approx(4.25e12 / 687e12)
 
 
+def test_copy_rate_without_cuda_is_the_h200s_and_the_benchmarks_divide_by_it(monkeypatch):
+    from benchmarks import common
+    from plugins.common.device import copy_bytes_per_s
+    for dev in ("cpu", torch.device("meta"), None):
+        assert copy_bytes_per_s(dev) == RATES[(9, 0)][0] == common.HBM_BYTES_PER_S
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert common.roofline_us(4.25e6) == pytest.approx(1.0)  # 4.25 MB at 4.25 TB/s
+    assert common.roofline_us(0.0, 687e6) == pytest.approx(1.0)  # or the tensor rate's floor
+
+
 def test_device_facts_table():
     blackwell = facts_for(188, (12, 0))  # RTX PRO 6000 Blackwell: ~1.8 TB/s over ~500 TFLOP/s
     assert blackwell.sms == 188 and blackwell.bytes_per_flop == pytest.approx(1.792e12 / 500e12)
