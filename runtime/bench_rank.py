@@ -34,7 +34,7 @@ import torch
 from build_pipeline.synthetic import PRESETS, drafter_config
 from core.plan import ParallelPlan
 from core.provenance import git_commit
-from plugins.common.device import RATES, copy_bytes_per_s, device_facts
+from plugins.common.device import copy_bytes_per_s
 from plugins.kv_commit import kv_commit
 from plugins.moe_w4a16.reference import route_reference
 from plugins.tree_accept import tree_accept
@@ -78,7 +78,7 @@ def run_rank_bench(source: str = "kimi-k2.6", tp: int = 8, rank: int = 0, layers
     """Every figure of the module doc, as one JSON-able dict.  source: a --synthetic preset (rank `rank`
     of a tp-way plan drawn in GPU memory) or an artifact folder (its plan; rank `rank` read from disk)."""
     dev = torch.device("cuda")
-    _bandwidth(dev)  # the copy rate first, while its 1 GiB is free, and out of the peak below
+    copy_bytes_per_s(dev)  # the copy rate first, while its 1 GiB is free, and out of the peak below
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     target, drafter, replicated, preset = load_rank_models(source, tp, rank, layers, seed, dev, progress)
@@ -106,9 +106,8 @@ def run_rank_bench(source: str = "kimi-k2.6", tp: int = 8, rank: int = 0, layers
         "benchmark": "k26-rank", "source": source, "preset": preset, "tp": target.plan.tp, "rank": rank, "layers": cfg.num_layers, "seed": seed,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "git_commit": git_commit(),
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "iters": iters,
-        "bandwidth_bytes_per_s": round(_bandwidth(dev), -9),
-        "bandwidth_source": "this GPU's device copy (bytes read + written), measured in this run"
-        if dev.type == "cuda" else RATES[device_facts(dev).capability][2],
+        "bandwidth_bytes_per_s": round(copy_bytes_per_s(dev), -9),
+        "bandwidth_source": "this GPU's device copy (bytes read + written), measured in this run",
         "load_s": round(load_s, 1), "loaded_by": "drawn in GPU memory" if preset == source else "read_rank", "memory": mem, "rows": rows, "profiles": profiles,
         "collectives_model": _collectives_model(rows, cfg.num_layers, drafter),
         "notes": ["the rank runs alone (SoloRankComm): collectives cost nothing in the measured times",
@@ -163,7 +162,7 @@ def measure_mode(target, drafter, replicated, spec: SpecConfig, ctx: int, iters:
     row["verify_us"] = _time(CapturedStep(verify, pool, name="verify").launch, iters, rewind)
     row["experts_touched_per_layer"] = _experts_touched(target, s, spec.mode == "none")
     row["roofline_bytes"] = _forward_bytes(target, ctx, row["experts_touched_per_layer"])
-    row["verify_roofline_us"] = round(1e6 * sum(row["roofline_bytes"].values()) / _bandwidth(target.device), 1)
+    row["verify_roofline_us"] = round(1e6 * sum(row["roofline_bytes"].values()) / copy_bytes_per_s(target.device), 1)
     row["verify_roofline_frac"] = round(row["verify_roofline_us"] / row["verify_us"], 3)
     if spec.mode != "none":
         rewind()
@@ -185,7 +184,7 @@ def measure_mode(target, drafter, replicated, spec: SpecConfig, ctx: int, iters:
                                    buf.ctx_feats)
         row["kv_commit_us"] = _time(CapturedStep(commit, pool, name="kv_commit").launch, iters, rewind)
         row["drafter_bytes"] = _drafter_bytes(drafter)
-        row["drafter_roofline_us"] = round(1e6 * row["drafter_bytes"] / _bandwidth(target.device), 1)
+        row["drafter_roofline_us"] = round(1e6 * row["drafter_bytes"] / copy_bytes_per_s(target.device), 1)
     row["step_roofline_us"] = round(row["verify_roofline_us"] + row.get("drafter_roofline_us", 0.0), 1)
     row["step_roofline_frac"] = round(row["step_roofline_us"] / row["step_us"], 3)
     row["cache_gb"] = _gb(s.cache.kv.numel() * s.cache.kv.element_size())
@@ -295,7 +294,7 @@ def _profile(launch: Callable[[], None], reset: Callable[[], None], target, byte
         t[0] += 1
         t[1] += us
         t[2] += step
-    bw = _bandwidth(target.device)
+    bw = copy_bytes_per_s(target.device)
     for cls, c in classes.items():
         for key in ("us", "step_us", "idle_us"):
             c[key] = round(c[key], 1)
@@ -407,11 +406,6 @@ def _nbytes(t: torch.Tensor | None) -> int:
 
 def _gb(n: float) -> float:
     return round(n / 1e9, 3)
-
-
-def _bandwidth(device) -> float:
-    """The rooflines' memory rate: this GPU's device-to-device copy, measured once a device; the table's off CUDA."""
-    return copy_bytes_per_s(device)
 
 
 def format_rank_table(res: dict) -> str:

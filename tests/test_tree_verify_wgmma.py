@@ -93,7 +93,7 @@ def _case(gen: torch.Generator, i: int) -> dict:
 @pytest.mark.gpu
 def test_gpu_wgmma_matches_the_reference():
     from plugins.tree_verify_mla import launcher
-    assert wgmma_launch.available(torch.device("cuda")), wgmma_launch._UNAVAILABLE
+    assert wgmma_launch.available(torch.device("cuda")), wgmma_launch._FUNCS.why_not
     gen = torch.Generator().manual_seed(2027)
     failures, worst = [], {"out_rel": 0.0, "lse_max_abs": 0.0}
     cases = gpu_cases(200)

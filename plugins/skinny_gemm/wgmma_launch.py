@@ -97,7 +97,6 @@ def supports(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, out_f32: 
 
 
 _KERNELS: PerDevice[KernelModule] = PerDevice("skinny_wgmma", SkinnyWgmmaWarning)
-_UNAVAILABLE = _KERNELS.why_not  # device index -> why the kernels do not load there
 
 
 def _load(dev: torch.device) -> KernelModule:

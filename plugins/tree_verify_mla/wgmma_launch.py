@@ -30,7 +30,7 @@ class WgmmaAttentionWarning(UserWarning):
 
 
 def _load(dev: torch.device) -> tuple[object, object]:
-    """(cuda.bindings.driver, the kernel's CUfunction, its shared memory limit set) on dev."""
+    """(cuda.bindings.driver, the kernel's CUfunction with its shared memory limit set) on dev."""
     arch = device_facts(dev).arch
     if arch != "sm_90":
         raise NotForThisDevice(f"{arch} has no wgmma (sm_90a)")
@@ -45,7 +45,6 @@ def _load(dev: torch.device) -> tuple[object, object]:
 
 _FUNCS: PerDevice[tuple[object, object]] = PerDevice("tree_verify_wgmma", WgmmaAttentionWarning,
                                                        "the Triton split kernel runs")
-_UNAVAILABLE = _FUNCS.why_not  # device index -> why the kernel does not load there
 
 
 def available(device: torch.device) -> bool:

@@ -87,9 +87,9 @@ def register_cuda_kernels(art_dir: str | Path, manifest: dict) -> list[str]:
     registered, stale = [], []
     for k in records:
         rel = k["cubin"]
-        source = PLUGINS / str(k.get("op", "")) / f"{k.get('name', '')}.cu"
         if rel not in listed:
             continue
+        source = PLUGINS / str(k.get("op", "")) / f"{k.get('name', '')}.cu"
         if not (source.is_file() and source.resolve().is_relative_to(PLUGINS)
                 and k.get("source_sha256") == source_sha256(source)):
             stale.append(rel)
