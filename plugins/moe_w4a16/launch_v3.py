@@ -120,12 +120,10 @@ def gate_up_kernel(nt: int, n_groups: int, n_items: int, sms: int) -> tuple[str,
     return (name, W16) if name is not None else (gate_up_variant(nt, n_groups), WARPS)
 
 
-def down_kernel(mod: _Module, nt: int) -> str:
-    """down's variant for NT: with EARLY_WEIGHTS the one that prefetches its first weights before its PDL wait where
-    the loaded cubin holds it (moe_v3.cu's kdtree_moe_v3_down_early_*), else the one that waits first."""
-    late = f"kdtree_moe_v3_down_nt{nt}_p{DOWN_P[nt]}"
-    early = late.replace("_down_", "_down_early_")
-    return early if EARLY_WEIGHTS and _has(mod, early) else late
+def down_kernel(nt: int) -> str:
+    """down's variant for NT: with EARLY_WEIGHTS the one that prefetches its first weights before its PDL wait
+    (moe_v3.cu's kdtree_moe_v3_down_early_*), else the one that waits first."""
+    return f"kdtree_moe_v3_down{'_early' if EARLY_WEIGHTS else ''}_nt{nt}_p{DOWN_P[nt]}"
 
 
 def max_entries(t: int, top_k: int, e_local: int, nt: int) -> int:
@@ -167,15 +165,12 @@ class _Module:
     where: str
     index: int  # the CUDA device's
     pdl: bool = False  # ask for programmatic dependent launch (sm_90+; plugins/common/driver.launch remembers a refusal)
-    prefetch_arg: bool = False  # the kernels take `pf` (a cubin built from an older source does not)
 
 
 _MODULES: dict[int, _Module] = {}
 
 
-PDL_MARKER = b"kdtree_moe_v3_waits_for_predecessor"  # in moe_v3.cu: its kernels start with the PDL wait
-PREFETCH_MARKER = b"kdtree_moe_v3_takes_prefetch_arg"  # in moe_v3.cu: its kernels take `pf` last
-PF_L2 = 1  # moe_v3.cu's bit of `pf` (bit 2, PF_EARLY, is never passed: older cubins' down read h before its wait)
+PF_L2 = 1  # moe_v3.cu's bit of `pf`
 
 
 def _ok(cu, res, what: str):
@@ -183,16 +178,16 @@ def _ok(cu, res, what: str):
 
 
 def kernels(device: torch.device) -> _Module:
-    """The loaded moe_v3 module of `device` (loaded once per device)."""
+    """The loaded moe_v3 module of `device` (loaded once per device).  Its cubin is always of the current moe_v3.cu
+    (plugins/common/cubin.py: an artifact's only where its recorded source_sha256 matches, the cache keyed by the
+    source's hash), so every kernel launch_v3 names is in it, waits for its predecessor and takes `pf`."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     mod = _MODULES.get(index)
     if mod is None:
         from cuda.bindings import driver as cu
         module, where = load_module(SOURCE, torch.device("cuda", index), "moe_w4a16 v3")
-        waits = cu.cuModuleGetFunction(module, PDL_MARKER)[0] == cu.CUresult.CUDA_SUCCESS  # an older cubin: no
-        pdl = waits and USE_PDL and device_facts(device).capability[0] >= 9
-        takes_pf = cu.cuModuleGetFunction(module, PREFETCH_MARKER)[0] == cu.CUresult.CUDA_SUCCESS
-        mod = _MODULES[index] = _Module(cu, module, {}, {}, where, index, pdl, takes_pf)
+        pdl = USE_PDL and device_facts(device).capability[0] >= 9
+        mod = _MODULES[index] = _Module(cu, module, {}, {}, where, index, pdl)
     return mod
 
 
@@ -225,7 +220,7 @@ def _func(mod: _Module, name: str, smem: int):
 
 
 def _has(mod: _Module, name: str) -> bool:
-    """Whether the loaded cubin holds kernel `name` (one built from an older source may not)."""
+    """Whether the loaded cubin holds kernel `name` (the function looked up once)."""
     if name not in mod.funcs:
         res = mod.cu.cuModuleGetFunction(mod.module, name.encode())
         if res[0] != mod.cu.CUresult.CUDA_SUCCESS:
@@ -316,8 +311,7 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
     pf_on = prefetch_on()
     sms = device_facts(x.device).sms
     i32, ptr = ctypes.c_int, ctypes.c_void_p
-    # the flags argument (values, ctypes) of gate_up and down, where the cubin takes one
-    pf = ((PF_L2 * pf_on,), (i32,)) if mod.prefetch_arg else ((), ())
+    pf = ((PF_L2 * pf_on,), (i32,))  # the flags argument (values, ctypes) of gate_up and down
     nt = TOKEN_TILE_OVERRIDE or token_tile(t)
     n_items = max_entries(t, top_k, e_local, nt) * pairs13
     args = (w13.data_ptr(), w13_scale.data_ptr(), x.data_ptr(), ws.counts.data_ptr(), ws.lists.data_ptr(),
@@ -327,15 +321,13 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
     launch_route(logits, bias, ws.topk_idx, ws.topk_w, ws.counts, ws.active, ws.lists, e_start, e_local,
                  scaling, top_k, n_group, topk_group, norm_topk_prob, shared_gate_up, shared_h, active_list=False)
     name, warps = gate_up_kernel(nt, c1, n_items, sms)
-    if warps == W16 and not (mod.prefetch_arg and _has(mod, name)):  # an older cubin: the 8-warp kernel
-        name, warps = gate_up_variant(nt, c1), WARPS
     smem = gate_up_smem(t, top_k, e_local, nt, warps)
     # one 16-warp CTA per SM, or GATE_UP_CTAS_PER_SM[nt] of 8 warps
     _launch(mod, name, min(n_items, sms if warps == W16 else GATE_UP_CTAS_PER_SM[nt] * sms), smem, args, types, warps)
     nt2 = down_tile(nt)
     n_items = max_entries(t, top_k, e_local, nt2) * pairs2
     smem = down_smem(t, top_k, e_local, nt2)
-    _launch(mod, down_kernel(mod, nt2), min(cdiv(n_items, WARPS), 2 * sms), smem,
+    _launch(mod, down_kernel(nt2), min(cdiv(n_items, WARPS), 2 * sms), smem,
             (w2.data_ptr(), w2_scale.data_ptr(), ws.h.data_ptr(), ws.topk_w.data_ptr(), ws.counts.data_ptr(),
              ws.lists.data_ptr(), ws.out.data_ptr(), t, e_local, i // GROUP, c2, pairs2, d, *pf[0]),
             (ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, *pf[1]))

@@ -564,12 +564,6 @@ __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2,
     }
 }
 
-// Never launched: its presence in a cubin tells launch_v3.py the kernels above wait (a cubin built from an older
-// source, e.g. an artifact's, does not hold it and is launched without PDL).
-extern "C" __global__ void kdtree_moe_v3_waits_for_predecessor() {}
-// Never launched: the kernels take the flags argument `pf` last (PF_L2).  A cubin without it takes no such argument.
-extern "C" __global__ void kdtree_moe_v3_takes_prefetch_arg() {}
-
 #define GATE_UP(NT, P, MINB)                                                                                    \
     extern "C" __global__ void __launch_bounds__(THREADS, MINB) kdtree_moe_v3_gate_up_nt##NT##_p##P(         \
         const uint4* w13, const uint2* s13, const uint4* x, const int* counts, const int* lists, u16* h, int t, \
