@@ -5,7 +5,7 @@
 //
 // kdtree_spin: one thread spins `cycles` SM clocks (the benchmark's stand-in for the kernels a prefetch overlaps).
 
-typedef unsigned long long u64;
+#include "../common/cuda/hopper.cuh"  // l2_prefetch, pdl_wait; u64
 
 // [p, p + size) into L2; evict_last: with the L2 evict-last policy (`policy` from createpolicy), sm_90 only.
 __device__ __forceinline__ void prefetch_range(const char* p, unsigned int size, bool evict_last, u64 policy) {
@@ -14,7 +14,7 @@ __device__ __forceinline__ void prefetch_range(const char* p, unsigned int size,
         asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(p), "r"(size),
                      "l"(policy) : "memory");
     else
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(size) : "memory");
+        l2_prefetch(p, size);
 #else
     for (unsigned int b = 0; b < size; b += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + b) : "memory");
 #endif
@@ -52,9 +52,7 @@ extern "C" __global__ void kdtree_l2_prefetch_regions(const char* p0, u64 b0, co
         }
         i -= n;
     }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
+    pdl_wait();
 }
 
 extern "C" __global__ void kdtree_spin(long long cycles) {
