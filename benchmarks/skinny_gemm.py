@@ -7,8 +7,6 @@ reads its weights from HBM, as in a round), median replay / calls:
   skinny      kdtree::skinny_gemm's kernel with its plan (launch.plan), pf = 0
   skinny_pf   the same with pf = 1 (each CTA prefetches its weights into L2 before its PDL wait; the op's default
               where the plan splits k: launch.PREFETCH)
-  skinny_tailpf the same with pf = 0 and the weights past the early loads L2-prefetched before the wait
-              (launch.TAIL_PREFETCH; a plan without such weights launches the same work: qkv_a is the one at t = 1)
   skinny_rg1  (t > 8) the plan with one row group per CTA forced (launch.ROW_GROUP_PAIRS off), pf = 0
   skinny_tt4  (t 17..24) the plan before three-tile variants: 4 token tiles, one row group (run as 25 tokens), pf = 0
   wgmma       (sm_90, k % 64 == 0) skinny_wgmma.cu with its plan (wgmma_launch.plan): weights as wgmma's M side, TMA
@@ -92,11 +90,6 @@ def main() -> None:
             us = {"cublas": run(lambda w: layers.linear(x, w, out_dtype=od)),
                   "skinny": run(lambda w: skinny_gemm_cuda(x, w, None, f32, pf=False)),
                   "skinny_pf": run(lambda w: skinny_gemm_cuda(x, w, None, f32, pf=True))}
-            # the tail prefetch is a hint: the same bits as the plain launch
-            same = torch.equal(skinny_gemm_cuda(x, ws[0], None, f32, pf=False, tail_pf=True),
-                               skinny_gemm_cuda(x, ws[0], None, f32, pf=False, tail_pf=False))
-            assert same, (name, t, "skinny_tailpf differs from skinny")
-            us["skinny_tailpf"] = run(lambda w: skinny_gemm_cuda(x, w, None, f32, pf=False, tail_pf=True))
             if k % wgmma_launch.BLOCK_K == 0 and wgmma_launch.available(dev):  # skinny_wgmma.cu (sm_90)
                 got_w = wgmma_launch.skinny_wgmma(x, ws[0], None, f32)
                 err_w = ((got_w.float() - ref).abs().max() / ref.abs().max()).item()
@@ -142,8 +135,8 @@ def main() -> None:
              "sms": sms}
     path = write_result("skinny-gemm", rows, extra, a.out)
     print(f"wrote {path}")
-    print_table(rows, ["shape", "t", "roofline_us", "cublas_us", "skinny_us", "skinny_tailpf_us", "wgmma_us",
-                       "wgmma_kb4_us", "skinny_pf_us", "skinny_rg1_us", "skinny_tt4_us", "sweep_best_us",
+    print_table(rows, ["shape", "t", "roofline_us", "cublas_us", "skinny_us", "wgmma_us", "wgmma_kb4_us",
+                       "skinny_pf_us", "skinny_rg1_us", "skinny_tt4_us", "sweep_best_us",
                        "cublas_fraction", "skinny_fraction", "skinny_pf_fraction", "speedup_vs_cublas"])
 
 

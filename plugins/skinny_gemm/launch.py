@@ -56,14 +56,7 @@ LATE_TRIGGER = False
 # step -4.6 % with the 16-warp MoE gate_up, -5.3 % beside the MoE's early weights; DDTree rounds unchanged (their
 # GEMMs are cuBLAS's).  An older cubin ignores the flag
 EARLY_WEIGHTS = True
-# the CTA's weights past its warps' first U blocks (those the k loop loads after the PDL wait: qkv_a's last 96 of 224
-# blocks a row at K2.6 TP8; no other one-token plan has any) L2-prefetched behind the early loads, before the wait.
-# Off until measured: benchmarks/skinny_gemm.py's skinny_tailpf column, benchmarks/k26_switches.py's skinny_tailpf.
-# boundary_cost.py (H200, 2026-12-06): a chain of streaming kernels whose every load goes out before the PDL wait
-# reads qkv_a's 30.3 MB at 6.66 µs a kernel; skinny_gemm's qkv_a ran 11.7 µs with 43 % of its bytes loaded after the
-# wait.  Prediction: qkv_a t = 1 alone 11.7 -> ~9.5 µs (H200); the AR step ~-2 µs a layer
-TAIL_PREFETCH = False
-FLAG_PREFETCH, FLAG_LATE_TRIGGER, FLAG_EARLY_WEIGHTS, FLAG_PREFETCH_TAIL = 1, 2, 4, 8  # skinny_gemm.cu's flags
+FLAG_PREFETCH, FLAG_LATE_TRIGGER, FLAG_EARLY_WEIGHTS = 1, 2, 4  # skinny_gemm.cu's flags
 # weights larger than this stay cuBLAS's: the lm_head slice (294 MB at K2.6 TP8) already runs at 93 % of HBM there
 MAX_WEIGHT_BYTES = 128 << 20
 
@@ -203,10 +196,9 @@ def _module(device: torch.device) -> KernelModule:
 
 def skinny_gemm_cuda(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, out_f32: bool, pf: bool | None = None,
                      u: int | None = None, warps: int | None = None, splits: int | None = None,
-                     row_groups: int | None = None, tail_pf: bool | None = None) -> torch.Tensor:
+                     row_groups: int | None = None) -> torch.Tensor:
     """y [t, n] = x [t, k] . w [n, k]^T (+ c), fp32 accumulation, bf16 (or fp32 with out_f32) out; the inputs as
     supports() takes them.  pf: L2-prefetch each CTA's weights first (before the PDL wait); None: PREFETCH's choice.
-    tail_pf: L2-prefetch the weights past the early loads (FLAG_PREFETCH_TAIL); None: TAIL_PREFETCH.
     u / warps / splits / row_groups: plan()'s overrides."""
     t, k = x.shape
     n = w.shape[0]
@@ -230,8 +222,7 @@ def skinny_gemm_cuda(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, o
     args = (x.data_ptr(), w.data_ptr(), y.data_ptr(), c.data_ptr() if c is not None else 0, mod.parts.data_ptr(),
             mod.tickets.data_ptr(), t, n, k, x.stride(0), y.stride(0), c.stride(0) if c is not None else 0, p.splits,
             FLAG_PREFETCH * bool(prefetch_for(p) if pf is None else pf) | FLAG_LATE_TRIGGER * LATE_TRIGGER
-            | FLAG_EARLY_WEIGHTS * EARLY_WEIGHTS
-            | FLAG_PREFETCH_TAIL * bool(TAIL_PREFETCH if tail_pf is None else tail_pf))
+            | FLAG_EARLY_WEIGHTS * EARLY_WEIGHTS)
     types = (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32, i32)
     stream = cu.CUstream(torch.cuda.current_stream(x.device).cuda_stream)
     launch(cu, func, p.grid, 32 * p.warps, p.smem, stream, args, types, mod.pdl, f"skinny_gemm: launch {p.kernel}",

@@ -69,7 +69,6 @@ __device__ __forceinline__ float ld_partial(const float* p) {  // another CTA's 
 #define FLAG_PREFETCH 1  // flags: this CTA's weights into L2 before the wait
 #define FLAG_LATE_TRIGGER 2  // flags: the dependents launch after this CTA's k loop, not at its start
 #define FLAG_EARLY_WEIGHTS 4  // flags: each warp's first U blocks of weights loaded into registers before the wait
-#define FLAG_PREFETCH_TAIL 8  // flags: the CTA's weights past its warps' first U blocks into L2 before the wait
 
 __device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -147,16 +146,6 @@ __device__ __forceinline__ void skinny(const u16* __restrict__ x, const u16* __r
     // overlaps the predecessor's tail; x, c, y and the workspace are touched only after it
     const bool early = (flags & FLAG_EARLY_WEIGHTS) != 0;
     if (early) load_weights(kb_lo + warp);
-    // FLAG_PREFETCH_TAIL: the blocks the k loop loads after the wait (past the first U blocks of every warp: columns
-    // 32 (kb_lo + U W) .. 32 kb_hi of the CTA's rows, one contiguous range a row) into L2 behind the early loads, so
-    // that they come from L2 once the predecessor is done (qkv_a: 96 of each warp's 224 blocks)
-    const int tail_lo = kb_lo + U * warps;
-    if ((flags & FLAG_PREFETCH_TAIL) && tail_lo < kb_hi && (int)threadIdx.x < rows) {
-        const char* row = reinterpret_cast<const char*>(w + (u64)(r0 + threadIdx.x) * k + (u64)tail_lo * 32);
-        const u32 span = (u32)(kb_hi - tail_lo) * 64u;
-        for (u32 off = 0; off < span; off += PF_CHUNK)
-            l2_prefetch(row + off, span - off < PF_CHUNK ? span - off : PF_CHUNK);
-    }
     pdl_wait();
     if (!(flags & FLAG_LATE_TRIGGER)) pdl_trigger();
 
