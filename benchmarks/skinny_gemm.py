@@ -7,6 +7,8 @@ reads its weights from HBM, as in a round), median replay / calls:
   skinny      kdtree::skinny_gemm's kernel with its plan (launch.plan), pf = 0
   skinny_pf   the same with pf = 1 (each CTA prefetches its weights into L2 before its PDL wait; the op's default
               where the plan splits k: launch.PREFETCH)
+  skinny_frag (t <= 8) the same plan on the weights in fragment order (plugins/skinny_gemm/fragment_order.py: each
+              warp load 512 contiguous bytes), pf = 0; the same bits (checked)
   skinny_rg1  (t > 8) the plan with one row group per CTA forced (launch.ROW_GROUP_PAIRS off), pf = 0
   skinny_tt4  (t 17..24) the plan before three-tile variants: 4 token tiles, one row group (run as 25 tokens), pf = 0
   wgmma       (sm_90, k % 64 == 0) skinny_wgmma.cu with its plan (wgmma_launch.plan): weights as wgmma's M side, TMA
@@ -55,7 +57,8 @@ def main() -> None:
 
     from plugins.common.device import device_facts
     from plugins.skinny_gemm import wgmma_launch
-    from plugins.skinny_gemm.launch import plan, skinny_gemm_cuda
+    from plugins.skinny_gemm.fragment_order import to_fragment_order
+    from plugins.skinny_gemm.launch import plan, skinny_gemm_cuda, skinny_gemm_frag_cuda
     from runtime.model import layers
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -87,6 +90,9 @@ def main() -> None:
             def run(fn):
                 return time_us(lambda: [fn(w) for w in ws], graph=True) / copies
 
+            def run_pairs(fn):  # fn(i) on copy i
+                return time_us(lambda: [fn(i) for i in range(copies)], graph=True) / copies
+
             us = {"cublas": run(lambda w: layers.linear(x, w, out_dtype=od)),
                   "skinny": run(lambda w: skinny_gemm_cuda(x, w, None, f32, pf=False)),
                   "skinny_pf": run(lambda w: skinny_gemm_cuda(x, w, None, f32, pf=True))}
@@ -99,6 +105,11 @@ def main() -> None:
                 err_w = ((got_w.float() - ref).abs().max() / ref.abs().max()).item()
                 assert err_w < (3e-5 if f32 else 1e-2), (name, t, "wgmma_kb4", err_w)
                 us["wgmma_kb4"] = run(lambda w: wgmma_launch.skinny_wgmma(x, w, None, f32, boxes=4))
+            if t <= 8:  # the fragment-order kernel: a copy of each weight in its layout
+                wfs = [to_fragment_order(w) for w in ws]
+                assert torch.equal(skinny_gemm_frag_cuda(x, wfs[0], n, None, f32, pf=False), got), (name, t, "frag")
+                us["skinny_frag"] = run_pairs(lambda i: skinny_gemm_frag_cuda(x, wfs[i], n, None, f32, pf=False))
+                del wfs
             if t > 8:
                 us["skinny_rg1"] = run(lambda w: skinny_gemm_cuda(x, w, None, f32, pf=False, row_groups=1))
             if 17 <= t <= 24:
@@ -135,8 +146,8 @@ def main() -> None:
              "sms": sms}
     path = write_result("skinny-gemm", rows, extra, a.out)
     print(f"wrote {path}")
-    print_table(rows, ["shape", "t", "roofline_us", "cublas_us", "skinny_us", "wgmma_us", "wgmma_kb4_us",
-                       "skinny_pf_us", "skinny_rg1_us", "skinny_tt4_us", "sweep_best_us",
+    print_table(rows, ["shape", "t", "roofline_us", "cublas_us", "skinny_us", "skinny_frag_us", "wgmma_us",
+                       "wgmma_kb4_us", "skinny_pf_us", "skinny_rg1_us", "skinny_tt4_us", "sweep_best_us",
                        "cublas_fraction", "skinny_fraction", "skinny_pf_fraction", "speedup_vs_cublas"])
 
 

@@ -227,6 +227,34 @@ def test_kernel_model_sums_a_row_the_same_whatever_the_row_groups_and_tokens(war
             assert torch.equal(nine[i], many[2][i])
 
 
+@pytest.mark.parametrize("n,k", [(16, 32), (40, 96), (2112, 7168), (7, 64)])
+def test_fragment_order_is_each_lanes_row_major_load_and_round_trips(n, k):
+    """fragment_order: wf[rg, kb, half, 4 g + q] holds the 16 bytes lane (g, q) of the row-major kernel loads from row
+    16 rg + 8 half + g at columns 32 kb + 8 q .. + 8 (rows past n zero), and from_fragment_order inverts it exactly."""
+    from plugins.skinny_gemm.fragment_order import from_fragment_order, to_fragment_order
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    wf = to_fragment_order(w)
+    groups = -(-n // 16)
+    assert tuple(wf.shape) == (groups, k // 32, 2, 32, 8) and wf.is_contiguous()
+    padded = torch.cat([w, w.new_zeros(groups * 16 - n, k)])
+    for rg in {0, groups - 1}:
+        for kb in {0, k // 32 - 1}:
+            for half in (0, 1):
+                for lane in (0, 5, 31):
+                    gg, q = lane >> 2, lane & 3
+                    want = padded[16 * rg + 8 * half + gg, 32 * kb + 8 * q:32 * kb + 8 * q + 8]
+                    assert torch.equal(wf[rg, kb, half, lane], want)
+    assert torch.equal(from_fragment_order(wf, n), w)
+    with pytest.raises(ValueError, match="k % 32"):
+        to_fragment_order(torch.zeros(4, 48))
+    with pytest.raises(ValueError, match="holding"):
+        from_fragment_order(wf, groups * 16 + 1)
+
+
+FRAG_KERNELS = {f"kdtree_skinny_gemm_t1_u8_{out}_frag" for out in ("bf16", "bf16_c", "f32")}
+
+
 def _planned_kernels() -> set[str]:
     """Every kernel a plan names: token counts of each tile count, both row-group counts, each U, each output."""
     return {plan(t, 64, 64, f32, c, 132, u=u, row_groups=rg).kernel for t in (1, 16, 17, 32) for rg in (1, 2)
@@ -242,7 +270,7 @@ def test_source_compiles_with_every_planned_kernel(tmp_path, arch):
     text = ptx.read_text()
     names = _planned_kernels()
     assert len(names) == 42
-    for name in names:
+    for name in names | FRAG_KERNELS:  # and the fragment-order variants (fragment_order.py)
         assert f".entry {name}(" in text, name
     assert ("cp.async.bulk.prefetch.L2" in text) == (arch != "sm_80")
     assert ("griddepcontrol.wait" in text) == (arch != "sm_80")
@@ -260,7 +288,7 @@ def test_planned_kernels_fit_the_registers(tmp_path, arch):
     found = re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes spill stores, (\d+) bytes spill loads"
                        r".*?Used (\d+) registers", out.stdout + out.stderr, re.S)
     stats = {name: (int(stores), int(loads), int(regs)) for name, stores, loads, regs in found}
-    for name in _planned_kernels():
+    for name in _planned_kernels() | FRAG_KERNELS:
         stores, loads, regs = stats[name]
         assert regs <= 128, (name, regs)
         if arch == "sm_90":
@@ -301,6 +329,45 @@ def test_kernel_matches_the_reference_on_fresh_random_cases():
         if t > 8:
             assert torch.equal(skinny_gemm_cuda(x, w, c, False, row_groups=2), skinny_gemm_cuda(x, w, c, False,
                                                                                                row_groups=1))
+
+
+@pytest.mark.gpu
+@GPU
+def test_fragment_order_kernel_gives_the_row_major_kernels_bits():
+    """The _frag kernels (weights in fragment order, 512 contiguous bytes a warp load) on fresh random shapes (K2.6's
+    one-token GEMMs among them, odd row groups, k split) and 1-8 tokens: bf16 / fp32 out, c added, the L2 prefetch
+    on and off, a replayed CUDA graph: the bits of skinny_gemm_cuda on the row-major weight."""
+    from plugins.skinny_gemm.fragment_order import to_fragment_order
+    from plugins.skinny_gemm.launch import skinny_gemm_cuda, skinny_gemm_frag_cuda
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(17)
+    shapes = [(2112, 7168), (1536, 1536), (7168, 1024), (896, 7168), (40, 64), (8, 32)]
+    shapes += [(int(torch.randint(1, 600, (1,), generator=gen)), 32 * int(torch.randint(1, 120, (1,), generator=gen)))
+               for _ in range(12)]
+    for i, (n, k) in enumerate(shapes):
+        t = int(torch.randint(1, 9, (1,), generator=gen))
+        x = torch.randn(t, k, generator=gen).bfloat16().to(dev)
+        w = (torch.randn(n, k, generator=gen) / k ** 0.5).bfloat16().to(dev)
+        c = torch.randn(t, n, generator=gen).bfloat16().to(dev)
+        wf = to_fragment_order(w)
+        for f32, cc in ((True, None), (False, None), (False, c)):
+            want = skinny_gemm_cuda(x, w, cc, f32)
+            assert torch.equal(skinny_gemm_frag_cuda(x, wf, n, cc, f32, pf=bool(i % 2)), want), (n, k, t, f32)
+    n, k = 2112, 7168
+    x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5
+    wf = to_fragment_order(w)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        skinny_gemm_frag_cuda(x, wf, n, None, False)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            out = skinny_gemm_frag_cuda(x, wf, n, None, False)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, skinny_gemm_cuda(x, w, None, False))
+    with pytest.raises(ValueError, match="one token tile"):
+        skinny_gemm_frag_cuda(torch.randn(9, k, device=dev, dtype=torch.bfloat16), wf, n, None, False)
 
 
 @pytest.mark.gpu

@@ -201,23 +201,46 @@ def skinny_gemm_cuda(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, o
     supports() takes them.  pf: L2-prefetch each CTA's weights first (before the PDL wait); None: PREFETCH's choice.
     u / warps / splits / row_groups: plan()'s overrides."""
     t, k = x.shape
-    n = w.shape[0]
+    p = plan(t, w.shape[0], k, out_f32, c is not None, device_facts(x.device).sms, u, warps, splits, row_groups)
+    return _run(x, w, w.shape[0], c, out_f32, p, p.kernel, pf)
+
+
+def skinny_gemm_frag_cuda(x: torch.Tensor, wf: torch.Tensor, n: int, c: torch.Tensor | None, out_f32: bool,
+                          pf: bool | None = None) -> torch.Tensor:
+    """skinny_gemm_cuda's product with the weight in fragment order (fragment_order.to_fragment_order of w [n, k]:
+    wf [ceil(n / 16), k / 32, 2, 32, 8], contiguous, on x's device): the `_frag` kernel of the same plan, whose warps
+    read 512 contiguous bytes per load; the same bits as the row-major kernel.  One token tile (t <= 8) only: its
+    plan is one row group per CTA at U = 8, the variant compiled."""
+    t, k = x.shape
+    if wf.dim() != 5 or tuple(wf.shape) != (-(-n // ROWS), k // BLOCK_K, 2, 32, 8) or wf.dtype != x.dtype \
+            or not wf.is_contiguous() or wf.device != x.device:
+        raise ValueError(f"skinny_gemm_frag: wf must be contiguous {x.dtype} [{-(-n // ROWS)}, {k // BLOCK_K}, 2, 32, "
+                         f"8] on {x.device} for n {n}, k {k}, got {wf.dtype} {list(wf.shape)} on {wf.device}")
+    p = plan(t, n, k, out_f32, c is not None, device_facts(x.device).sms)
+    if (token_tiles(t), p.row_groups) != (1, 1) or not p.kernel.startswith("kdtree_skinny_gemm_t1_u8_"):
+        raise ValueError(f"skinny_gemm_frag: only one token tile at U = 8 is compiled (t <= 8), got t {t} ({p.kernel})")
+    return _run(x, wf, n, c, out_f32, p, p.kernel + "_frag", pf)
+
+
+def _run(x: torch.Tensor, w: torch.Tensor, n: int, c: torch.Tensor | None, out_f32: bool, p: Plan, kernel: str,
+         pf: bool | None) -> torch.Tensor:
+    """One launch of `kernel` with plan p: y [t, n] (w row-major [n, k], or in fragment order for a _frag kernel)."""
+    t, k = x.shape
     y = torch.empty(t, n, dtype=torch.float32 if out_f32 else torch.bfloat16, device=x.device)
-    p = plan(t, n, k, out_f32, c is not None, device_facts(x.device).sms, u, warps, splits, row_groups)
     mod = _module(x.device)
     cu = mod.cu
-    func = mod.funcs.get(p.kernel)
+    func = mod.funcs.get(kernel)
     if func is None:
-        func = checked(cu, cu.cuModuleGetFunction(mod.module, p.kernel.encode()),
-                       f"skinny_gemm: cuModuleGetFunction {p.kernel}")
+        func = checked(cu, cu.cuModuleGetFunction(mod.module, kernel.encode()),
+                       f"skinny_gemm: cuModuleGetFunction {kernel}")
         # a plan's dynamic shared memory reaches 64 KB (W = 16, RG = 2, TT = 4: forced, the default pairs groups
         # only at W <= 8): set the kernel's ceiling once to the most any plan of it asks
         most = (MAX_WARPS * p.row_groups * token_tiles(t) * 128 + 1) * 4
         if most > 48 << 10:
             checked(cu, cu.cuFuncSetAttribute(
                 func, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, most),
-                f"skinny_gemm: cuFuncSetAttribute {p.kernel}")
-        mod.funcs[p.kernel] = func
+                f"skinny_gemm: cuFuncSetAttribute {kernel}")
+        mod.funcs[kernel] = func
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     args = (x.data_ptr(), w.data_ptr(), y.data_ptr(), c.data_ptr() if c is not None else 0, mod.parts.data_ptr(),
             mod.tickets.data_ptr(), t, n, k, x.stride(0), y.stride(0), c.stride(0) if c is not None else 0, p.splits,
@@ -225,6 +248,6 @@ def skinny_gemm_cuda(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, o
             | FLAG_EARLY_WEIGHTS * EARLY_WEIGHTS)
     types = (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32, i32)
     stream = cu.CUstream(torch.cuda.current_stream(x.device).cuda_stream)
-    launch(cu, func, p.grid, 32 * p.warps, p.smem, stream, args, types, mod.pdl, f"skinny_gemm: launch {p.kernel}",
+    launch(cu, func, p.grid, 32 * p.warps, p.smem, stream, args, types, mod.pdl, f"skinny_gemm: launch {kernel}",
            x.device.index)
     return y

@@ -97,7 +97,10 @@ __device__ __forceinline__ int frag_index(int tok, int row) {
     return ((tok >> 3) * 4 + i) * 32 + lane;
 }
 
-template <int TT, int RG, int U, bool OUT_F32, bool ADD_C>
+// FRAG: w is in fragment order (fragment_order.py: [groups, k / 32, 2, 32, 8], rows past n zero): lane (g, q)'s 16
+// bytes of rows g and g + 8 of a block are at lane and 32 + lane of the block's 1 KB, so a warp reads 512 contiguous
+// bytes per load; the same values as the row-major loads, the same math: the same bits.
+template <int TT, int RG, int U, bool OUT_F32, bool ADD_C, bool FRAG = false>
 __device__ __forceinline__ void skinny(const u16* __restrict__ x, const u16* __restrict__ w, void* __restrict__ y,
                                        const u16* __restrict__ c, float* __restrict__ parts, int* __restrict__ tickets,
                                        int t, int n, int k, int ldx, int ldy, int ldc, int ks, int flags) {
@@ -111,7 +114,15 @@ __device__ __forceinline__ void skinny(const u16* __restrict__ x, const u16* __r
     const int per = (nkb + ks - 1) / ks;
     const int kb_lo = imin(nkb, (int)blockIdx.y * per), kb_hi = imin(nkb, kb_lo + per);  // may be empty
 
-    if (flags & FLAG_PREFETCH) {  // this CTA's weights (rows r0.. of its k range) into L2 before the wait: constant
+    if (FRAG && (flags & FLAG_PREFETCH)) {  // fragment order: each row group's k range is one contiguous range
+        for (int h = 0; h < RG; ++h) {
+            const int rg = imin((int)blockIdx.x * RG + h, (n + 15) / 16 - 1);
+            const char* base = reinterpret_cast<const char*>(w) + ((u64)rg * nkb + kb_lo) * 1024u;
+            const u32 span = (u32)(kb_hi - kb_lo) * 1024u;
+            for (u32 off = threadIdx.x * PF_CHUNK; off < span; off += blockDim.x * PF_CHUNK)
+                l2_prefetch(base + off, span - off < PF_CHUNK ? span - off : PF_CHUNK);
+        }
+    } else if (flags & FLAG_PREFETCH) {  // this CTA's weights (rows r0.. of its k range) into L2 before the wait
         const char* base = reinterpret_cast<const char*>(w + (u64)r0 * k + (u64)kb_lo * 32);
         const u32 span = (u32)(kb_hi - kb_lo) * 64u;  // bytes of one row's range
         for (u32 i = threadIdx.x; i < (u32)rows * ((span + PF_CHUNK - 1) / PF_CHUNK); i += blockDim.x) {
@@ -123,10 +134,17 @@ __device__ __forceinline__ void skinny(const u16* __restrict__ x, const u16* __r
     // rows past n (the last CTA's) read row n - 1 and are never stored; token columns past t read token 0 and are
     // never stored (an mma column depends on its own B column only)
     const uint4 *wa[RG], *wb[RG];  // rows g and g + 8 of each row group
+    constexpr int KB_STRIDE = FRAG ? 64 : 4;  // uint4 from one block of a lane's row to the next
 #pragma unroll
     for (int h = 0; h < RG; ++h) {
-        wa[h] = reinterpret_cast<const uint4*>(w + (u64)imin(r0 + 16 * h + g, n - 1) * k) + q;
-        wb[h] = reinterpret_cast<const uint4*>(w + (u64)imin(r0 + 16 * h + g + 8, n - 1) * k) + q;
+        if (FRAG) {  // a CTA's second row group past the last (odd groups) reads the last: never stored
+            const u64 rg = (u64)imin((int)blockIdx.x * RG + h, (n + 15) / 16 - 1);
+            wa[h] = reinterpret_cast<const uint4*>(w) + rg * nkb * 64 + lane;
+            wb[h] = wa[h] + 32;
+        } else {
+            wa[h] = reinterpret_cast<const uint4*>(w + (u64)imin(r0 + 16 * h + g, n - 1) * k) + q;
+            wb[h] = reinterpret_cast<const uint4*>(w + (u64)imin(r0 + 16 * h + g + 8, n - 1) * k) + q;
+        }
     }
     uint4 a[U][RG], b[U][RG], xv[U][TT];  // a block's weights of every row group, its token columns once
     auto load_weights = [&](int kb0) {  // U blocks from kb0 (warp-uniform conditions)
@@ -136,8 +154,8 @@ __device__ __forceinline__ void skinny(const u16* __restrict__ x, const u16* __r
             if (kb < kb_hi) {
 #pragma unroll
                 for (int h = 0; h < RG; ++h) {
-                    a[u][h] = ld_stream(wa[h] + kb * 4);
-                    b[u][h] = ld_stream(wb[h] + kb * 4);
+                    a[u][h] = ld_stream(wa[h] + kb * KB_STRIDE);
+                    b[u][h] = ld_stream(wb[h] + kb * KB_STRIDE);
                 }
             }
         }
@@ -260,3 +278,12 @@ __device__ __forceinline__ void skinny(const u16* __restrict__ x, const u16* __r
 // launch.U_VARIANTS: <= 128 registers, no spill (ptxas -v, sm_90)
 OUTS(1, 8) OUTS(1, 4) OUTS(2, 6) OUTS(2, 4) OUTS(3, 5) OUTS(3, 3) OUTS(4, 4) OUTS(4, 2)
 OUTS_R2(2, 4) OUTS_R2(2, 2) OUTS_R2(3, 3) OUTS_R2(3, 2) OUTS_R2(4, 2) OUTS_R2(4, 1)
+
+// Fragment-order weights (fragment_order.py), one token tile, one row group per CTA, U = 8: t1_u8_<out>_frag
+#define SKINNY_FRAG(NAME, OUT_F32, ADD_C)                                                                          \
+    extern "C" __global__ void __launch_bounds__(512) kdtree_skinny_gemm_t1_u8_##NAME##_frag(                      \
+        const u16* x, const u16* w, void* y, const u16* c, float* parts, int* tickets, int t, int n, int k,          \
+        int ldx, int ldy, int ldc, int ks, int flags) {                                                            \
+        skinny<1, 1, 8, OUT_F32, ADD_C, true>(x, w, y, c, parts, tickets, t, n, k, ldx, ldy, ldc, ks, flags);       \
+    }
+SKINNY_FRAG(bf16, false, false) SKINNY_FRAG(bf16_c, false, true) SKINNY_FRAG(f32, true, false)
