@@ -19,6 +19,8 @@ default (DEFAULT_ON), which are set again after the run):
   skinny_late with skinny: the next kernel launches after the GEMM's k loops (plugins/skinny_gemm/launch.LATE_TRIGGER)
   skinny_pf with skinny: every GEMM CTA's weights into L2 before its PDL wait (not named: launch.PREFETCH's default,
             the plans that split k only)
+  skinny_frag with skinny: the one-token GEMMs read fragment-order copies of their weights (512-byte warp loads;
+            runtime.model.layers.FRAG_WEIGHTS, plugins/skinny_gemm/fragment_order.py; the same bits)
   skinny_early with skinny: each warp's first weights before the PDL wait (skinny_gemm/launch.EARLY_WEIGHTS; default)
   moe_w16   the MoE's 16-warp gate_up where it applies (plugins/moe_w4a16/launch_v3.USE_W16)
   moe_early the MoE's down kernel loads its weights before its PDL wait (launch_v3.EARLY_WEIGHTS; on by default)
@@ -103,6 +105,7 @@ _FLAGS = {"skinny": ("runtime.model.layers", "SKINNY_GEMM"),
           "attn_pf": ("plugins.tree_verify_mla.launcher", "CACHE_PREFETCH"),
           "skinny_late": ("plugins.skinny_gemm.launch", "LATE_TRIGGER"),
           "skinny_early": ("plugins.skinny_gemm.launch", "EARLY_WEIGHTS"),
+          "skinny_frag": ("runtime.model.layers", "FRAG_WEIGHTS"),
           "moe_w16": ("plugins.moe_w4a16.launch_v3", "USE_W16"),
           "moe_early": ("plugins.moe_w4a16.launch_v3", "EARLY_WEIGHTS"),
           "route_stores": ("plugins.moe_w4a16.route_kernel", "ONE_TOKEN_STORES"),

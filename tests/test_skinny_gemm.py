@@ -252,6 +252,25 @@ def test_fragment_order_is_each_lanes_row_major_load_and_round_trips(n, k):
         from_fragment_order(wf, groups * 16 + 1)
 
 
+def test_fragment_copy_is_made_once_per_weight_and_dropped_with_it():
+    """fragment_order.fragment_copy: one copy per live weight (the same tensor on every ask), made again when the
+    weight is written, gone from the table when the weight is freed."""
+    import gc
+
+    from plugins.skinny_gemm import fragment_order
+    w = torch.randn(40, 64).bfloat16()
+    first = fragment_order.fragment_copy(w)
+    assert first is fragment_order.fragment_copy(w)
+    assert torch.equal(fragment_order.from_fragment_order(first, 40), w)
+    w.mul_(2)  # a new version: a new copy of the new values
+    second = fragment_order.fragment_copy(w)
+    assert second is not first and torch.equal(fragment_order.from_fragment_order(second, 40), w)
+    key = id(w)
+    del w
+    gc.collect()
+    assert key not in fragment_order._COPIES
+
+
 FRAG_KERNELS = {f"kdtree_skinny_gemm_t1_u8_{out}_frag" for out in ("bf16", "bf16_c", "f32")}
 
 
@@ -448,3 +467,25 @@ def test_engine_with_the_switch_is_lossless(tiny, tmp_path, monkeypatch):
     assert calls, "no GEMM of the tiny model went through skinny_gemm"
     assert runs["ddtree"] == runs["none"]
 
+
+@pytest.mark.gpu
+@GPU
+def test_engine_reads_fragment_order_weights_with_the_same_tokens(tiny, monkeypatch):
+    """runtime.model.layers.FRAG_WEIGHTS: the tiny INT4 model's one-token GEMMs on fragment-order copies (counted),
+    graphs on: the AR tokens of the row-major kernel, bit for bit (the same loads' values, the same sums)."""
+    from runtime.engine.engine import Engine
+    from runtime.model import layers
+
+    calls = []
+    real = layers.skinny_gemm_frag_cuda
+    monkeypatch.setattr(layers, "skinny_gemm_frag_cuda", lambda *a: calls.append(1) or real(*a))
+    path = tiny.get("kimi", int4=True, kimi25=True)
+    prompt = list(range(3, 40, 3))
+    runs = {}
+    for frag in (False, True):
+        monkeypatch.setattr(layers, "FRAG_WEIGHTS", frag)
+        eng = Engine.load(path, device="cuda", spec="none")
+        runs[frag] = list(eng.generate_ids(prompt, 24))
+        assert eng.last_stats["graphs"]
+    assert calls, "no GEMM of the tiny model read a fragment-order weight"
+    assert runs[True] == runs[False]

@@ -9,11 +9,16 @@ row group rg at block kb.  A row group's blocks follow each other, so a CTA's we
 
 benchmarks/boundary_cost.py timed the row-major pattern's cost against contiguous warp reads at the same bytes
 (H200: qkv_a 8.13 against 6.66 µs, o_proj 4.03 against 3.36): the `_frag` kernels read this layout with the same
-loads and math, so they give the same bits (tests/test_skinny_gemm.py).  Not used by the runtime yet: only
-benchmarks/skinny_gemm.py's skinny_frag column and the tests (NOTES.md).
+loads and math, so they give the same bits (tests/test_skinny_gemm.py).
+
+fragment_copy(w): the copy the runtime's one-token GEMMs read with runtime.model.layers.FRAG_WEIGHTS on (off until
+measured: benchmarks/k26_switches.py's skinny_frag), made at a weight's first such GEMM outside a CUDA graph capture
+(the warm-up calls before a capture) and kept while the weight lives.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -43,3 +48,20 @@ def from_fragment_order(wf: torch.Tensor, n: int) -> torch.Tensor:
     groups, blocks = wf.shape[:2]
     v = wf.view(groups, blocks, 2, ROWS // 2, BLOCK_K // LANE_COLS, LANE_COLS)
     return v.permute(0, 2, 3, 1, 4, 5).reshape(groups * ROWS, blocks * BLOCK_K)[:n]
+
+
+_COPIES: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}  # id(w) -> (w, its version, its fragment-order copy)
+
+
+def fragment_copy(w: torch.Tensor) -> torch.Tensor | None:
+    """The fragment-order copy of weight w (to_fragment_order), made at the first ask and kept while w lives (and is
+    not written: a changed version makes it again); None inside a CUDA graph capture before it exists (nothing is
+    allocated in a capture's pool: the caller then reads w row-major)."""
+    hit = _COPIES.get(id(w))
+    if hit is not None and hit[0]() is w and hit[1] == w._version:
+        return hit[2]
+    if w.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    key = id(w)
+    _COPIES[key] = (weakref.ref(w, lambda _ref, key=key: _COPIES.pop(key, None)), w._version, to_fragment_order(w))
+    return _COPIES[key][2]

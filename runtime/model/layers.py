@@ -12,6 +12,8 @@ from core.env_flags import env_flag
 from plugins.common.precision import acc
 from plugins.layer_fusion import rms_norm, silu_mul
 from plugins.skinny_gemm import skinny_gemm, wgmma_launch
+from plugins.skinny_gemm.fragment_order import fragment_copy
+from plugins.skinny_gemm.launch import skinny_gemm_frag_cuda
 from plugins.skinny_gemm.launch import supports as skinny_supports
 
 __all__ = ["linear", "rms_norm", "swiglu_mlp"]
@@ -32,6 +34,12 @@ SKINNY_MAX_TOKENS, SKINNY_MAX_WEIGHT_BYTES = SKINNY_LIMITS  # the ones in force 
 # q_b 5.55 -> 7.12 (its k split costs more than it saves).
 SKINNY_WGMMA = env_flag("KDTREE_SKINNY_WGMMA", True)
 WGMMA_TOKENS = (2, 32)
+# KDTREE_SKINNY_FRAG=1 (off until measured: benchmarks/k26_switches.py's skinny_frag): skinny_gemm's GEMMs of at most
+# FRAG_TOKENS tokens read a fragment-order copy of the weight (plugins/skinny_gemm/fragment_order.py, made at the first
+# call outside a capture: +66 MB a K2.6 TP8 layer), 512 contiguous bytes a warp load instead of 16 rows' 64 bytes; the
+# same bits.  benchmarks/boundary_cost.py measured the row-major pattern at +1.5 µs on qkv_a's 30 MB (H200)
+FRAG_WEIGHTS = env_flag("KDTREE_SKINNY_FRAG", False)
+FRAG_TOKENS = 8  # one token tile: the compiled _frag variants
 _MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype") and \
     torch._C._dispatch_has_kernel_for_dispatch_key("aten::mm.dtype", "CUDA")
 
@@ -77,6 +85,9 @@ def _skinny(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, out_dtype:
     if SKINNY_WGMMA and WGMMA_TOKENS[0] <= t <= WGMMA_TOKENS[1] and wgmma_launch.supports(x2, w, c2, out_f32):
         return wgmma_launch.skinny_wgmma(x2, w, c2, out_f32).view(*x.shape[:-1], n)
     if SKINNY_GEMM and t <= SKINNY_MAX_TOKENS and skinny_supports(x2, w, c2, out_f32):
+        wf = fragment_copy(w) if FRAG_WEIGHTS and t <= FRAG_TOKENS else None
+        if wf is not None:
+            return skinny_gemm_frag_cuda(x2, wf, n, c2, out_f32).view(*x.shape[:-1], n)
         return skinny_gemm(x2, w, c2, out_f32).view(*x.shape[:-1], n)
     return None
 
