@@ -19,6 +19,9 @@ default (DEFAULT_ON), which are set again after the run):
   skinny_late with skinny: the next kernel launches after the GEMM's k loops (plugins/skinny_gemm/launch.LATE_TRIGGER)
   skinny_pf with skinny: every GEMM CTA's weights into L2 before its PDL wait (not named: launch.PREFETCH's default,
             the plans that split k only)
+  skinny_w8 with skinny: the one-token GEMMs' plans aim at 8 resident warps an SM, not 16 (skinny_gemm/launch
+            .WARPS_PER_SM; qkv_a: 8-warp CTAs of half the register file, so a neighbouring kernel's CTA fits beside
+            one: plugins/skinny_gemm/NOTES.md, "What a boundary costs")
   skinny_frag with skinny: the one-token GEMMs read fragment-order copies of their weights (512-byte warp loads;
             runtime.model.layers.FRAG_WEIGHTS, plugins/skinny_gemm/fragment_order.py; the same bits)
   skinny_early with skinny: each warp's first weights before the PDL wait (skinny_gemm/launch.EARLY_WEIGHTS; default)
@@ -82,6 +85,11 @@ def _widen_skinny_tokens(tokens: int):
     return setter
 
 
+def _set_skinny_w8(on: bool) -> None:
+    from plugins.skinny_gemm import launch
+    launch.WARPS_PER_SM = 8 if on else 16
+
+
 def _set_moe_pf(on: bool) -> None:
     if on:
         os.environ["KDTREE_MOE_PREFETCH"] = "1"
@@ -116,8 +124,9 @@ _FLAGS = {"skinny": ("runtime.model.layers", "SKINNY_GEMM"),
           "attn_long": ("plugins.tree_verify_mla.launcher", "LONG_TILE"),
           "attn_wgmma": ("plugins.tree_verify_mla.launcher", "WGMMA")}
 # see the module doc; skinny_wide before skinny_tree and skinny_8 (which widen only what skinny_wide left)
-SWITCHES = {"moe_pf": _set_moe_pf, "skinny_pf": _set_skinny_pf, "skinny_wide": _set_skinny_wide,
-            "skinny_tree": _widen_skinny_tokens(24), "skinny_8": _widen_skinny_tokens(8), "wgmma_t1": _set_wgmma_t1,
+SWITCHES = {"moe_pf": _set_moe_pf, "skinny_pf": _set_skinny_pf, "skinny_w8": _set_skinny_w8,
+            "skinny_wide": _set_skinny_wide, "skinny_tree": _widen_skinny_tokens(24),
+            "skinny_8": _widen_skinny_tokens(8), "wgmma_t1": _set_wgmma_t1,
             **{name: _set_flag(*at) for name, at in _FLAGS.items()}}
 
 
