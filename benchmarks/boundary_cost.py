@@ -22,6 +22,12 @@ pdl_early at 14.7 MB ~5.5 µs (90 % of the copy rate), 30.3 MB ~10.8 µs.  If th
 boundary against pdl_early, a persistent per-layer kernel cannot close the rank's gap by itself: the cost is inside
 the kernels (ramp, tail, dependent latencies), not in the boundary.
 
+Measured (2026-12-06, results/boundary-cost.json H200, boundary-cost-h100.json H100; plugins/skinny_gemm/NOTES.md
+"What a boundary costs"): PDL 0.87 / 0.97 µs at 0 B, the barrier 1.90 / 2.00, and the early-weight chains stream at
+the copy rate.  Read them with the kernels' footprint in mind: the stream kernel holds 32 registers a thread, so four
+of its CTAs fit an SM and the next kernels' CTAs issue their weights beside the running one; the rows kernel holds 96
+(one 16-warp CTA an SM at qkv_a's plan), the runtime's skinny_gemm 128.
+
     python3 benchmarks/boundary_cost.py [--out DIR] [--quick]
 Writes OUT/boundary-cost.json; prints the table.
 """
