@@ -119,11 +119,12 @@ def _mma(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def _kernel_model(x: torch.Tensor, w: torch.Tensor, warps: int, splits: int, row_groups: int = 1,
-                  dtype: torch.dtype = torch.float64) -> torch.Tensor:
+                  dtype: torch.dtype = torch.float64, frag: bool = False) -> torch.Tensor:
     """skinny_gemm.cu's arithmetic on the CPU in `dtype`: per CTA (column, split), warp, block, k step, row group
     and lane, the fragment registers it loads (the token columns once for all row groups), the mma, the C fragments
     stored to shared memory as [W][RG][TT][4][32], the warp-order reduction, the split partials as [column][KS]
-    [RG x TT x 128] and their split-order sum, read back through frag_index -> y [t, n]."""
+    [RG x TT x 128] and their split-order sum, read back through frag_index -> y [t, n].  frag: the _frag kernels'
+    loads, at their addresses in the fragment-order weight (16-byte word rg * nkb * 64 + lane + 64 kb, and 32 on)."""
     t, k = x.shape
     n = w.shape[0]
     tt, rg = token_tiles(t), row_groups
@@ -135,6 +136,9 @@ def _kernel_model(x: torch.Tensor, w: torch.Tensor, warps: int, splits: int, row
     xp[:] = x[0].to(dtype)  # token columns past t read token 0
     xp[:t] = x.to(dtype)
     wd = w.to(dtype)
+    if frag:  # [16-byte words, 8]: what the kernel's uint4 pointers index
+        from plugins.skinny_gemm.fragment_order import to_fragment_order
+        words16 = to_fragment_order(w).to(dtype).reshape(-1, 8)
     parts = torch.zeros(cols * splits * tile, dtype=dtype)
     y = torch.zeros(t, n, dtype=dtype)
     for cta in range(cols):
@@ -162,7 +166,12 @@ def _kernel_model(x: torch.Tensor, w: torch.Tensor, warps: int, splits: int, row
                             for lane in range(32):
                                 g, q = lane // 4, lane % 4
                                 base = kb * 32 + 8 * q
-                                ra, rb = wd[rows[g], base:base + 8], wd[rows[g + 8], base:base + 8]
+                                if frag:  # the CTA's row group h, the last one for a second group past it
+                                    gi = min(cta * rg + h, -(-n // 16) - 1)
+                                    ia = gi * nkb * 64 + lane + 64 * kb
+                                    ra, rb = words16[ia], words16[ia + 32]
+                                else:
+                                    ra, rb = wd[rows[g], base:base + 8], wd[rows[g + 8], base:base + 8]
                                 words = [(ra, 2 * st), (rb, 2 * st), (ra, 2 * st + 1), (rb, 2 * st + 1)]  # a0..a3
                                 for r, (vec, wrd) in enumerate(words):
                                     row, col = g + 8 * (r % 2), 2 * q + 8 * (r // 2)
@@ -269,6 +278,17 @@ def test_fragment_copy_is_made_once_per_weight_and_dropped_with_it():
     del w
     gc.collect()
     assert key not in fragment_order._COPIES
+
+
+@pytest.mark.parametrize("t,n,k,warps,splits", [(1, 16, 64, 1, 1), (3, 40, 128, 2, 1), (8, 24, 256, 2, 2),
+                                                 (5, 33, 96, 1, 3)])
+def test_kernel_model_reads_the_same_values_from_fragment_order(t, n, k, warps, splits):
+    """The lane model with the _frag kernels' addresses in the fragment-order weight gives the row-major model's bits
+    (fp32, where the order shows): the kernel's index algebra for the layout is right, rows past n included."""
+    g = torch.Generator().manual_seed(t * 31 + n)
+    x, w = torch.randn(t, k, generator=g), torch.randn(n, k, generator=g)
+    assert torch.equal(_kernel_model(x, w, warps, splits, 1, torch.float32, frag=True),
+                       _kernel_model(x, w, warps, splits, 1, torch.float32))
 
 
 FRAG_KERNELS = {f"kdtree_skinny_gemm_t1_u8_{out}_frag" for out in ("bf16", "bf16_c", "f32")}
