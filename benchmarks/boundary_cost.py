@@ -67,42 +67,28 @@ class Bench:
 
         from plugins.common.cubin import load_module
         from plugins.common.device import copy_bytes_per_s, device_facts
+        from plugins.common.driver import checked
 
         self.torch, self.cu, self.device = torch, cu, device
         self.sms = device_facts(device).sms
         self.rate = copy_bytes_per_s(device)
         module, self.where = load_module(SOURCE, device, "boundary_cost")
-        self.funcs = {n: self._ok(cu.cuModuleGetFunction(module, n.encode()), n)
+        self.funcs = {n: checked(cu, cu.cuModuleGetFunction(module, n.encode()), f"boundary_cost: {n}")
                       for n in ("kdtree_bench_stream", "kdtree_bench_phases", "kdtree_bench_rows")}
         self.pool = torch.empty(POOL_BYTES // 16, 4, dtype=torch.int32, device=device).random_()  # [words, 16 B]
         self.bufs = torch.zeros(2, MAX_CTAS, dtype=torch.float32, device=device)  # [ping / pong, CTA]
         self.bar = torch.zeros(2, dtype=torch.int32, device=device)  # grid barrier: arrived, generation
 
-    def _ok(self, res, what: str):
-        from plugins.common.driver import checked
-        return checked(self.cu, res, f"boundary_cost: {what}")
-
     def _launch(self, name: str, args: tuple, types: tuple, pdl: bool, cooperative: bool = False,
                 grid: int | None = None, threads: int = THREADS) -> None:
-        cu = self.cu
-        config = cu.CUlaunchConfig()
-        config.gridDimX, config.gridDimY, config.gridDimZ = grid or self.sms, 1, 1
-        config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
-        config.sharedMemBytes = 0
-        config.hStream = cu.CUstream(self.torch.cuda.current_stream().cuda_stream)
-        attrs = []
-        if pdl:
-            a = cu.CUlaunchAttribute()
-            a.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-            a.value.programmaticStreamSerializationAllowed = 1
-            attrs.append(a)
-        if cooperative:
-            a = cu.CUlaunchAttribute()
-            a.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
-            a.value.cooperative = 1
-            attrs.append(a)
-        config.attrs, config.numAttrs = attrs, len(attrs)
-        self._ok(cu.cuLaunchKernelEx(config, self.funcs[name], (args, types), 0), f"launch {name}")
+        """One launch onto torch's current stream (plugins/common/driver.launch); a refused PDL attribute is an error
+        here, not a plain launch, so that no row is timed as what it is not."""
+        from plugins.common.driver import launch
+        stream = self.cu.CUstream(self.torch.cuda.current_stream().cuda_stream)
+        went_pdl = launch(self.cu, self.funcs[name], grid or self.sms, threads, 0, stream, args, types, pdl,
+                          f"boundary_cost: launch {name}", self.device.index, cooperative=cooperative)
+        if pdl and not went_pdl:
+            raise RuntimeError(f"boundary_cost: launch {name}: the driver refused programmatic dependent launch")
 
     def _record(self, mode: str, nbytes: int, k: int) -> None:
         """The K kernels (or one launch of K phases) of a mode, onto torch's current stream."""

@@ -57,9 +57,11 @@ class _FakeDriver:
 
     class CUlaunchAttributeID:
         CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+        CU_LAUNCH_ATTRIBUTE_COOPERATIVE = 2
 
     class _Value:
         programmaticStreamSerializationAllowed = 0
+        cooperative = 0
 
     class CUlaunchAttribute:
         def __init__(self):
@@ -69,15 +71,30 @@ class _FakeDriver:
         pass
 
     def __init__(self, refuse: bool):
-        self.refuse, self.calls = refuse, []
+        self.refuse, self.calls, self.attrs = refuse, [], []
 
     def cuLaunchKernelEx(self, config, func, args, extra):
         self.calls.append("ex")
+        self.attrs.append(sorted(a.id for a in config.attrs[:config.numAttrs]))
         return (self.CUresult.CUDA_ERROR_NOT_SUPPORTED if self.refuse else self.CUresult.CUDA_SUCCESS,)
 
     def cuLaunchKernel(self, *a):
         self.calls.append("plain")
         return (self.CUresult.CUDA_SUCCESS,)
+
+
+def test_a_cooperative_launch_carries_its_attribute_and_a_refusal_raises(monkeypatch):
+    """driver.launch(cooperative=True): cuLaunchKernelEx with the cooperative attribute (and PDL's where asked); it has
+    no plain form, so a refused one raises naming the launch, and PDL is not marked refused by it."""
+    monkeypatch.setattr(driver, "_PDL_REFUSED", set())
+    ok = _FakeDriver(refuse=False)
+    assert not driver.launch(ok, None, 4, 128, 0, None, (), (), False, "test", 0, cooperative=True)
+    assert driver.launch(ok, None, 4, 128, 0, None, (), (), True, "test", 0, cooperative=True)
+    assert ok.calls == ["ex", "ex"] and ok.attrs == [[2], [2, 6]]
+    refuses = _FakeDriver(refuse=True)
+    with pytest.raises(RuntimeError, match="barrier: failed: cooperative"):
+        driver.launch(refuses, None, 4, 128, 0, None, (), (), True, "barrier:", 1, cooperative=True)
+    assert refuses.calls == ["ex"] and not driver.pdl_refused(1)
 
 
 def test_a_refused_pdl_launch_goes_plain_and_is_remembered_per_device(monkeypatch):

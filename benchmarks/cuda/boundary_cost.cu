@@ -7,29 +7,8 @@
 //   early = 0: after it.  bytes = 0 is a kernel that only passes a value on: the boundary alone.
 // kdtree_bench_phases: `phases` rounds of the same work in one launch, a grid-wide barrier between rounds (every CTA
 //   must be resident: the launcher asks for a cooperative launch of at most one CTA an SM).
-// No header: the PDL instructions are written out here (the file is a benchmark's, outside plugins/).
 
-typedef unsigned int u32;
-typedef unsigned long long u64;
-
-__device__ __forceinline__ void wait_for_predecessor() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ uint4 load_stream(const uint4* p) {  // read once: no L1 allocation
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
+#include "../../plugins/common/cuda/hopper.cuh"  // pdl_wait, pdl_trigger, ld_stream; u32, u64
 
 __device__ __forceinline__ u32 load_acquire(const u32* p) {
     u32 v;
@@ -48,12 +27,12 @@ __device__ __forceinline__ u32 stream_share(const uint4* w, u64 words, u32 cta, 
     for (; i + 7 * step < end; i += 8 * step) {
         uint4 v[8];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] = load_stream(w + i + j * step);
+        for (int j = 0; j < 8; ++j) v[j] = ld_stream(w + i + j * step);
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
     }
     for (; i < end; i += step) {
-        uint4 v = load_stream(w + i);
+        uint4 v = ld_stream(w + i);
         acc ^= v.x ^ v.y ^ v.z ^ v.w;
     }
     return acc;
@@ -72,10 +51,10 @@ __device__ __forceinline__ void pass_on(u32 acc, const float* in, float* out, u3
 
 extern "C" __global__ void kdtree_bench_stream(const uint4* __restrict__ w, u64 words, const float* in, float* out,
                                                int early) {
-    launch_dependents();
+    pdl_trigger();
     u32 acc = 0;
     if (early) acc = stream_share(w, words, blockIdx.x, gridDim.x);
-    wait_for_predecessor();
+    pdl_wait();
     if (!early) acc = stream_share(w, words, blockIdx.x, gridDim.x);
     pass_on(acc, in, out, blockIdx.x);
 }
@@ -88,7 +67,7 @@ extern "C" __global__ void kdtree_bench_stream(const uint4* __restrict__ w, u64 
 extern "C" __global__ void kdtree_bench_rows(const uint4* __restrict__ w, int n, int k, const float* in, float* out,
                                              int early) {
     constexpr int U = 8;
-    launch_dependents();
+    pdl_trigger();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int g = lane >> 2, q = lane & 3, nkb = k >> 5;
     const int r0 = blockIdx.x * 16;
@@ -102,13 +81,13 @@ extern "C" __global__ void kdtree_bench_rows(const uint4* __restrict__ w, int n,
         for (int u = 0; u < U; ++u) {
             const int kb = kb0 + u * warps;
             if (kb < nkb) {
-                a[u] = load_stream(wa + kb * 4);
-                b[u] = load_stream(wb + kb * 4);
+                a[u] = ld_stream(wa + kb * 4);
+                b[u] = ld_stream(wb + kb * 4);
             }
         }
     };
     if (early) load(warp);
-    wait_for_predecessor();
+    pdl_wait();
     for (int kb0 = warp; kb0 < nkb; kb0 += U * warps) {
         if (!early || kb0 != warp) load(kb0);
 #pragma unroll
@@ -141,7 +120,7 @@ __device__ __forceinline__ void grid_barrier(u32* bar, u32& gen) {
 // through buf[p % 2] -> buf[(p + 1) % 2]
 extern "C" __global__ void kdtree_bench_phases(const uint4* __restrict__ w, u64 words, u32 n_bufs, float* buf0,
                                                float* buf1, u32* bar, int phases) {
-    wait_for_predecessor();
+    pdl_wait();
     __shared__ u32 gen_s;
     if (threadIdx.x == 0) gen_s = load_acquire(&bar[1]);
     __syncthreads();

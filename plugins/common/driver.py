@@ -23,28 +23,42 @@ def pdl_refused(device_index: int) -> bool:
 
 
 def launch(cu, func, grid: int | tuple[int, int], threads: int, smem: int, stream, args: tuple, types: tuple,
-           pdl: bool, what: str, device_index: int = -1) -> bool:
+           pdl: bool, what: str, device_index: int = -1, cooperative: bool = False) -> bool:
     """One launch of the driver function `func` on `stream` (grid x 1 x 1, or gx x gy x 1, CTAs of `threads`) of CUDA
     device `device_index`; with pdl through cuLaunchKernelEx with programmatic stream serialization (the kernel must
     wait for its predecessor grid before reading anything: griddepcontrol.wait).  Returns whether it went with PDL:
     False when pdl was not asked, or was refused on this device by the driver or the bindings, now (this launch then
-    goes plain) or before (recorded per device: every later launch there goes plain without asking)."""
+    goes plain) or before (recorded per device: every later launch there goes plain without asking).
+    cooperative: a cooperative launch too (every CTA resident at once, as a grid-wide barrier needs), which has no
+    plain form: a refusal is a RuntimeError naming `what`."""
     gx, gy = grid if isinstance(grid, tuple) else (grid, 1)
-    if pdl and device_index not in _PDL_REFUSED:
+    pdl = pdl and device_index not in _PDL_REFUSED
+    if pdl or cooperative:
         config = cu.CUlaunchConfig()
         config.gridDimX, config.gridDimY, config.gridDimZ = gx, gy, 1
         config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
         config.sharedMemBytes, config.hStream = smem, stream
-        attr = cu.CUlaunchAttribute()
-        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        attr.value.programmaticStreamSerializationAllowed = 1
-        config.attrs, config.numAttrs = [attr], 1
+        ids = cu.CUlaunchAttributeID
+        attrs = ([_attribute(cu, ids.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                             "programmaticStreamSerializationAllowed")] if pdl else []) \
+            + ([_attribute(cu, ids.CU_LAUNCH_ATTRIBUTE_COOPERATIVE, "cooperative")] if cooperative else [])
+        config.attrs, config.numAttrs = attrs, len(attrs)
         try:
             err = cu.cuLaunchKernelEx(config, func, (args, types), 0)[0]
         except (TypeError, ValueError, RuntimeError, AttributeError):  # bindings without the Ex launch's types
             err = None
         if err == cu.CUresult.CUDA_SUCCESS:
-            return True
+            return pdl
+        if cooperative:
+            raise RuntimeError(f"{what} failed: cooperative cuLaunchKernelEx {getattr(err, 'name', err)}")
         _PDL_REFUSED.add(device_index)
     checked(cu, cu.cuLaunchKernel(func, gx, gy, 1, threads, 1, 1, smem, stream, (args, types), 0), what)
     return False
+
+
+def _attribute(cu, attr_id, field: str):
+    """A launch attribute `attr_id` with its value's `field` set to 1."""
+    attr = cu.CUlaunchAttribute()
+    attr.id = attr_id
+    setattr(attr.value, field, 1)
+    return attr

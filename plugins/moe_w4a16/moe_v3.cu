@@ -21,19 +21,12 @@
 // bf16 through PTX on raw 32-bit registers; plugins/common/cuda/hopper.cuh (PDL, l2_prefetch) is its one header
 // (cubin.py inlines it for NVRTC).
 
-#include "../common/cuda/hopper.cuh"  // pdl_wait, pdl_trigger, l2_prefetch
+#include "../common/cuda/hopper.cuh"  // pdl_wait, pdl_trigger, l2_prefetch, ld_stream
 
 typedef unsigned short u16;
 
 #define WARPS 8
 #define THREADS (WARPS * 32)
-
-__device__ __forceinline__ uint4 ld_weights(const uint4* p) {  // streamed once: no L1 allocation
-    uint4 r;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-    return r;
-}
 
 __device__ __forceinline__ uint2 ld_scales(const uint2* p) {
     uint2 r;
@@ -309,7 +302,7 @@ struct Ring {
         load_tokens(k, c, c_real);
     }
     __device__ __forceinline__ void load_weights(int k, int c) {
-        w[k] = ld_weights(pw + (long)c * 32);
+        w[k] = ld_stream(pw + (long)c * 32);
         s[k] = ld_scales(ps + (long)c * 8);
     }
     __device__ __forceinline__ void load_tokens(int k, int c, int c_real) {

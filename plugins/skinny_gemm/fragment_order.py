@@ -57,11 +57,11 @@ def fragment_copy(w: torch.Tensor) -> torch.Tensor | None:
     """The fragment-order copy of weight w (to_fragment_order), made at the first ask and kept while w lives (and is
     not written: a changed version makes it again); None inside a CUDA graph capture before it exists (nothing is
     allocated in a capture's pool: the caller then reads w row-major)."""
-    hit = _COPIES.get(id(w))
+    key = id(w)
+    hit = _COPIES.get(key)
     if hit is not None and hit[0]() is w and hit[1] == w._version:
         return hit[2]
     if w.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
-    key = id(w)
     _COPIES[key] = (weakref.ref(w, lambda _ref, key=key: _COPIES.pop(key, None)), w._version, to_fragment_order(w))
     return _COPIES[key][2]

@@ -27,7 +27,7 @@
 // bf16 through PTX on raw 32-bit registers; plugins/common/cuda/hopper.cuh (pdl_wait / pdl_trigger, l2_prefetch) is
 // its one header (cubin.py inlines it for NVRTC).
 
-#include "../common/cuda/hopper.cuh"  // pdl_wait, pdl_trigger, l2_prefetch
+#include "../common/cuda/hopper.cuh"  // pdl_wait, pdl_trigger, l2_prefetch, ld_stream
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -36,13 +36,6 @@ typedef unsigned long long u64;  // no <cstddef>: NVRTC compiles this with no he
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
 
 #define PF_CHUNK 16384u
-
-__device__ __forceinline__ uint4 ld_stream(const uint4* p) {  // weights: read once, no L1 allocation
-    uint4 r;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-    return r;
-}
 
 // Token rows and c: written by the predecessor grid, which under PDL may still run when this CTA starts, so never
 // through the non-coherent path (.nc assumes the data does not change while the kernel runs): from L2 (.cg), where

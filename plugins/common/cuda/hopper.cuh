@@ -1,6 +1,6 @@
 // Hopper (sm_90) primitives shared by the CUDA C kernels: programmatic dependent launch, shared-memory addresses, the
-// L2 bulk prefetch, mbarriers (the tensor memory accelerator's completion) and the warpgroup MMA's fence / commit /
-// wait.  Each wraps one PTX instruction; where an arch lacks it (PDL and the prefetch below sm_90, wgmma outside
+// weights' streaming load, the L2 bulk prefetch, mbarriers (the tensor memory accelerator's completion) and the
+// warpgroup MMA's fence / commit / wait.  Each wraps one PTX instruction; where an arch lacks it (PDL and the prefetch below sm_90, wgmma outside
 // sm_90a) it compiles to nothing, so the same source builds for sm_120 (whose kernels never take those paths).
 //
 // Included by the .cu files as "../common/cuda/hopper.cuh"; plugins/common/cubin.py inlines it before NVRTC
@@ -26,6 +26,15 @@ __device__ __forceinline__ void pdl_trigger() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
+}
+
+// 16 bytes of weights read once (no L1 allocation; .nc: nothing writes them while a kernel runs, so the load may go
+// before the PDL wait)
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
 }
 
 // [p, p + bytes) into L2, not waited for (p and bytes multiples of 16; nothing below sm_90)
