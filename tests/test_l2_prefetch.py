@@ -45,6 +45,8 @@ def test_prefetch_changes_no_result():
         assert torch.equal(x @ w.t(), want)
         prefetch_l2(w, evict_last=True)
         assert torch.equal(x @ w.t(), want)
+        prefetch_l2(w, chunk=8192, threads=32)  # spread: one warp an SM
+        assert torch.equal(x @ w.t(), want)
         g = torch.cuda.CUDAGraph()
         out = torch.empty_like(want)
         s = torch.cuda.Stream()
@@ -56,6 +58,8 @@ def test_prefetch_changes_no_result():
         assert torch.equal(out, want)
     with pytest.raises(ValueError, match="multiples of 16"):
         prefetch_l2(torch.zeros(3, device=dev, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="threads"):
+        prefetch_l2(torch.zeros(64, device=dev, dtype=torch.bfloat16), threads=0)
 
 
 def test_the_op_is_a_no_op_off_cuda_and_takes_at_most_four():

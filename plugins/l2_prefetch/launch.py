@@ -55,17 +55,21 @@ def _nbytes(w: torch.Tensor, what: str, device: torch.device | None = None) -> i
     return nbytes
 
 
-def prefetch_l2(w: torch.Tensor, chunk: int = CHUNK, evict_last: bool = False) -> None:
+def prefetch_l2(w: torch.Tensor, chunk: int = CHUNK, evict_last: bool = False, threads: int = THREADS) -> None:
     """Bulk-prefetch the storage of the contiguous CUDA tensor w into L2 (a hint; no result depends on it);
-    evict_last: with L2's evict-last policy (kept over lines streamed in after them)."""
+    evict_last: with L2's evict-last policy (kept over lines streamed in after them).  One request of `chunk` bytes
+    a thread, CTAs of `threads` (fewer threads and smaller chunks spread the requests over more SMs, whose copy
+    engines issue them side by side), at most one CTA an SM."""
     nbytes = _nbytes(w, "prefetch_l2")
     if chunk % 16:
         raise ValueError(f"prefetch_l2: chunk ({chunk}) must be a multiple of 16")
     if nbytes == 0:
         return
+    if not 1 <= threads <= 1024:
+        raise ValueError(f"prefetch_l2: threads ({threads}) must be in [1, 1024]")
     requests = -(-nbytes // chunk)
-    grid = min(-(-requests // THREADS), device_facts(w.device).sms)
-    _launch(w.device, "kdtree_l2_prefetch", grid, THREADS, (w.data_ptr(), nbytes, chunk, int(evict_last)),
+    grid = min(-(-requests // threads), device_facts(w.device).sms)
+    _launch(w.device, "kdtree_l2_prefetch", grid, threads, (w.data_ptr(), nbytes, chunk, int(evict_last)),
             (ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_uint, ctypes.c_int))
 
 
