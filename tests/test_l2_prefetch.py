@@ -73,10 +73,15 @@ def test_the_op_is_a_no_op_off_cuda_and_takes_at_most_four():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
-def test_gemm_prefetch_changes_no_token(tiny, tmp_path, monkeypatch):
-    """KDTREE_GEMM_PREFETCH's L2 prefetch before each layer's attention (runtime/model/attention.py) adds a hint
-    kernel to the round and nothing else: the tiny INT4 model's tokens are the same bits, AR and DDTree, graphs on."""
-    import runtime.model.attention as attention
+@pytest.mark.parametrize("switch", [("runtime.model.attention", "GEMM_PREFETCH"),
+                                    ("runtime.model.side_prefetch", "ENABLED")])
+def test_gemm_prefetch_changes_no_token(tiny, tmp_path, monkeypatch, switch):
+    """KDTREE_GEMM_PREFETCH's L2 prefetch before each layer's attention (runtime/model/attention.py), and
+    KDTREE_GEMM_PREFETCH_SIDE's from a side branch (runtime/model/side_prefetch.py), add hint kernels to the round
+    and nothing else: the tiny INT4 model's tokens are the same bits, AR and DDTree, graphs on (so the side branch's
+    fork and join capture)."""
+    import importlib
+
     from build_pipeline.tiny_drafter import make_tiny_drafter
     from plugins.l2_prefetch.launch import prefetch_regions_l2
     from runtime.engine.engine import Engine
@@ -86,7 +91,7 @@ def test_gemm_prefetch_changes_no_token(tiny, tmp_path, monkeypatch):
     prompt = list(range(3, 40, 3))
     runs = {}
     for on in (False, True):
-        monkeypatch.setattr(attention, "GEMM_PREFETCH", on)
+        monkeypatch.setattr(importlib.import_module(switch[0]), switch[1], on)
         for spec, budget in (("none", None), ("ddtree", 8)):
             eng = Engine.load(path, device="cuda", drafter=drafter if budget else None, spec=spec, budget=budget)
             runs[(on, spec)] = list(eng.generate_ids(prompt, 24))

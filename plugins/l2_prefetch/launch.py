@@ -73,12 +73,17 @@ def prefetch_l2(w: torch.Tensor, chunk: int = CHUNK, evict_last: bool = False, t
             (ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_uint, ctypes.c_int))
 
 
-def prefetch_regions_l2(ws: list[torch.Tensor], chunk: int = CHUNK) -> None:
-    """Bulk-prefetch up to four contiguous CUDA tensors of one device into L2 in one launch that, on sm_90+, goes
-    with programmatic dependent launch: the requests go out while the previous kernel still runs, and the launch
-    completes after it (a node of the decode round's PDL chain).  A hint: no result depends on it."""
+def prefetch_regions_l2(ws: list[torch.Tensor], chunk: int = CHUNK, threads: int = THREADS,
+                        chain: bool = True) -> None:
+    """Bulk-prefetch up to four contiguous CUDA tensors of one device into L2 in one launch, one request of `chunk`
+    bytes a thread, CTAs of `threads`.  chain (the default): on sm_90+ the launch goes with programmatic dependent
+    launch: the requests go out while the previous kernel still runs, and the launch completes after it (a node of
+    the decode round's PDL chain).  chain False: a plain launch (a side branch's, which nothing waits for).  A hint:
+    no result depends on it."""
     if not ws:
         return
+    if not 1 <= threads <= 1024:
+        raise ValueError(f"prefetch_regions_l2: threads ({threads}) must be in [1, 1024]")
     if len(ws) > REGIONS:
         raise ValueError(f"prefetch_regions_l2: at most {REGIONS} tensors per launch, got {len(ws)}")
     dev = ws[0].device
@@ -87,11 +92,12 @@ def prefetch_regions_l2(ws: list[torch.Tensor], chunk: int = CHUNK) -> None:
     requests = sum(-(-b // chunk) for b in sizes)
     cu, func = _func(dev, "kdtree_l2_prefetch_regions")
     index = dev.index if dev.index is not None else torch.cuda.current_device()
-    pdl = USE_PDL and device_facts(dev).capability[0] >= 9  # plugins/common/driver.launch remembers a refusal
+    # plugins/common/driver.launch remembers a refusal
+    pdl = chain and USE_PDL and device_facts(dev).capability[0] >= 9
     args = (*(v for pair in zip(ptrs, sizes) for v in pair), chunk)
     types = (*(t for _ in range(REGIONS) for t in (ctypes.c_void_p, ctypes.c_ulonglong)), ctypes.c_uint)
     stream = cu.CUstream(torch.cuda.current_stream(dev).cuda_stream)
-    launch(cu, func, max(1, -(-requests // THREADS)), THREADS, 0, stream, args, types, pdl,
+    launch(cu, func, max(1, -(-requests // threads)), threads, 0, stream, args, types, pdl,
            "l2_prefetch: launch kdtree_l2_prefetch_regions", index)
 
 
