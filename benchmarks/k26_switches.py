@@ -16,6 +16,7 @@ default (DEFAULT_ON), which are set again after the run):
   moe_pf    KDTREE_MOE_PREFETCH=1: the MoE's L2 prefetch of its experts at every t (not named: off)
   gemm_pf   KDTREE_GEMM_PREFETCH: each layer's post-attention weights into L2 before its attention
   gemm_side KDTREE_GEMM_PREFETCH_SIDE: o_proj's and the next GEMMs' weights into L2 from a side branch of the graph
+  side_qkv  with gemm_side: the next layer's q_a / kv_a weights too, from the side branch under the MLP
   attn_pf   KDTREE_ATTN_PREFETCH: the attention's first cache tiles into L2 before its PDL wait
   skinny_late with skinny: the next kernel launches after the GEMM's k loops (plugins/skinny_gemm/launch.LATE_TRIGGER)
   skinny_pf with skinny: every GEMM CTA's weights into L2 before its PDL wait (not named: launch.PREFETCH's default,
@@ -112,6 +113,7 @@ def _set_flag(module: str, attr: str):
 _FLAGS = {"skinny": ("runtime.model.layers", "SKINNY_GEMM"),
           "gemm_pf": ("runtime.model.attention", "GEMM_PREFETCH"),
           "gemm_side": ("runtime.model.side_prefetch", "ENABLED"),
+          "side_qkv": ("runtime.model.side_prefetch", "NEXT_QKV"),
           "attn_pf": ("plugins.tree_verify_mla.launcher", "CACHE_PREFETCH"),
           "skinny_late": ("plugins.skinny_gemm.launch", "LATE_TRIGGER"),
           "skinny_early": ("plugins.skinny_gemm.launch", "EARLY_WEIGHTS"),

@@ -74,10 +74,12 @@ def test_the_op_is_a_no_op_off_cuda_and_takes_at_most_four():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 @pytest.mark.parametrize("switch", [("runtime.model.attention", "GEMM_PREFETCH"),
-                                    ("runtime.model.side_prefetch", "ENABLED")])
+                                    ("runtime.model.side_prefetch", "ENABLED"),
+                                    ("runtime.model.side_prefetch", "ENABLED", "NEXT_QKV")])
 def test_gemm_prefetch_changes_no_token(tiny, tmp_path, monkeypatch, switch):
     """KDTREE_GEMM_PREFETCH's L2 prefetch before each layer's attention (runtime/model/attention.py), and
-    KDTREE_GEMM_PREFETCH_SIDE's from a side branch (runtime/model/side_prefetch.py), add hint kernels to the round
+    KDTREE_GEMM_PREFETCH_SIDE's from a side branch (runtime/model/side_prefetch.py; with the next layer's q_a / kv_a
+    too), add hint kernels to the round
     and nothing else: the tiny INT4 model's tokens are the same bits, AR and DDTree, graphs on (so the side branch's
     fork and join capture)."""
     import importlib
@@ -91,7 +93,8 @@ def test_gemm_prefetch_changes_no_token(tiny, tmp_path, monkeypatch, switch):
     prompt = list(range(3, 40, 3))
     runs = {}
     for on in (False, True):
-        monkeypatch.setattr(importlib.import_module(switch[0]), switch[1], on)
+        for attr in switch[1:]:
+            monkeypatch.setattr(importlib.import_module(switch[0]), attr, on)
         for spec, budget in (("none", None), ("ddtree", 8)):
             eng = Engine.load(path, device="cuda", drafter=drafter if budget else None, spec=spec, budget=budget)
             runs[(on, spec)] = list(eng.generate_ids(prompt, 24))

@@ -18,6 +18,10 @@ from plugins.l2_prefetch.launch import prefetch_regions_l2
 # KDTREE_GEMM_PREFETCH_SIDE=1: each layer's o_proj and next GEMMs' weights prefetched into L2 from a side branch
 # that forks after the attention's latent norms (runtime/model/attention.py) and joins at the forward's end
 ENABLED = env_flag("KDTREE_GEMM_PREFETCH_SIDE", False)
+# KDTREE_GEMM_PREFETCH_NEXT_QKV=1 (with the side branch): also the next layer's q_a / kv_a weights (K2.6 TP8: 30 MB),
+# forked after the MLP's norm, so they stream in under the router and the MoE, which leave HBM about two-thirds idle
+# at t = 1 (runtime/model/target.py)
+NEXT_QKV = env_flag("KDTREE_GEMM_PREFETCH_NEXT_QKV", False)
 CHUNK = 8 << 10  # bytes a request: 27 MB a layer (K2.6 TP8) is ~3.4K requests,
 THREADS = 32  # one warp a CTA: ~100 CTAs, so the requests go out from most SMs' copy engines side by side
 

@@ -103,6 +103,10 @@ class TargetModel:
             a = mla_forward(cfg, lw.attn, self.rope, hn, cos, sin, cache.kv[li], cache.lens, cache.scratch[li],
                             tree_mask, cache.work, nxt_gemms, side)  # [b, n, d]
             x, hn = add_rms_norm(x, self._reduce(a), lw.mlp_norm, eps)  # residual, then the MLP's norm
+            if side is not None and side_prefetch.NEXT_QKV and li + 1 < len(layers):
+                nxt_attn = layers[li + 1].attn  # its latent inputs stream into L2 under this layer's MLP
+                joint = nxt_attn.latent_inputs()
+                side.prefetch([joint] if joint is not None else [nxt_attn.q_a, nxt_attn.kv_a])
             if isinstance(lw.mlp, MoEWeights):
                 m = moe_forward(cfg, lw.mlp, hn, self.experts[0], cache.work.moe)  # ep: experts from experts[0]
             else:
