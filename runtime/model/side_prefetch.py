@@ -22,8 +22,8 @@ ENABLED = env_flag("KDTREE_GEMM_PREFETCH_SIDE", False)
 # forked after the MLP's norm, so they stream in under the router and the MoE, which leave HBM about two-thirds idle
 # at t = 1 (runtime/model/target.py)
 NEXT_QKV = env_flag("KDTREE_GEMM_PREFETCH_NEXT_QKV", False)
-CHUNK = 8 << 10  # bytes a request: 27 MB a layer (K2.6 TP8) is ~3.4K requests,
-THREADS = 32  # one warp a CTA: ~100 CTAs, so the requests go out from most SMs' copy engines side by side
+CHUNK = 8 << 10  # bytes a request: 31 MB a layer (K2.6 TP8: o_proj, router + shared gate_up, shared down) is ~3.9K,
+THREADS = 32  # one warp a CTA: ~120 CTAs, so the requests go out from most SMs' copy engines side by side
 
 _STREAMS: dict[int, torch.cuda.Stream] = {}
 
@@ -36,7 +36,7 @@ class SidePrefetch:
     def __init__(self, device: torch.device):
         index = device.index if device.index is not None else torch.cuda.current_device()
         self.device = torch.device("cuda", index)
-        if index not in _STREAMS:  # one side stream a device, made outside any capture's work
+        if index not in _STREAMS:  # one side stream a device, made at its first forward (the warm-up, run eagerly)
             _STREAMS[index] = torch.cuda.Stream(self.device)
         self.stream = _STREAMS[index]
         self.forked = False
