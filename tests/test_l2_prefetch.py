@@ -104,3 +104,20 @@ def test_gemm_prefetch_changes_no_token(tiny, tmp_path, monkeypatch, switch):
     w = torch.randn(96, 40, device="cuda").bfloat16()
     with pytest.raises(ValueError, match="at most 4"):
         prefetch_regions_l2([w] * 5)
+
+
+def test_side_branch_switches_do_nothing_off_cuda(tiny, monkeypatch):
+    """With KDTREE_GEMM_PREFETCH_SIDE and _NEXT_QKV on, a CPU forward makes no side branch (no stream, no launch)
+    and gives the same tokens as with them off."""
+    import runtime.model.side_prefetch as side_prefetch
+    from runtime.engine.engine import Engine
+
+    path = tiny.get("kimi", int4=True, kimi25=True)
+    prompt = list(range(3, 30, 3))
+    runs = []
+    for on in (False, True):
+        monkeypatch.setattr(side_prefetch, "ENABLED", on)
+        monkeypatch.setattr(side_prefetch, "NEXT_QKV", on)
+        runs.append(list(Engine.load(path, device="cpu").generate_ids(prompt, 8)))
+    assert runs[0] == runs[1]
+    assert not side_prefetch._STREAMS
