@@ -55,6 +55,13 @@ def _nbytes(w: torch.Tensor, what: str, device: torch.device | None = None) -> i
     return nbytes
 
 
+def _ctas(requests: int, threads: int, what: str) -> int:
+    """CTAs of `threads` (1..1024, else ValueError naming `what`) for one request a thread."""
+    if not 1 <= threads <= 1024:
+        raise ValueError(f"{what}: threads ({threads}) must be in [1, 1024]")
+    return -(-requests // threads)
+
+
 def prefetch_l2(w: torch.Tensor, chunk: int = CHUNK, evict_last: bool = False, threads: int = THREADS) -> None:
     """Bulk-prefetch the storage of the contiguous CUDA tensor w into L2 (a hint; no result depends on it);
     evict_last: with L2's evict-last policy (kept over lines streamed in after them).  One request of `chunk` bytes
@@ -65,10 +72,7 @@ def prefetch_l2(w: torch.Tensor, chunk: int = CHUNK, evict_last: bool = False, t
         raise ValueError(f"prefetch_l2: chunk ({chunk}) must be a multiple of 16")
     if nbytes == 0:
         return
-    if not 1 <= threads <= 1024:
-        raise ValueError(f"prefetch_l2: threads ({threads}) must be in [1, 1024]")
-    requests = -(-nbytes // chunk)
-    grid = min(-(-requests // threads), device_facts(w.device).sms)
+    grid = min(_ctas(-(-nbytes // chunk), threads, "prefetch_l2"), device_facts(w.device).sms)
     _launch(w.device, "kdtree_l2_prefetch", grid, threads, (w.data_ptr(), nbytes, chunk, int(evict_last)),
             (ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_uint, ctypes.c_int))
 
@@ -82,8 +86,6 @@ def prefetch_regions_l2(ws: list[torch.Tensor], chunk: int = CHUNK, threads: int
     no result depends on it."""
     if not ws:
         return
-    if not 1 <= threads <= 1024:
-        raise ValueError(f"prefetch_regions_l2: threads ({threads}) must be in [1, 1024]")
     if len(ws) > REGIONS:
         raise ValueError(f"prefetch_regions_l2: at most {REGIONS} tensors per launch, got {len(ws)}")
     dev = ws[0].device
@@ -97,7 +99,7 @@ def prefetch_regions_l2(ws: list[torch.Tensor], chunk: int = CHUNK, threads: int
     args = (*(v for pair in zip(ptrs, sizes) for v in pair), chunk)
     types = (*(t for _ in range(REGIONS) for t in (ctypes.c_void_p, ctypes.c_ulonglong)), ctypes.c_uint)
     stream = cu.CUstream(torch.cuda.current_stream(dev).cuda_stream)
-    launch(cu, func, max(1, -(-requests // threads)), threads, 0, stream, args, types, pdl,
+    launch(cu, func, max(1, _ctas(requests, threads, "prefetch_regions_l2")), threads, 0, stream, args, types, pdl,
            "l2_prefetch: launch kdtree_l2_prefetch_regions", index)
 
 
