@@ -111,11 +111,11 @@ def add_rank_arguments(ap: argparse.ArgumentParser) -> None:
 def parse_combinations(text: str, known, flag: str, what: str, named: dict[str, frozenset[str]]
                        ) -> list[tuple[str, frozenset[str]]]:
     """"a,b+c" -> [("a", {"a"}), ("b+c", {"b", "c"})]: comma-separated settings, each a "+"-joined set of `known`
-    names or one of `named` (a whole name standing for its set, e.g. "base": none).  An unknown part is a ValueError
-    naming the flag, the part and the known names."""
+    names and `named` ones (a name standing for its set, e.g. "base": none, so "default+x" is the defaults and x).
+    An unknown part is a ValueError naming the flag, the part and the known names."""
     out = []
     for name in text.split(","):
-        parts = named[name] if name in named else frozenset(name.split("+"))
+        parts = frozenset().union(*(named.get(part, {part}) for part in name.split("+")))
         unknown = sorted(parts - set(known))
         if unknown or not name:
             raise ValueError(f"{flag}: unknown {what} {unknown or [name]} (known: {', '.join([*named, *known])})")

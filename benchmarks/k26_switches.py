@@ -15,17 +15,14 @@ default (DEFAULT_ON), which are set again after the run):
             +2.4 %: left off)
   moe_pf    KDTREE_MOE_PREFETCH=1: the MoE's L2 prefetch of its experts at every t (not named: off)
   gemm_pf   KDTREE_GEMM_PREFETCH: each layer's post-attention weights into L2 before its attention
-  gemm_side KDTREE_GEMM_PREFETCH_SIDE: o_proj's and the next GEMMs' weights into L2 from a side branch of the graph
-  side_qkv  with gemm_side: the next layer's q_a / kv_a weights too, from the side branch under the MLP
   attn_pf   KDTREE_ATTN_PREFETCH: the attention's first cache tiles into L2 before its PDL wait
   skinny_late with skinny: the next kernel launches after the GEMM's k loops (plugins/skinny_gemm/launch.LATE_TRIGGER)
   skinny_pf with skinny: every GEMM CTA's weights into L2 before its PDL wait (not named: launch.PREFETCH's default,
             the plans that split k only)
-  skinny_w8 with skinny: the one-token GEMMs' plans aim at 8 resident warps an SM, not 16 (skinny_gemm/launch
-            .WARPS_PER_SM; qkv_a: 8-warp CTAs of half the register file, so a neighbouring kernel's CTA fits beside
-            one: plugins/skinny_gemm/NOTES.md, "What a boundary costs")
   skinny_frag with skinny: the one-token GEMMs read fragment-order copies of their weights (512-byte warp loads;
             runtime.model.layers.FRAG_WEIGHTS, plugins/skinny_gemm/fragment_order.py; the same bits)
+  skinny_slab with skinny: the one-token GEMMs' CTAs take their whole weight range into shared memory by bulk copies
+            before the PDL wait (plugins/skinny_gemm/launch.SLAB, skinny_gemm.cu's _slab kernels; the same bits)
   skinny_early with skinny: each warp's first weights before the PDL wait (skinny_gemm/launch.EARLY_WEIGHTS; default)
   moe_w16   the MoE's 16-warp gate_up where it applies (plugins/moe_w4a16/launch_v3.USE_W16)
   moe_early the MoE's down kernel loads its weights before its PDL wait (launch_v3.EARLY_WEIGHTS; on by default)
@@ -87,11 +84,6 @@ def _widen_skinny_tokens(tokens: int):
     return setter
 
 
-def _set_skinny_w8(on: bool) -> None:
-    from plugins.skinny_gemm import launch
-    launch.WARPS_PER_SM = 8 if on else 16
-
-
 def _set_moe_pf(on: bool) -> None:
     if on:
         os.environ["KDTREE_MOE_PREFETCH"] = "1"
@@ -112,12 +104,11 @@ def _set_flag(module: str, attr: str):
 # switch -> (module, attribute) it sets to on / off
 _FLAGS = {"skinny": ("runtime.model.layers", "SKINNY_GEMM"),
           "gemm_pf": ("runtime.model.attention", "GEMM_PREFETCH"),
-          "gemm_side": ("runtime.model.side_prefetch", "ENABLED"),
-          "side_qkv": ("runtime.model.side_prefetch", "NEXT_QKV"),
           "attn_pf": ("plugins.tree_verify_mla.launcher", "CACHE_PREFETCH"),
           "skinny_late": ("plugins.skinny_gemm.launch", "LATE_TRIGGER"),
           "skinny_early": ("plugins.skinny_gemm.launch", "EARLY_WEIGHTS"),
           "skinny_frag": ("runtime.model.layers", "FRAG_WEIGHTS"),
+          "skinny_slab": ("plugins.skinny_gemm.launch", "SLAB"),
           "moe_w16": ("plugins.moe_w4a16.launch_v3", "USE_W16"),
           "moe_early": ("plugins.moe_w4a16.launch_v3", "EARLY_WEIGHTS"),
           "route_stores": ("plugins.moe_w4a16.route_kernel", "ONE_TOKEN_STORES"),
@@ -128,7 +119,7 @@ _FLAGS = {"skinny": ("runtime.model.layers", "SKINNY_GEMM"),
           "attn_long": ("plugins.tree_verify_mla.launcher", "LONG_TILE"),
           "attn_wgmma": ("plugins.tree_verify_mla.launcher", "WGMMA")}
 # see the module doc; skinny_wide before skinny_tree and skinny_8 (which widen only what skinny_wide left)
-SWITCHES = {"moe_pf": _set_moe_pf, "skinny_pf": _set_skinny_pf, "skinny_w8": _set_skinny_w8,
+SWITCHES = {"moe_pf": _set_moe_pf, "skinny_pf": _set_skinny_pf,
             "skinny_wide": _set_skinny_wide, "skinny_tree": _widen_skinny_tokens(24),
             "skinny_8": _widen_skinny_tokens(8), "wgmma_t1": _set_wgmma_t1,
             **{name: _set_flag(*at) for name, at in _FLAGS.items()}}

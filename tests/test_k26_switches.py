@@ -15,6 +15,8 @@ def test_switch_settings_parse_and_name_unknown_switches():
                                                                  "route_stores", "absorb_tree"}))]
     with pytest.raises(ValueError, match=r"unknown switch \['turbo'\]"):
         parse_settings("base,skinny+turbo")
+    (name, parts), = parse_settings("default+moe_pf")  # a named set joins switches as one
+    assert name == "default+moe_pf" and parts == parse_settings("default")[0][1] | {"moe_pf"}
 
 
 def test_skinny_tree_widens_the_token_limit_and_the_defaults_restore_it():

@@ -73,17 +73,10 @@ def test_the_op_is_a_no_op_off_cuda_and_takes_at_most_four():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
-@pytest.mark.parametrize("switch", [("runtime.model.attention", "GEMM_PREFETCH"),
-                                    ("runtime.model.side_prefetch", "ENABLED"),
-                                    ("runtime.model.side_prefetch", "ENABLED", "NEXT_QKV")])
-def test_gemm_prefetch_changes_no_token(tiny, tmp_path, monkeypatch, switch):
-    """KDTREE_GEMM_PREFETCH's L2 prefetch before each layer's attention (runtime/model/attention.py), and
-    KDTREE_GEMM_PREFETCH_SIDE's from a side branch (runtime/model/side_prefetch.py; with the next layer's q_a / kv_a
-    too), add hint kernels to the round
-    and nothing else: the tiny INT4 model's tokens are the same bits, AR and DDTree, graphs on (so the side branch's
-    fork and join capture)."""
-    import importlib
-
+def test_gemm_prefetch_changes_no_token(tiny, tmp_path, monkeypatch):
+    """KDTREE_GEMM_PREFETCH's L2 prefetch before each layer's attention (runtime/model/attention.py) adds a hint
+    kernel to the round and nothing else: the tiny INT4 model's tokens are the same bits, AR and DDTree, graphs on."""
+    import runtime.model.attention as attention
     from build_pipeline.tiny_drafter import make_tiny_drafter
     from plugins.l2_prefetch.launch import prefetch_regions_l2
     from runtime.engine.engine import Engine
@@ -93,8 +86,7 @@ def test_gemm_prefetch_changes_no_token(tiny, tmp_path, monkeypatch, switch):
     prompt = list(range(3, 40, 3))
     runs = {}
     for on in (False, True):
-        for attr in switch[1:]:
-            monkeypatch.setattr(importlib.import_module(switch[0]), attr, on)
+        monkeypatch.setattr(attention, "GEMM_PREFETCH", on)
         for spec, budget in (("none", None), ("ddtree", 8)):
             eng = Engine.load(path, device="cuda", drafter=drafter if budget else None, spec=spec, budget=budget)
             runs[(on, spec)] = list(eng.generate_ids(prompt, 24))
@@ -104,20 +96,3 @@ def test_gemm_prefetch_changes_no_token(tiny, tmp_path, monkeypatch, switch):
     w = torch.randn(96, 40, device="cuda").bfloat16()
     with pytest.raises(ValueError, match="at most 4"):
         prefetch_regions_l2([w] * 5)
-
-
-def test_side_branch_switches_do_nothing_off_cuda(tiny, monkeypatch):
-    """With KDTREE_GEMM_PREFETCH_SIDE and _NEXT_QKV on, a CPU forward makes no side branch (no stream, no launch)
-    and gives the same tokens as with them off."""
-    import runtime.model.side_prefetch as side_prefetch
-    from runtime.engine.engine import Engine
-
-    path = tiny.get("kimi", int4=True, kimi25=True)
-    prompt = list(range(3, 30, 3))
-    runs = []
-    for on in (False, True):
-        monkeypatch.setattr(side_prefetch, "ENABLED", on)
-        monkeypatch.setattr(side_prefetch, "NEXT_QKV", on)
-        runs.append(list(Engine.load(path, device="cpu").generate_ids(prompt, 8)))
-    assert runs[0] == runs[1]
-    assert not side_prefetch._STREAMS

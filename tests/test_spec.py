@@ -52,9 +52,15 @@ def setups(tiny, tmp_path_factory):
     return {int4: Setup(tiny, int4, tmp) for int4 in (False, True)}
 
 
-@pytest.mark.parametrize("int4", [False, True], ids=["bf16", "int4"])
-@pytest.mark.parametrize("drafter", ["dflash", "agreeing"])
-@pytest.mark.parametrize("mode,budget", [("chain", 0)] + [("ddtree", b) for b in BUDGETS])
+# every (mode, budget) x drafter x expert format, but the random DFlash drafter at budget 256 (~70 s a case on two
+# CPU cores: every round verifies 257 tokens, as it rarely agrees) only with INT4 experts, the format with more code
+CASES = [(int4, drafter, mode, budget) for mode, budget in [("chain", 0)] + [("ddtree", b) for b in BUDGETS]
+         for drafter in ("dflash", "agreeing") for int4 in (False, True)
+         if not (drafter == "dflash" and budget == 256 and not int4)]
+
+
+@pytest.mark.parametrize("int4,drafter,mode,budget", CASES,
+                         ids=[f"{m}-{b}-{d}-{'int4' if i else 'bf16'}" for i, d, m, b in CASES])
 def test_speculative_greedy_equals_ar(setups, int4, drafter, mode, budget):
     s = setups[int4]
     d = s.dflash if drafter == "dflash" else AgreeingDrafter(s.target, miss_prob=0.3, seed=budget)

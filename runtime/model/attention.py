@@ -26,7 +26,6 @@ from plugins.layer_fusion import mla_q_absorb, mla_rope_kv, mla_v_absorb
 from plugins.tree_verify_mla import tree_verify_mla
 from runtime.model.layers import linear
 from runtime.model.rope import Rope
-from runtime.model.side_prefetch import SidePrefetch
 from runtime.model.weights import AttentionWeights
 from runtime.model.workspace import ForwardWorkspace
 
@@ -37,17 +36,15 @@ GEMM_PREFETCH = env_flag("KDTREE_GEMM_PREFETCH", False)
 
 def mla_forward(cfg: ModelConfig, w: AttentionWeights, rope: Rope, x: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, kv: torch.Tensor, lens: torch.Tensor, scratch: torch.Tensor,
-                tree_mask: torch.Tensor, ws: ForwardWorkspace, prefetch: Sequence[torch.Tensor] = (),
-                side: SidePrefetch | None = None) -> torch.Tensor:
+                tree_mask: torch.Tensor, ws: ForwardWorkspace, prefetch: Sequence[torch.Tensor] = ()
+                ) -> torch.Tensor:
     """x [b, n, d] -> [b, n, d] (under TP this rank's partial sum over its heads).  Writes the n
     tokens' latent rows into scratch[:, :n] ([b, n_max, c+r]).
 
     kv [b, l_max, c+r] is this layer's committed cache, lens [b] its lengths, tree_mask [b, n, w]
     which of the n tokens each token sees (itself and its ancestors); ws holds the attention's outputs.
     With GEMM_PREFETCH on CUDA, o_proj's and W_UV's weights and up to two of `prefetch` (the caller's next GEMMs')
-    are put in flight into L2 before the attention, which leaves HBM mostly idle.  With `side` (runtime/model/
-    side_prefetch.py), o_proj's weights and the first three of `prefetch` go from its side branch instead, forked
-    after the latent norms (the caller joins it).
+    are put in flight into L2 before the attention, which leaves HBM mostly idle.
     """
     b, n, _ = x.shape
     t = b * n
@@ -66,8 +63,6 @@ def mla_forward(cfg: ModelConfig, w: AttentionWeights, rope: Rope, x: torch.Tens
     q_n = None if q_low is None else torch.empty(q_low.shape, dtype=q_low.dtype, device=q_low.device)  # [t, q]
     mla_rope_kv(latent, w.kv_a_norm, cfg.rms_norm_eps, cos_t, sin_t, rope.interleave, tree_kv,
                 q_low, w.q_a_norm if q_low is not None else None, q_n)
-    if side is not None:  # a hint from a side branch: HBM is mostly idle from here to o_proj
-        side.prefetch([w.o, *prefetch])
     q = linear(q_n if q_n is not None else xt, w.q_b).view(t, h, p + r)  # [t, h, p+r]
     q_full = mla_q_absorb(q, w.w_uk, cos_t, sin_t, rope.interleave).view(b, n, h, c + r)  # [q_nope . W_UK | rope]
 

@@ -33,13 +33,12 @@ from plugins.common.precision import acc_dtype
 from plugins.layer_fusion import add_rms_norm, embed_norm_rope, embed_range
 from plugins.moe_w4a16 import MoEWorkspace, expert_dims
 from plugins.tree_accept.vocab_argmax import vocab_argmax_local, vocab_argmax_pick
-from runtime.model import attention, side_prefetch
+from runtime.model import attention
 from runtime.model.attention import mla_forward
 from runtime.model.cache import LatentCache
 from runtime.model.layers import linear, rms_norm, swiglu_mlp
 from runtime.model.moe import moe_forward
 from runtime.model.rope import Rope
-from runtime.model.side_prefetch import SidePrefetch
 from runtime.model.weights import MoEWeights, TargetWeights
 from runtime.model.workspace import ForwardWorkspace
 from runtime.parallel.comm import Comm
@@ -97,16 +96,10 @@ class TargetModel:
         layers, eps = self.w.layers, cfg.rms_norm_eps
         first_norm = layers[0].attn_norm if layers else self.w.norm
         x, hn, cos, sin = self.embed_norm_rope(tokens, first_norm, eps, positions, self.rope)
-        side = SidePrefetch(self.device) if side_prefetch.ENABLED and self.device.type == "cuda" else None
         for li, lw in enumerate(layers):
-            nxt_gemms = self._next_gemms(lw) if attention.GEMM_PREFETCH or side is not None else ()
             a = mla_forward(cfg, lw.attn, self.rope, hn, cos, sin, cache.kv[li], cache.lens, cache.scratch[li],
-                            tree_mask, cache.work, nxt_gemms, side)  # [b, n, d]
+                            tree_mask, cache.work, self._next_gemms(lw) if attention.GEMM_PREFETCH else ())  # [b, n, d]
             x, hn = add_rms_norm(x, self._reduce(a), lw.mlp_norm, eps)  # residual, then the MLP's norm
-            if side is not None and side_prefetch.NEXT_QKV and li + 1 < len(layers):
-                nxt_attn = layers[li + 1].attn  # its latent inputs stream into L2 under this layer's MLP
-                joint = nxt_attn.latent_inputs()
-                side.prefetch([joint] if joint is not None else [nxt_attn.q_a, nxt_attn.kv_a])
             if isinstance(lw.mlp, MoEWeights):
                 m = moe_forward(cfg, lw.mlp, hn, self.experts[0], cache.work.moe)  # ep: experts from experts[0]
             else:
@@ -116,8 +109,6 @@ class TargetModel:
             x, hn = add_rms_norm(x, self._reduce(m), nxt, eps)  # [b, n, d] each
             if features and li in self.feature_layers:
                 feats[li] = x
-        if side is not None:
-            side.join()  # the side branch's prefetches back into the forward's stream (a capture needs it)
         hidden = hn
         features = torch.cat([feats[i] for i in self.feature_layers], dim=-1) if feats else None
         return hidden, features
