@@ -30,6 +30,8 @@ default (DEFAULT_ON), which are set again after the run):
             (runtime.model.layers.SKINNY_WGMMA; on by default: DDTree-16 -1.8 % at 4K, call 12)
   wgmma_kb4 with skinny_wgmma: four 64-column boxes a TMA stage (512 contiguous bytes of each weight row at once,
             4 stages; plugins/skinny_gemm/wgmma_launch.KB4; DDTree-16 +0.9 % at 4K, call 13: off)
+  wgmma_from9 with skinny_wgmma: GEMMs of 2..8 tokens (the drafter's block, DDTree rounds of budget <= 7) leave it
+            (runtime.model.layers.WGMMA_TOKENS from 9): with skinny_8 (+ skinny_slab) they go to skinny_gemm
   wgmma_t1  with skinny_wgmma: one-token GEMMs (the AR step's) on skinny_wgmma.cu too, not skinny_gemm.cu
             (runtime.model.layers.WGMMA_TOKENS from 1)
   absorb_tree the attention's W_UV product in 16-wide value blocks up to 32 tokens (DDTree rounds), not 16
@@ -72,6 +74,13 @@ def _set_skinny_wide(on: bool) -> None:
 def _set_wgmma_t1(on: bool) -> None:
     from runtime.model import layers
     layers.WGMMA_TOKENS = (1 if on else 2, layers.WGMMA_TOKENS[1])
+
+
+def _set_wgmma_from9(on: bool) -> None:
+    """On: GEMMs of 2..8 tokens leave skinny_wgmma (after wgmma_t1, which resets its lower bound; off: no-op)."""
+    from runtime.model import layers
+    if on:
+        layers.WGMMA_TOKENS = (max(layers.WGMMA_TOKENS[0], 9), layers.WGMMA_TOKENS[1])
 
 
 def _widen_skinny_tokens(tokens: int):
@@ -121,7 +130,7 @@ _FLAGS = {"skinny": ("runtime.model.layers", "SKINNY_GEMM"),
 # see the module doc; skinny_wide before skinny_tree and skinny_8 (which widen only what skinny_wide left)
 SWITCHES = {"moe_pf": _set_moe_pf, "skinny_pf": _set_skinny_pf,
             "skinny_wide": _set_skinny_wide, "skinny_tree": _widen_skinny_tokens(24),
-            "skinny_8": _widen_skinny_tokens(8), "wgmma_t1": _set_wgmma_t1,
+            "skinny_8": _widen_skinny_tokens(8), "wgmma_t1": _set_wgmma_t1, "wgmma_from9": _set_wgmma_from9,
             **{name: _set_flag(*at) for name, at in _FLAGS.items()}}
 
 
