@@ -348,7 +348,7 @@ __device__ __forceinline__ void skinny_slab(const u16* __restrict__ x, const u16
         for (int u = 0; u < U; ++u) {
             const int j = kb0 + u * warps - kb_lo;  // block j of the slab (warp-uniform)
             if (j < nblk) {
-                while (landed <= j / cb) mbar_wait(bar + 8 * landed++, 0);
+                while (landed * cb <= j) mbar_wait(bar + 8 * landed++, 0);  // chunk j / cb has landed
                 asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
                              : "=r"(a[u].x), "=r"(a[u].y), "=r"(a[u].z), "=r"(a[u].w) : "r"(la + (u32)j * 64u));
                 asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
