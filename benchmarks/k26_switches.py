@@ -25,6 +25,8 @@ default (DEFAULT_ON), which are set again after the run):
             before the PDL wait (plugins/skinny_gemm/launch.SLAB, skinny_gemm.cu's _slab kernels; the same bits)
   skinny_early with skinny: each warp's first weights before the PDL wait (skinny_gemm/launch.EARLY_WEIGHTS; default)
   moe_w16   the MoE's 16-warp gate_up where it applies (plugins/moe_w4a16/launch_v3.USE_W16)
+  moe_slab  the MoE's 16-warp gate_up at t = 1 bulk-copies each CTA's item into shared memory at once
+            (plugins/moe_w4a16/launch_v3.SLAB, moe_v3.cu's gate_up_w16_slab; the same bits)
   moe_early the MoE's down kernel loads its weights before its PDL wait (launch_v3.EARLY_WEIGHTS; on by default)
   skinny_wgmma GEMMs of 2..32 tokens (DDTree rounds, the drafter's block) on skinny_wgmma.cu, sm_90
             (runtime.model.layers.SKINNY_WGMMA; on by default: DDTree-16 -1.8 % at 4K, call 12)
@@ -120,6 +122,7 @@ _FLAGS = {"skinny": ("runtime.model.layers", "SKINNY_GEMM"),
           "skinny_slab": ("plugins.skinny_gemm.launch", "SLAB"),
           "moe_w16": ("plugins.moe_w4a16.launch_v3", "USE_W16"),
           "moe_early": ("plugins.moe_w4a16.launch_v3", "EARLY_WEIGHTS"),
+          "moe_slab": ("plugins.moe_w4a16.launch_v3", "SLAB"),
           "route_stores": ("plugins.moe_w4a16.route_kernel", "ONE_TOKEN_STORES"),
           "skinny_wgmma": ("runtime.model.layers", "SKINNY_WGMMA"),
           "wgmma_kb4": ("plugins.skinny_gemm.wgmma_launch", "KB4"),
