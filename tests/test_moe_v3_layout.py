@@ -318,8 +318,8 @@ def test_prefetch_variable_names_the_kernels(monkeypatch):
 
 def test_gate_up_slab_only_where_every_item_has_its_own_cta():
     """launch_v3.gate_up_slab (CPU): the 16-warp NT = 1 gate_up of one K2.6 TP8 token (8 x 16 items on 132 CTAs) takes
-    its slab kernel with the slab's 129 KB added; more items than CTAs, another kernel, a pre-sm_90 device or a slab
-    past the shared memory do not."""
+    its slab kernel with the slab's 129 KB added; more items than CTAs, another kernel, an sm_120 device (99 KB of
+    shared memory a CTA) or a slab past the shared memory do not."""
     from plugins.moe_w4a16 import launch_v3
     facts = type("Facts", (), {"capability": (9, 0), "sms": 132})
     old = launch_v3.device_facts
@@ -332,7 +332,7 @@ def test_gate_up_slab_only_where_every_item_has_its_own_cta():
         assert launch_v3.gate_up_slab(w16, 2, 8, 16, 224, 132, 35000, cpu) is None  # 256 items on 132 CTAs
         assert launch_v3.gate_up_slab("kdtree_moe_v3_gate_up_nt1_p7", 1, 8, 16, 224, 132, 35000, cpu) is None
         assert launch_v3.gate_up_slab(w16, 1, 8, 16, 448, 132, 35000, cpu) is None  # d = 14336: 258 KB
-        facts.capability = (8, 0)
+        facts.capability = (12, 0)  # sm_120: 99 KB of shared memory a CTA
         assert launch_v3.gate_up_slab(w16, 1, 8, 16, 224, 132, 35000, cpu) is None
     finally:
         launch_v3.device_facts = old

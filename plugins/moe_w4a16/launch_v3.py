@@ -122,7 +122,7 @@ def gate_up_kernel(nt: int, n_groups: int, n_items: int, sms: int) -> tuple[str,
 
 # KDTREE_MOE_SLAB=1 (off until measured: benchmarks/k26_switches.py's moe_slab): where the 16-warp gate_up applies and
 # every item has its own CTA (t x top_k x row pairs <= the grid: t = 1 at K2.6), its `_slab` kernel, which bulk-copies
-# the CTA's item (weights and scales: 129 KB at K2.6 TP8) into shared memory at once; sm_90+.  The same bits
+# the CTA's item (weights and scales: 129 KB at K2.6 TP8) into shared memory at once; sm_90.  The same bits
 SLAB = env_flag("KDTREE_MOE_SLAB", False)
 SLAB_CHUNKS = 8  # moe_v3.cu's: the slab's mbarriers
 SLAB_MAX_BYTES = 227 << 10  # the shared memory one CTA may take on sm_90
@@ -138,9 +138,9 @@ def gate_up_slab(name: str, t: int, top_k: int, n_pairs: int, n_groups: int, gri
                  device: torch.device) -> tuple[str, int] | None:
     """(kernel, dynamic shared memory) of gate_up kernel `name`'s slab variant where it has one (the 16-warp NT = 1
     kernel), the items cannot outnumber the grid (each entry holds a slot: at most t x top_k entries) and the slab
-    fits beside the kernel's other buffers on an sm_90+ device; else None."""
+    fits beside the kernel's other buffers on an sm_90 device (227 KB a CTA; sm_120 has 99 KB); else None."""
     if name not in SLAB_OF or t * top_k * n_pairs > grid \
-            or device_facts(device).capability[0] < 9 or smem + slab_bytes(n_groups) > SLAB_MAX_BYTES:
+            or device_facts(device).capability[0] != 9 or smem + slab_bytes(n_groups) > SLAB_MAX_BYTES:
         return None
     return SLAB_OF[name], smem + slab_bytes(n_groups)
 

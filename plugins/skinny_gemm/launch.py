@@ -59,7 +59,7 @@ LATE_TRIGGER = False
 EARLY_WEIGHTS = True
 FLAG_PREFETCH, FLAG_LATE_TRIGGER, FLAG_EARLY_WEIGHTS = 1, 2, 4  # skinny_gemm.cu's flags
 # the CTA's whole weight range into shared memory by bulk copies before the PDL wait (skinny_gemm.cu's `_slab`
-# kernels): one-token plans of one row group (t <= 8, U = 8) whose range fits SLAB_MAX_BYTES, sm_90+.  The same bits.
+# kernels): one-token plans of one row group (t <= 8, U = 8) whose range fits SLAB_MAX_BYTES, sm_90.  The same bits.
 # KDTREE_SKINNY_SLAB=1; off until measured (benchmarks/k26_switches.py's skinny_slab, skinny_gemm.py's column)
 SLAB = env_flag("KDTREE_SKINNY_SLAB", False)
 SLAB_CHUNKS = 8  # skinny_gemm.cu's SLAB_CHUNKS: mbarriers over k, so warps start on the chunks that have landed
@@ -138,9 +138,9 @@ def slab_bytes(k: int, splits: int) -> int:
 
 def slab_plan(p: Plan, t: int, k: int, device: torch.device) -> Plan | None:
     """Plan p as its `_slab` kernel where it has one (one token tile, one row group, U = 8), the range fits and the
-    device has bulk copies (sm_90+); else None."""
+    device is an sm_90 one (bulk copies, 227 KB of shared memory a CTA; sm_120 has 99 KB); else None."""
     if token_tiles(t) != 1 or p.row_groups != 1 or not p.kernel.startswith("kdtree_skinny_gemm_t1_u8_") \
-            or device_facts(device).capability[0] < 9 or slab_bytes(k, p.splits) > SLAB_MAX_BYTES:
+            or device_facts(device).capability[0] != 9 or slab_bytes(k, p.splits) > SLAB_MAX_BYTES:
         return None
     return replace(p, kernel=p.kernel + "_slab", smem=max(p.smem, slab_bytes(k, p.splits)))
 
