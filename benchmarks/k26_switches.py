@@ -174,7 +174,7 @@ def main() -> None:
                     "whether buckets of 2^k - 1 nodes save the padding of 2^k + 1 tokens)")
     ap.add_argument("--profile", action="store_true", help="also one profiled replay per mode and setting: kernels "
                     "per layer and, per kernel class, its kernels and the µs it adds to the step (bench_rank's "
-                    "profile), so that a row shows where a switch acted")
+                    "profile, and its 12 kernels that add most to the step), so that a row shows where a switch acted")
     a = ap.parse_args()
     settings = parse_settings(a.settings)
     budgets = [int(b) for b in a.budget.split(",")]
@@ -201,6 +201,8 @@ def main() -> None:
                 row[f"{key}_kernels_per_layer"] = prof["kernels_per_layer"]
                 row[f"{key}_classes"] = {c: {"kernels": v["kernels"], "step_us": v["step_us"]}
                                          for c, v in prof["classes"].items()}
+                # the kernels that add most to the step ([kernel, count, µs, step µs]): which kernel a switch moved
+                row[f"{key}_top"] = prof["top"][:12]
             if "drafter_us" in r:
                 row[f"{key}_drafter_us"] = r["drafter_us"]
             torch.cuda.empty_cache()
