@@ -321,7 +321,8 @@ def test_gate_up_slab_only_where_every_item_has_its_own_cta():
     its slab kernel with the slab's 129 KB added; more items than CTAs, another kernel, an sm_120 device (99 KB of
     shared memory a CTA) or a slab past the shared memory do not."""
     from plugins.moe_w4a16 import launch_v3
-    facts = type("Facts", (), {"capability": (9, 0), "sms": 132})
+    from plugins.common.device import facts_for
+    facts = facts_for(132, (9, 0))
     old = launch_v3.device_facts
     cpu = torch.device("cpu")
     try:
@@ -332,7 +333,7 @@ def test_gate_up_slab_only_where_every_item_has_its_own_cta():
         assert launch_v3.gate_up_slab(w16, 2, 8, 16, 224, 132, 35000, cpu) is None  # 256 items on 132 CTAs
         assert launch_v3.gate_up_slab("kdtree_moe_v3_gate_up_nt1_p7", 1, 8, 16, 224, 132, 35000, cpu) is None
         assert launch_v3.gate_up_slab(w16, 1, 8, 16, 448, 132, 35000, cpu) is None  # d = 14336: 258 KB
-        facts.capability = (12, 0)  # sm_120: 99 KB of shared memory a CTA
+        facts = facts_for(132, (12, 0))  # sm_120: 99 KB of shared memory a CTA
         assert launch_v3.gate_up_slab(w16, 1, 8, 16, 224, 132, 35000, cpu) is None
     finally:
         launch_v3.device_facts = old

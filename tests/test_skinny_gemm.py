@@ -518,9 +518,11 @@ def test_engine_reads_fragment_order_weights_with_the_same_tokens(tiny, monkeypa
 
 def test_slab_plan_takes_one_token_tile_of_one_row_group_that_fits_shared_memory():
     """launch.slab_plan (CPU): qkv_a's 229.7 KB range (K2.6 TP8, the largest one-token range) takes the `_slab`
-    kernel; a two-tile plan, a range past SLAB_MAX_BYTES and an sm_120 device (99 KB of shared memory a CTA) do not."""
+    kernel; a two-tile plan, a range past the shared memory a CTA may take and an sm_120 device (99 KB a CTA) do
+    not."""
     from plugins.skinny_gemm import launch
-    facts = type("Facts", (), {"capability": (9, 0), "sms": 132})
+    from plugins.common.device import facts_for
+    facts = facts_for(132, (9, 0))
     old = launch.device_facts
     try:
         launch.device_facts = lambda dev: facts
@@ -530,7 +532,7 @@ def test_slab_plan_takes_one_token_tile_of_one_row_group_that_fits_shared_memory
         assert launch.slab_plan(launch.plan(9, 2112, 7168, False, False, 132), 9, 7168, torch.device("cpu")) is None
         assert launch.slab_plan(launch.plan(1, 64, 16384, False, False, 132, splits=1), 1, 16384,
                                 torch.device("cpu")) is None  # 16 rows x 32 KB
-        facts.capability = (12, 0)  # sm_120: 99 KB of shared memory a CTA
+        facts = facts_for(132, (12, 0))  # sm_120: 99 KB of shared memory a CTA
         assert launch.slab_plan(p, 1, 7168, torch.device("cpu")) is None
     finally:
         launch.device_facts = old

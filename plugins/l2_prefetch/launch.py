@@ -55,13 +55,6 @@ def _nbytes(w: torch.Tensor, what: str, device: torch.device | None = None) -> i
     return nbytes
 
 
-def _ctas(requests: int, threads: int, what: str) -> int:
-    """CTAs of `threads` (1..1024, else ValueError naming `what`) for one request a thread."""
-    if not 1 <= threads <= 1024:
-        raise ValueError(f"{what}: threads ({threads}) must be in [1, 1024]")
-    return -(-requests // threads)
-
-
 def prefetch_l2(w: torch.Tensor, chunk: int = CHUNK, evict_last: bool = False, threads: int = THREADS) -> None:
     """Bulk-prefetch the storage of the contiguous CUDA tensor w into L2 (a hint; no result depends on it);
     evict_last: with L2's evict-last policy (kept over lines streamed in after them).  One request of `chunk` bytes
@@ -70,20 +63,20 @@ def prefetch_l2(w: torch.Tensor, chunk: int = CHUNK, evict_last: bool = False, t
     nbytes = _nbytes(w, "prefetch_l2")
     if chunk % 16:
         raise ValueError(f"prefetch_l2: chunk ({chunk}) must be a multiple of 16")
+    if not 1 <= threads <= 1024:
+        raise ValueError(f"prefetch_l2: threads ({threads}) must be in [1, 1024]")
     if nbytes == 0:
         return
-    grid = min(_ctas(-(-nbytes // chunk), threads, "prefetch_l2"), device_facts(w.device).sms)
+    requests = -(-nbytes // chunk)
+    grid = min(-(-requests // threads), device_facts(w.device).sms)
     _launch(w.device, "kdtree_l2_prefetch", grid, threads, (w.data_ptr(), nbytes, chunk, int(evict_last)),
             (ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_uint, ctypes.c_int))
 
 
-def prefetch_regions_l2(ws: list[torch.Tensor], chunk: int = CHUNK, threads: int = THREADS,
-                        chain: bool = True) -> None:
-    """Bulk-prefetch up to four contiguous CUDA tensors of one device into L2 in one launch, one request of `chunk`
-    bytes a thread, CTAs of `threads`.  chain (the default): on sm_90+ the launch goes with programmatic dependent
-    launch: the requests go out while the previous kernel still runs, and the launch completes after it (a node of
-    the decode round's PDL chain).  chain False: a plain launch (a side branch's, which nothing waits for).  A hint:
-    no result depends on it."""
+def prefetch_regions_l2(ws: list[torch.Tensor], chunk: int = CHUNK) -> None:
+    """Bulk-prefetch up to four contiguous CUDA tensors of one device into L2 in one launch that, on sm_90+, goes
+    with programmatic dependent launch: the requests go out while the previous kernel still runs, and the launch
+    completes after it (a node of the decode round's PDL chain).  A hint: no result depends on it."""
     if not ws:
         return
     if len(ws) > REGIONS:
@@ -94,12 +87,11 @@ def prefetch_regions_l2(ws: list[torch.Tensor], chunk: int = CHUNK, threads: int
     requests = sum(-(-b // chunk) for b in sizes)
     cu, func = _func(dev, "kdtree_l2_prefetch_regions")
     index = dev.index if dev.index is not None else torch.cuda.current_device()
-    # plugins/common/driver.launch remembers a refusal
-    pdl = chain and USE_PDL and device_facts(dev).capability[0] >= 9
+    pdl = USE_PDL and device_facts(dev).capability[0] >= 9  # plugins/common/driver.launch remembers a refusal
     args = (*(v for pair in zip(ptrs, sizes) for v in pair), chunk)
     types = (*(t for _ in range(REGIONS) for t in (ctypes.c_void_p, ctypes.c_ulonglong)), ctypes.c_uint)
     stream = cu.CUstream(torch.cuda.current_stream(dev).cuda_stream)
-    launch(cu, func, max(1, _ctas(requests, threads, "prefetch_regions_l2")), threads, 0, stream, args, types, pdl,
+    launch(cu, func, max(1, -(-requests // THREADS)), THREADS, 0, stream, args, types, pdl,
            "l2_prefetch: launch kdtree_l2_prefetch_regions", index)
 
 

@@ -125,7 +125,6 @@ def gate_up_kernel(nt: int, n_groups: int, n_items: int, sms: int) -> tuple[str,
 # the CTA's item (weights and scales: 129 KB at K2.6 TP8) into shared memory at once; sm_90.  The same bits
 SLAB = env_flag("KDTREE_MOE_SLAB", False)
 SLAB_CHUNKS = 8  # moe_v3.cu's: the slab's mbarriers
-SLAB_MAX_BYTES = 227 << 10  # the shared memory one CTA may take on sm_90
 SLAB_OF = {"kdtree_moe_v3_gate_up_w16_nt1_p7": "kdtree_moe_v3_gate_up_w16_slab_nt1_p7"}  # gate_up -> its slab kernel
 
 
@@ -138,9 +137,11 @@ def gate_up_slab(name: str, t: int, top_k: int, n_pairs: int, n_groups: int, gri
                  device: torch.device) -> tuple[str, int] | None:
     """(kernel, dynamic shared memory) of gate_up kernel `name`'s slab variant where it has one (the 16-warp NT = 1
     kernel), the items cannot outnumber the grid (each entry holds a slot: at most t x top_k entries) and the slab
-    fits beside the kernel's other buffers on an sm_90 device (227 KB a CTA; sm_120 has 99 KB); else None."""
+    fits beside the kernel's other buffers in the shared memory a CTA may take (DeviceFacts.smem_per_cta) on an
+    sm_90 device (measured there only); else None."""
+    facts = device_facts(device)
     if name not in SLAB_OF or t * top_k * n_pairs > grid \
-            or device_facts(device).capability[0] != 9 or smem + slab_bytes(n_groups) > SLAB_MAX_BYTES:
+            or facts.capability[0] != 9 or smem + slab_bytes(n_groups) > facts.smem_per_cta:
         return None
     return SLAB_OF[name], smem + slab_bytes(n_groups)
 

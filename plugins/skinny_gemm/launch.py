@@ -59,11 +59,11 @@ LATE_TRIGGER = False
 EARLY_WEIGHTS = True
 FLAG_PREFETCH, FLAG_LATE_TRIGGER, FLAG_EARLY_WEIGHTS = 1, 2, 4  # skinny_gemm.cu's flags
 # the CTA's whole weight range into shared memory by bulk copies before the PDL wait (skinny_gemm.cu's `_slab`
-# kernels): one-token plans of one row group (t <= 8, U = 8) whose range fits SLAB_MAX_BYTES, sm_90.  The same bits.
+# kernels): one-token plans of one row group (t <= 8, U = 8) whose range fits the device's shared memory a CTA
+# (DeviceFacts.smem_per_cta), sm_90.  The same bits.
 # KDTREE_SKINNY_SLAB=1; off until measured (benchmarks/k26_switches.py's skinny_slab, skinny_gemm.py's column)
 SLAB = env_flag("KDTREE_SKINNY_SLAB", False)
 SLAB_CHUNKS = 8  # skinny_gemm.cu's SLAB_CHUNKS: mbarriers over k, so warps start on the chunks that have landed
-SLAB_MAX_BYTES = 227 << 10  # the shared memory one CTA may take on sm_90
 # weights larger than this stay cuBLAS's: the lm_head slice (294 MB at K2.6 TP8) already runs at 93 % of HBM there
 MAX_WEIGHT_BYTES = 128 << 20
 
@@ -138,9 +138,10 @@ def slab_bytes(k: int, splits: int) -> int:
 
 def slab_plan(p: Plan, t: int, k: int, device: torch.device) -> Plan | None:
     """Plan p as its `_slab` kernel where it has one (one token tile, one row group, U = 8), the range fits and the
-    device is an sm_90 one (bulk copies, 227 KB of shared memory a CTA; sm_120 has 99 KB); else None."""
+    device is an sm_90 one (bulk copies; measured there only); else None."""
+    facts = device_facts(device)
     if token_tiles(t) != 1 or p.row_groups != 1 or not p.kernel.startswith("kdtree_skinny_gemm_t1_u8_") \
-            or device_facts(device).capability[0] != 9 or slab_bytes(k, p.splits) > SLAB_MAX_BYTES:
+            or facts.capability[0] != 9 or slab_bytes(k, p.splits) > facts.smem_per_cta:
         return None
     return replace(p, kernel=p.kernel + "_slab", smem=max(p.smem, slab_bytes(k, p.splits)))
 
@@ -260,7 +261,8 @@ def _run(x: torch.Tensor, w: torch.Tensor, n: int, c: torch.Tensor | None, out_f
                        f"skinny_gemm: cuModuleGetFunction {kernel}")
         # a plan's dynamic shared memory reaches 64 KB (W = 16, RG = 2, TT = 4: forced, the default pairs groups
         # only at W <= 8): set the kernel's ceiling once to the most any plan of it asks
-        most = SLAB_MAX_BYTES if kernel.endswith("_slab") else (MAX_WARPS * p.row_groups * token_tiles(t) * 128 + 1) * 4
+        most = device_facts(x.device).smem_per_cta if kernel.endswith("_slab") \
+            else (MAX_WARPS * p.row_groups * token_tiles(t) * 128 + 1) * 4
         if most > 48 << 10:
             checked(cu, cu.cuFuncSetAttribute(
                 func, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, most),
