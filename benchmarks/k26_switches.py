@@ -21,19 +21,13 @@ default (DEFAULT_ON), which are set again after the run):
             the plans that split k only)
   skinny_frag with skinny: the one-token GEMMs read fragment-order copies of their weights (512-byte warp loads;
             runtime.model.layers.FRAG_WEIGHTS, plugins/skinny_gemm/fragment_order.py; the same bits)
-  skinny_slab with skinny: the one-token GEMMs' CTAs take their whole weight range into shared memory by bulk copies
-            before the PDL wait (plugins/skinny_gemm/launch.SLAB, skinny_gemm.cu's _slab kernels; the same bits)
   skinny_early with skinny: each warp's first weights before the PDL wait (skinny_gemm/launch.EARLY_WEIGHTS; default)
   moe_w16   the MoE's 16-warp gate_up where it applies (plugins/moe_w4a16/launch_v3.USE_W16)
-  moe_slab  the MoE's 16-warp gate_up at t = 1 bulk-copies each CTA's item into shared memory at once
-            (plugins/moe_w4a16/launch_v3.SLAB, moe_v3.cu's gate_up_w16_slab; the same bits)
   moe_early the MoE's down kernel loads its weights before its PDL wait (launch_v3.EARLY_WEIGHTS; on by default)
   skinny_wgmma GEMMs of 2..32 tokens (DDTree rounds, the drafter's block) on skinny_wgmma.cu, sm_90
             (runtime.model.layers.SKINNY_WGMMA; on by default: DDTree-16 -1.8 % at 4K, call 12)
   wgmma_kb4 with skinny_wgmma: four 64-column boxes a TMA stage (512 contiguous bytes of each weight row at once,
             4 stages; plugins/skinny_gemm/wgmma_launch.KB4; DDTree-16 +0.9 % at 4K, call 13: off)
-  wgmma_from9 with skinny_wgmma: GEMMs of 2..8 tokens (the drafter's block, DDTree rounds of budget <= 7) leave it
-            (runtime.model.layers.WGMMA_TOKENS from 9): with skinny_8 (+ skinny_slab) they go to skinny_gemm
   wgmma_t1  with skinny_wgmma: one-token GEMMs (the AR step's) on skinny_wgmma.cu too, not skinny_gemm.cu
             (runtime.model.layers.WGMMA_TOKENS from 1)
   absorb_tree the attention's W_UV product in 16-wide value blocks up to 32 tokens (DDTree rounds), not 16
@@ -78,13 +72,6 @@ def _set_wgmma_t1(on: bool) -> None:
     layers.WGMMA_TOKENS = (1 if on else 2, layers.WGMMA_TOKENS[1])
 
 
-def _set_wgmma_from9(on: bool) -> None:
-    """On: GEMMs of 2..8 tokens leave skinny_wgmma (after wgmma_t1, which resets its lower bound; off: no-op)."""
-    from runtime.model import layers
-    if on:
-        layers.WGMMA_TOKENS = (max(layers.WGMMA_TOKENS[0], 9), layers.WGMMA_TOKENS[1])
-
-
 def _widen_skinny_tokens(tokens: int):
     """A switch that, on, lets skinny GEMMs take up to `tokens` tokens; applied after skinny_wide (SWITCHES' order),
     which resets the limits: it only ever widens."""
@@ -119,10 +106,8 @@ _FLAGS = {"skinny": ("runtime.model.layers", "SKINNY_GEMM"),
           "skinny_late": ("plugins.skinny_gemm.launch", "LATE_TRIGGER"),
           "skinny_early": ("plugins.skinny_gemm.launch", "EARLY_WEIGHTS"),
           "skinny_frag": ("runtime.model.layers", "FRAG_WEIGHTS"),
-          "skinny_slab": ("plugins.skinny_gemm.launch", "SLAB"),
           "moe_w16": ("plugins.moe_w4a16.launch_v3", "USE_W16"),
           "moe_early": ("plugins.moe_w4a16.launch_v3", "EARLY_WEIGHTS"),
-          "moe_slab": ("plugins.moe_w4a16.launch_v3", "SLAB"),
           "route_stores": ("plugins.moe_w4a16.route_kernel", "ONE_TOKEN_STORES"),
           "skinny_wgmma": ("runtime.model.layers", "SKINNY_WGMMA"),
           "wgmma_kb4": ("plugins.skinny_gemm.wgmma_launch", "KB4"),
@@ -133,7 +118,7 @@ _FLAGS = {"skinny": ("runtime.model.layers", "SKINNY_GEMM"),
 # see the module doc; skinny_wide before skinny_tree and skinny_8 (which widen only what skinny_wide left)
 SWITCHES = {"moe_pf": _set_moe_pf, "skinny_pf": _set_skinny_pf,
             "skinny_wide": _set_skinny_wide, "skinny_tree": _widen_skinny_tokens(24),
-            "skinny_8": _widen_skinny_tokens(8), "wgmma_t1": _set_wgmma_t1, "wgmma_from9": _set_wgmma_from9,
+            "skinny_8": _widen_skinny_tokens(8), "wgmma_t1": _set_wgmma_t1,
             **{name: _set_flag(*at) for name, at in _FLAGS.items()}}
 
 

@@ -6,10 +6,9 @@ t in {1, 8, 16, 17, 33, 64, 256, 512}, EP8 rank (48 whole experts x 2048) at t i
 tokens share experts) and "uniform" routing.  Roofline bytes: the touched experts' packed weights + scales
 + x, y, logits (benchmarks/moe_w4a16.py's count; v3's layout holds the same bytes per expert).  Both kernel
 paths are timed as CUDA graph replays (scratch from a MoEWorkspace allocated once), the peer eagerly.
-v3 is timed six times: with the defaults (launch_v3: down's weights before its PDL wait, the 16-warp gate_up where
+v3 is timed five times: with the defaults (launch_v3: down's weights before its PDL wait, the 16-warp gate_up where
 it applies: t = 1), with its L2 prefetch of the expert weights (v3_pf, KDTREE_MOE_PREFETCH=1), with down's weights
-after the wait (v3_late_w8, v3_late_w16 with the 16-warp gate_up), early with the 8-warp gate_up (v3_early_w8), and
-with the 16-warp gate_up's item bulk-copied into shared memory (v3_slab, launch_v3.SLAB: t = 1 only, else = v3); at
+after the wait (v3_late_w8, v3_late_w16 with the 16-warp gate_up), and early with the 8-warp gate_up (v3_early_w8); at
 t = 8, 9, 16, 17, 33, 64, 256, 512 also with another token tile (v3_nt{1,2,4}_us: launch_v3.token_tile's choice
 checked).
 Before timing: v3 against the fp32 reference on the dequantised experts and against v2c at t = 16.
@@ -100,7 +99,6 @@ def bench_shape(name: str, t: int, routing: str, ex: dict, e_start: int, dev, de
     w16_default, early_default = launch_v3.USE_W16, launch_v3.EARLY_WEIGHTS
     for label, experts, pf, w16, early in (
             ("v3", ex["frag"], "0", w16_default, early_default),
-            ("v3_slab", ex["frag"], "0", w16_default, early_default),  # launch_v3.SLAB on (where it applies: t = 1)
             ("v3_pf", ex["frag"], "1", w16_default, early_default),
             ("v3_late_w8", ex["frag"], "0", False, False),
             ("v3_late_w16", ex["frag"], "0", True, False),
@@ -108,13 +106,12 @@ def bench_shape(name: str, t: int, routing: str, ex: dict, e_start: int, dev, de
             ("v2c", ex["planar"], "0", True, False)):
         os.environ[PREFETCH_ENV] = pf
         launch_v3.USE_W16, launch_v3.EARLY_WEIGHTS = w16, early
-        launch_v3.SLAB = label == "v3_slab"
         call = lambda: moe_w4a16(x, logits, None, bias, *experts, K, 1, 1, True, SCALING, e_start,  # noqa: E731,B023
                                  ws.buffer)
         us = time_us(call, graph=True)
         row[f"{label}_us"], row[f"{label}_fraction"] = us, roof / us
     os.environ.pop(PREFETCH_ENV)
-    launch_v3.USE_W16, launch_v3.EARLY_WEIGHTS, launch_v3.SLAB = w16_default, early_default, False
+    launch_v3.USE_W16, launch_v3.EARLY_WEIGHTS = w16_default, early_default
     # another token tile than the choice (launch_v3.token_tile: NT = 1 to t = 17, then 2): is the switch at the right
     # t under tree routing, where most experts see a few of the tokens, and does NT = 4 still lose at many tokens?
     other = {8: 2, 9: 2, 16: 2, 17: 2, 33: 1, 64: 4, 256: 4, 512: 4}.get(t)
@@ -223,7 +220,7 @@ def main() -> None:
     plot(rows, Path(path).with_suffix(".png"))
     print(f"wrote {path}")
     print_table(rows, ["shape", "routing", "experts_touched", "roofline_us", "v3_us", "v3_fraction", "v3_pf_us",
-                       "v3_pf_fraction", "v3_slab_us", "v3_late_w8_us", "v3_late_w16_us", "v3_early_w8_us", "v2c_us",
+                       "v3_pf_fraction", "v3_late_w8_us", "v3_late_w16_us", "v3_early_w8_us", "v2c_us",
                        "v2c_fraction", "bf16_grouped_mm_us"])
 
 

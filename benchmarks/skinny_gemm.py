@@ -9,8 +9,6 @@ reads its weights from HBM, as in a round), median replay / calls:
               where the plan splits k: launch.PREFETCH)
   skinny_frag (t <= 8) the same plan on the weights in fragment order (plugins/skinny_gemm/fragment_order.py: each
               warp load 512 contiguous bytes), pf = 0; the same bits (checked)
-  skinny_slab (t <= 8, sm_90) the same plan's `_slab` kernel: the CTA's weights into shared memory by bulk copies
-              before its PDL wait (launch.SLAB), where they fit; the same bits (checked)
   skinny_rg1  (t > 8) the plan with one row group per CTA forced (launch.ROW_GROUP_PAIRS off), pf = 0
   skinny_tt4  (t 17..24) the plan before three-tile variants: 4 token tiles, one row group (run as 25 tokens), pf = 0
   wgmma       (sm_90, k % 64 == 0) skinny_wgmma.cu with its plan (wgmma_launch.plan): weights as wgmma's M side, TMA
@@ -60,7 +58,7 @@ def main() -> None:
     from plugins.common.device import device_facts
     from plugins.skinny_gemm import wgmma_launch
     from plugins.skinny_gemm.fragment_order import to_fragment_order
-    from plugins.skinny_gemm.launch import plan, skinny_gemm_cuda, skinny_gemm_frag_cuda, slab_plan
+    from plugins.skinny_gemm.launch import plan, skinny_gemm_cuda, skinny_gemm_frag_cuda
     from runtime.model import layers
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -112,9 +110,6 @@ def main() -> None:
                 assert torch.equal(skinny_gemm_frag_cuda(x, wfs[0], n, None, f32, pf=False), got), (name, t, "frag")
                 us["skinny_frag"] = run_pairs(lambda i: skinny_gemm_frag_cuda(x, wfs[i], n, None, f32, pf=False))
                 del wfs
-            if slab_plan(plan(t, n, k, f32, False, sms), t, k, dev) is not None:  # the bulk-copy kernel
-                assert torch.equal(skinny_gemm_cuda(x, ws[0], None, f32, slab=True), got), (name, t, "slab")
-                us["skinny_slab"] = run(lambda w: skinny_gemm_cuda(x, w, None, f32, pf=False, slab=True))
             if t > 8:
                 us["skinny_rg1"] = run(lambda w: skinny_gemm_cuda(x, w, None, f32, pf=False, row_groups=1))
             if 17 <= t <= 24:
@@ -151,8 +146,7 @@ def main() -> None:
              "sms": sms}
     path = write_result("skinny-gemm", rows, extra, a.out)
     print(f"wrote {path}")
-    print_table(rows, ["shape", "t", "roofline_us", "cublas_us", "skinny_us", "skinny_frag_us", "skinny_slab_us",
-                       "wgmma_us",
+    print_table(rows, ["shape", "t", "roofline_us", "cublas_us", "skinny_us", "skinny_frag_us", "wgmma_us",
                        "wgmma_kb4_us", "skinny_pf_us", "skinny_rg1_us", "skinny_tt4_us", "sweep_best_us",
                        "cublas_fraction", "skinny_fraction", "skinny_pf_fraction", "speedup_vs_cublas"])
 

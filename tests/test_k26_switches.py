@@ -54,18 +54,3 @@ def test_default_on_is_the_modules_defaults():
     from benchmarks.k26_switches import _FLAGS, DEFAULT_ON
     for name, (module, attr) in _FLAGS.items():
         assert bool(getattr(importlib.import_module(module), attr)) == (name in DEFAULT_ON), name
-
-
-def test_wgmma_from9_hands_up_to_8_tokens_to_skinny_8_and_the_defaults_restore_it():
-    from benchmarks.k26_switches import DEFAULT_ON, apply
-    from runtime.model import layers
-
-    default = layers.WGMMA_TOKENS
-    try:
-        apply(DEFAULT_ON | {"skinny_8", "wgmma_from9", "skinny_slab"})
-        assert layers.WGMMA_TOKENS == (9, default[1]) and layers.SKINNY_MAX_TOKENS == 8
-        apply(DEFAULT_ON | {"wgmma_t1", "wgmma_from9"})  # the later switch wins the lower bound
-        assert layers.WGMMA_TOKENS[0] == 9
-    finally:
-        apply(DEFAULT_ON)
-    assert layers.WGMMA_TOKENS == default

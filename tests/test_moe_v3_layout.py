@@ -179,7 +179,6 @@ def test_every_variant_the_launcher_picks_is_compiled(tmp_path):
     from plugins.moe_w4a16.launch_v3 import (
         DOWN_P,
         GATE_UP_P,
-        SLAB_OF,
         SOURCE,
         WARPS,
         gate_up_variant,
@@ -193,7 +192,6 @@ def test_every_variant_the_launcher_picks_is_compiled(tmp_path):
             names.add(gate_up_w16(nt, per_warp * WARPS, 100, 132))
     names.discard(None)
     assert "kdtree_moe_v3_gate_up_w16_nt1_p7" in names
-    names |= set(SLAB_OF.values())
     for arch in ("sm_90", "sm_120"):
         data = _nvcc(source_text(SOURCE), SOURCE.name, arch)  # the text NVRTC compiles (its header inlined)
         assert data[:4] == b"\x7fELF"
@@ -217,10 +215,8 @@ def test_every_variant_the_launcher_picks_is_compiled(tmp_path):
             wait = b.find("griddepcontrol.wait")
             assert -1 < b.find("cp.async.bulk.prefetch.L2.global") < wait, name
             assert all(m.start() > wait for m in re.finditer(r"ld\.global\.nc\.L1::no_allocate", b)), name
-    # and every expert GEMM can put its weights in flight with the bulk L2 prefetch (taken when pf is set), but the
-    # slab kernel, which bulk-copies its whole item into shared memory instead
-    assert all("cp.async.bulk.prefetch.L2.global" in b for b in bodies if "_slab_" not in b.split("(")[0])
-    assert all("cp.async.bulk.shared::cluster.global" in b for b in bodies if "_slab_" in b.split("(")[0])
+    # and every expert GEMM can put its weights in flight with the bulk L2 prefetch (taken when pf is set)
+    assert all("cp.async.bulk.prefetch.L2.global" in b for b in bodies)
 
 
 def test_token_tiles_follow_the_measured_choice():
@@ -314,26 +310,3 @@ def test_prefetch_variable_names_the_kernels(monkeypatch):
         monkeypatch.setenv(PREFETCH_ENV, bad)
         with pytest.raises(ValueError, match=PREFETCH_ENV):
             prefetch_on()
-
-
-def test_gate_up_slab_only_where_every_item_has_its_own_cta():
-    """launch_v3.gate_up_slab (CPU): the 16-warp NT = 1 gate_up of one K2.6 TP8 token (8 x 16 items on 132 CTAs) takes
-    its slab kernel with the slab's 129 KB added; more items than CTAs, another kernel, an sm_120 device (99 KB of
-    shared memory a CTA) or a slab past the shared memory do not."""
-    from plugins.moe_w4a16 import launch_v3
-    from plugins.common.device import facts_for
-    facts = facts_for(132, (9, 0))
-    old = launch_v3.device_facts
-    cpu = torch.device("cpu")
-    try:
-        launch_v3.device_facts = lambda dev: facts
-        w16 = "kdtree_moe_v3_gate_up_w16_nt1_p7"
-        assert launch_v3.gate_up_slab(w16, 1, 8, 16, 224, 132, 35000, cpu) == (
-            "kdtree_moe_v3_gate_up_w16_slab_nt1_p7", 35000 + 224 * 576 + 64)
-        assert launch_v3.gate_up_slab(w16, 2, 8, 16, 224, 132, 35000, cpu) is None  # 256 items on 132 CTAs
-        assert launch_v3.gate_up_slab("kdtree_moe_v3_gate_up_nt1_p7", 1, 8, 16, 224, 132, 35000, cpu) is None
-        assert launch_v3.gate_up_slab(w16, 1, 8, 16, 448, 132, 35000, cpu) is None  # d = 14336: 258 KB
-        facts = facts_for(132, (12, 0))  # sm_120: 99 KB of shared memory a CTA
-        assert launch_v3.gate_up_slab(w16, 1, 8, 16, 224, 132, 35000, cpu) is None
-    finally:
-        launch_v3.device_facts = old

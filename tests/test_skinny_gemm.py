@@ -488,108 +488,24 @@ def test_engine_with_the_switch_is_lossless(tiny, tmp_path, monkeypatch):
     assert runs["ddtree"] == runs["none"]
 
 
-def _engine_tokens(tiny, monkeypatch, module, attr: str) -> dict[bool, list[int]]:
-    """The tiny INT4 model's AR tokens (graphs on) with module.attr off and on."""
-    from runtime.engine.engine import Engine
-    path = tiny.get("kimi", int4=True, kimi25=True)
-    runs = {}
-    for on in (False, True):
-        monkeypatch.setattr(module, attr, on)
-        eng = Engine.load(path, device="cuda", spec="none")
-        runs[on] = list(eng.generate_ids(list(range(3, 40, 3)), 24))
-        assert eng.last_stats["graphs"]
-    return runs
-
-
 @pytest.mark.gpu
 @GPU
 def test_engine_reads_fragment_order_weights_with_the_same_tokens(tiny, monkeypatch):
     """runtime.model.layers.FRAG_WEIGHTS: the tiny INT4 model's one-token GEMMs on fragment-order copies (counted),
     graphs on: the AR tokens of the row-major kernel, bit for bit (the same loads' values, the same sums)."""
+    from runtime.engine.engine import Engine
     from runtime.model import layers
 
     calls = []
     real = layers.skinny_gemm_frag_cuda
     monkeypatch.setattr(layers, "skinny_gemm_frag_cuda", lambda *a: calls.append(1) or real(*a))
-    runs = _engine_tokens(tiny, monkeypatch, layers, "FRAG_WEIGHTS")
+    path = tiny.get("kimi", int4=True, kimi25=True)
+    prompt = list(range(3, 40, 3))
+    runs = {}
+    for frag in (False, True):
+        monkeypatch.setattr(layers, "FRAG_WEIGHTS", frag)
+        eng = Engine.load(path, device="cuda", spec="none")
+        runs[frag] = list(eng.generate_ids(prompt, 24))
+        assert eng.last_stats["graphs"]
     assert calls, "no GEMM of the tiny model read a fragment-order weight"
-    assert runs[True] == runs[False]
-
-
-def test_slab_plan_takes_one_token_tile_of_one_row_group_that_fits_shared_memory():
-    """launch.slab_plan (CPU): qkv_a's 229.7 KB range (K2.6 TP8, the largest one-token range) takes the `_slab`
-    kernel; a two-tile plan, a range past the shared memory a CTA may take and an sm_120 device (99 KB a CTA) do
-    not."""
-    from plugins.skinny_gemm import launch
-    from plugins.common.device import facts_for
-    facts = facts_for(132, (9, 0))
-    old = launch.device_facts
-    try:
-        launch.device_facts = lambda dev: facts
-        p = launch.plan(1, 2112, 7168, False, False, 132)
-        s = launch.slab_plan(p, 1, 7168, torch.device("cpu"))
-        assert s.kernel == "kdtree_skinny_gemm_t1_u8_bf16_slab" and s.smem == 16 * (224 * 64 + 16) + 64 == 229696
-        assert launch.slab_plan(launch.plan(9, 2112, 7168, False, False, 132), 9, 7168, torch.device("cpu")) is None
-        assert launch.slab_plan(launch.plan(1, 64, 16384, False, False, 132, splits=1), 1, 16384,
-                                torch.device("cpu")) is None  # 16 rows x 32 KB
-        facts = facts_for(132, (12, 0))  # sm_120: 99 KB of shared memory a CTA
-        assert launch.slab_plan(p, 1, 7168, torch.device("cpu")) is None
-    finally:
-        launch.device_facts = old
-
-
-@pytest.mark.gpu
-@GPU
-def test_slab_kernel_gives_the_row_major_kernels_bits():
-    """The _slab kernels (the CTA's weights into shared memory by bulk copies before the PDL wait) on fresh random
-    shapes (K2.6's one-token GEMMs among them: qkv_a's 229.7 KB range, k split four ways for the router, odd row
-    counts, k not a multiple of the chunks) and 1-8 tokens: bf16 / fp32 out, c added, a replayed CUDA graph: the
-    bits of the register-ring kernel."""
-    from plugins.skinny_gemm.launch import plan, skinny_gemm_cuda, slab_plan
-    dev = torch.device("cuda")
-    gen = torch.Generator().manual_seed(23)
-    shapes = [(2112, 7168), (1536, 1536), (7168, 1024), (896, 7168), (7168, 256), (40, 64), (8, 32)]
-    shapes += [(int(torch.randint(1, 600, (1,), generator=gen)), 32 * int(torch.randint(1, 200, (1,), generator=gen)))
-               for _ in range(14)]
-    taken = 0
-    for n, k in shapes:
-        t = int(torch.randint(1, 9, (1,), generator=gen))
-        x = torch.randn(t, k, generator=gen).bfloat16().to(dev)
-        w = (torch.randn(n, k, generator=gen) / k ** 0.5).bfloat16().to(dev)
-        c = torch.randn(t, n, generator=gen).bfloat16().to(dev)
-        for f32, cc in ((True, None), (False, None), (False, c)):
-            if slab_plan(plan(t, n, k, f32, cc is not None, 132), t, k, dev) is None:
-                continue
-            taken += 1
-            want = skinny_gemm_cuda(x, w, cc, f32, slab=False)
-            assert torch.equal(skinny_gemm_cuda(x, w, cc, f32, slab=True), want), (n, k, t, f32)
-    assert taken >= 40
-    n, k = 2112, 7168
-    x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        skinny_gemm_cuda(x, w, None, False, slab=True)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=s):
-            outs = [skinny_gemm_cuda(x, w, None, False, slab=True) for _ in range(3)]  # back to back, PDL
-    x.copy_(torch.randn(1, k, device=dev, dtype=torch.bfloat16))
-    g.replay()
-    torch.cuda.synchronize()
-    want = skinny_gemm_cuda(x, w, None, False, slab=False)
-    assert all(torch.equal(o, want) for o in outs)
-
-
-@pytest.mark.gpu
-@GPU
-def test_engine_with_slab_kernels_gives_the_same_tokens(tiny, monkeypatch):
-    """launch.SLAB: the tiny INT4 model's one-token GEMMs on the _slab kernels (counted), graphs on: the AR tokens
-    of the register-ring kernels, bit for bit."""
-    from plugins.skinny_gemm import launch
-
-    calls = []
-    real = launch._run
-    monkeypatch.setattr(launch, "_run", lambda *a: calls.append(a[6]) or real(*a))
-    runs = _engine_tokens(tiny, monkeypatch, launch, "SLAB")
-    assert any(name.endswith("_slab") for name in calls), "no GEMM of the tiny model took a _slab kernel"
     assert runs[True] == runs[False]

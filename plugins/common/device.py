@@ -1,7 +1,6 @@
 """Device facts the launch heuristics read, per device: queried where the driver can tell, else a table.
 
-SM count, compute capability, L2 size and the shared memory a CTA may opt into come from
-torch.cuda.get_device_properties (no host sync, cached per
+SM count, compute capability and L2 size come from torch.cuda.get_device_properties (no host sync, cached per
 device index).  Memory bandwidth and the dense bf16 tensor rate cannot be queried, so their ratio
 (bytes per flop: where a kernel turns from memory- to compute-bound) comes from a table keyed by the
 compute capability (major, minor); an arch not in the table takes the sm_90 row.  The rooflines the benchmarks
@@ -27,8 +26,6 @@ RATES: dict[tuple[int, int], tuple[float, float, str]] = {
 DEFAULT_CAPABILITY = (9, 0)  # the table row for an unlisted arch, and the arch assumed without a CUDA device
 DEFAULT_SMS = 132  # the H200's SM count, used without a CUDA device
 DEFAULT_L2_BYTES = 50 << 20  # the H200's L2 (as the H100's), used without a CUDA device
-# (major, minor) -> the dynamic shared memory one CTA may opt into, where the device properties do not say
-SMEM_PER_CTA: dict[tuple[int, int], int] = {(9, 0): 227 << 10, (12, 0): 99 << 10}
 
 
 @dataclass(frozen=True)
@@ -37,7 +34,6 @@ class DeviceFacts:
     capability: tuple[int, int]  # (major, minor); (9, 0) without a CUDA device
     bytes_per_flop: float  # memory bandwidth / dense bf16 tensor rate (from RATES)
     l2_bytes: int = DEFAULT_L2_BYTES  # the L2 cache
-    smem_per_cta: int = SMEM_PER_CTA[DEFAULT_CAPABILITY]  # the dynamic shared memory one CTA may opt into
 
     @property
     def arch(self) -> str:
@@ -62,17 +58,13 @@ def device_facts(device: torch.device | str | None) -> DeviceFacts:
 @functools.lru_cache(maxsize=None)
 def _cuda_facts(index: int) -> DeviceFacts:
     props = torch.cuda.get_device_properties(index)
-    return facts_for(props.multi_processor_count, (props.major, props.minor), props.L2_cache_size,
-                     getattr(props, "shared_memory_per_block_optin", None))
+    return facts_for(props.multi_processor_count, (props.major, props.minor), props.L2_cache_size)
 
 
-def facts_for(sms: int, capability: tuple[int, int], l2_bytes: int = DEFAULT_L2_BYTES,
-              smem_per_cta: int | None = None) -> DeviceFacts:
-    """The facts of a device with this SM count, compute capability and L2 (e.g. to plan for another GPU);
-    smem_per_cta None: SMEM_PER_CTA's (the sm_90 row for an unlisted arch)."""
+def facts_for(sms: int, capability: tuple[int, int], l2_bytes: int = DEFAULT_L2_BYTES) -> DeviceFacts:
+    """The facts of a device with this SM count, compute capability and L2 (e.g. to plan for another GPU)."""
     bandwidth, flops, _ = RATES.get(capability, RATES[DEFAULT_CAPABILITY])
-    smem = smem_per_cta or SMEM_PER_CTA.get(capability, SMEM_PER_CTA[DEFAULT_CAPABILITY])
-    return DeviceFacts(sms, capability, bandwidth / flops, l2_bytes, smem)
+    return DeviceFacts(sms, capability, bandwidth / flops, l2_bytes)
 
 
 def copy_bytes_per_s(device: torch.device | str | None) -> float:

@@ -120,32 +120,6 @@ def gate_up_kernel(nt: int, n_groups: int, n_items: int, sms: int) -> tuple[str,
     return (name, W16) if name is not None else (gate_up_variant(nt, n_groups), WARPS)
 
 
-# KDTREE_MOE_SLAB=1 (off until measured: benchmarks/k26_switches.py's moe_slab): where the 16-warp gate_up applies and
-# every item has its own CTA (t x top_k x row pairs <= the grid: t = 1 at K2.6), its `_slab` kernel, which bulk-copies
-# the CTA's item (weights and scales: 129 KB at K2.6 TP8) into shared memory at once; sm_90.  The same bits
-SLAB = env_flag("KDTREE_MOE_SLAB", False)
-SLAB_CHUNKS = 8  # moe_v3.cu's: the slab's mbarriers
-SLAB_OF = {"kdtree_moe_v3_gate_up_w16_nt1_p7": "kdtree_moe_v3_gate_up_w16_slab_nt1_p7"}  # gate_up -> its slab kernel
-
-
-def slab_bytes(n_groups: int) -> int:
-    """moe_v3.cu's slab_bytes: an item's fragment words (512 B a group) and scales (64 B), then the mbarriers."""
-    return n_groups * 576 + 8 * SLAB_CHUNKS
-
-
-def gate_up_slab(name: str, t: int, top_k: int, n_pairs: int, n_groups: int, grid: int, smem: int,
-                 device: torch.device) -> tuple[str, int] | None:
-    """(kernel, dynamic shared memory) of gate_up kernel `name`'s slab variant where it has one (the 16-warp NT = 1
-    kernel), the items cannot outnumber the grid (each entry holds a slot: at most t x top_k entries) and the slab
-    fits beside the kernel's other buffers in the shared memory a CTA may take (DeviceFacts.smem_per_cta) on an
-    sm_90 device (measured there only); else None."""
-    facts = device_facts(device)
-    if name not in SLAB_OF or t * top_k * n_pairs > grid \
-            or facts.capability[0] != 9 or smem + slab_bytes(n_groups) > facts.smem_per_cta:
-        return None
-    return SLAB_OF[name], smem + slab_bytes(n_groups)
-
-
 def down_kernel(nt: int) -> str:
     """down's variant for NT: with EARLY_WEIGHTS the one that prefetches its first weights before its PDL wait
     (moe_v3.cu's kdtree_moe_v3_down_early_*), else the one that waits first."""
@@ -348,12 +322,8 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
                  scaling, top_k, n_group, topk_group, norm_topk_prob, shared_gate_up, shared_h, active_list=False)
     name, warps = gate_up_kernel(nt, c1, n_items, sms)
     smem = gate_up_smem(t, top_k, e_local, nt, warps)
-    grid = min(n_items, sms if warps == W16 else GATE_UP_CTAS_PER_SM[nt] * sms)  # one 16-warp CTA per SM, or
-    # GATE_UP_CTAS_PER_SM[nt] of 8 warps
-    slab = gate_up_slab(name, t, top_k, pairs13, c1, grid, smem, x.device) if SLAB else None
-    if slab is not None:
-        name, smem = slab
-    _launch(mod, name, grid, smem, args, types, warps)
+    # one 16-warp CTA per SM, or GATE_UP_CTAS_PER_SM[nt] of 8 warps
+    _launch(mod, name, min(n_items, sms if warps == W16 else GATE_UP_CTAS_PER_SM[nt] * sms), smem, args, types, warps)
     nt2 = down_tile(nt)
     n_items = max_entries(t, top_k, e_local, nt2) * pairs2
     smem = down_smem(t, top_k, e_local, nt2)

@@ -161,7 +161,7 @@ __device__ __forceinline__ float ld_cg_f32(const float* p) {
 
 // Not inlined: its registers then stay out of the callers' allocation (inlined, ptxas spilled 8-20 bytes in
 // gate_up nt1_p7 / nt2_p4 / w16 and both down kernels; as a call, none of them spills).
-template <int W, bool SLAB = false>  // SLAB: the slab kernel's own copy, so that the others' calls compile as before
+template <int W>
 __device__ __noinline__ int build_entries(const int* __restrict__ counts, int e_local, int tile_tokens, int* s_cnt,
                                           int* s_ent, int* s_ws) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -231,7 +231,7 @@ __device__ __forceinline__ unsigned smem_room(const void* p, const unsigned char
 // the warps stalled on those loads and on the weight loads that needed them).  `room`: the bytes of shared memory past
 // s_slot in the launch; false (nothing staged, the callers load as before) where n_ent * tt slots do not fit.  Every
 // thread of the CTA calls it (a barrier ends it).
-template <int W, bool SLAB = false>  // SLAB: as build_entries'
+template <int W>
 __device__ __noinline__ bool stage_slots(const int* __restrict__ lists, const float* __restrict__ topk_w, int t,
                                          const int* s_cnt, const int* s_ent, int n_ent, int tt, int* s_slot,
                                          float* s_wt, unsigned room) {
@@ -287,18 +287,8 @@ __device__ __forceinline__ void zero_acc(float (&acc)[2][NT][4]) {
 // The load side of a warp: walks the CTA's (or warp's) items in chunks of P groups and fills the ring.
 // Within a chunk nothing branches: a chunk's P groups are consumed and the next chunk's P groups loaded in
 // one straight-line block (past the last chunk the cursor stays put and the loads re-read it, harmlessly).
-// SLAB: the item's weights and scales are in shared memory (gate_up's slab, bulk-copied in SLAB_CHUNKS chunks of cg
-// groups, each on its mbarrier at bar + 8 i): a group's words are read from there once its chunk has landed.
-template <bool SLAB>
-struct SlabCursor {};  // the register ring's: nothing
-template <>
-struct SlabCursor<true> {
-    u32 sw, ss, bar;  // this lane's word of group 0, its scales of group 0, the chunks' mbarriers
-    int cg, landed;   // groups a chunk, chunks this warp has waited for
-};
-
-template <int NT, int P, bool CG = false, bool SLAB = false>  // CG: the token loads through L2 (down's h)
-struct Ring : SlabCursor<SLAB> {
+template <int NT, int P, bool CG = false>  // CG: the token loads through L2 (down's h; ld_tokens_or_zero)
+struct Ring {
     uint4 w[P], x[P][NT];
     uint2 s[P];
     const uint4* pw;      // this lane's fragment words of the item's first group
@@ -312,16 +302,8 @@ struct Ring : SlabCursor<SLAB> {
         load_tokens(k, c, c_real);
     }
     __device__ __forceinline__ void load_weights(int k, int c) {
-        if constexpr (SLAB) {
-            while (this->landed * this->cg <= c) mbar_wait(this->bar + 8 * this->landed++, 0);  // c's chunk landed
-            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                         : "=r"(w[k].x), "=r"(w[k].y), "=r"(w[k].z), "=r"(w[k].w) : "r"(this->sw + (u32)c * 512u));
-            asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];"
-                         : "=r"(s[k].x), "=r"(s[k].y) : "r"(this->ss + (u32)c * 64u));
-        } else {
-            w[k] = ld_stream(pw + (long)c * 32);
-            s[k] = ld_scales(ps + (long)c * 8);
-        }
+        w[k] = ld_stream(pw + (long)c * 32);
+        s[k] = ld_scales(ps + (long)c * 8);
     }
     __device__ __forceinline__ void load_tokens(int k, int c, int c_real) {
 #pragma unroll
@@ -333,33 +315,24 @@ struct Ring : SlabCursor<SLAB> {
 // ---------------------------------------------------------------------------------------------------------
 // gate_up: item = (entry, row pair); the CTA's W warps split the item's k groups (warp w: groups w + W m)
 // ---------------------------------------------------------------------------------------------------------
-// SLAB (sm_90+; launch_v3.SLAB): the grid has a CTA for every item (one item a CTA), and the CTA's item, its weights
-// (n_groups x 512 B) and scales (n_groups x 64 B), goes into shared memory by bulk copies (cp.async.bulk) the moment
-// its entry is known, all of it in flight at once (the register ring keeps P groups a warp: 28 KB an SM at t = 1);
-// the warps then read each group from there in the ring's order: the same math, the same bits.  The slab sits at the
-// start of the dynamic shared memory, the kernel's other buffers after it.
-#define SLAB_CHUNKS 8
-__device__ __forceinline__ unsigned slab_bytes(int n_groups) { return (unsigned)n_groups * 576u + 8u * SLAB_CHUNKS; }
-
-template <int NT, int P, int W, bool SLAB = false>
+template <int NT, int P, int W>
 __device__ void gate_up(const uint4* __restrict__ w13, const uint2* __restrict__ s13, const uint4* __restrict__ x,
                         const int* __restrict__ counts, const int* __restrict__ lists, u16* __restrict__ h,
                         int t, int top_k, int e_local, int c_real, int n_groups, int n_pairs, int inter, int pf) {
     extern __shared__ __align__(16) unsigned char smem[];
     constexpr int TT = 8 * NT;            // token slots per tile
     constexpr int RED = 2 * NT * 4 * 32;  // floats one warp leaves per item
-    // [2 parity][W][2 m][NT][4][32], past the slab
-    float* s_red = reinterpret_cast<float*>(smem + (SLAB ? slab_bytes(n_groups) : 0u));
+    float* s_red = reinterpret_cast<float*>(smem);                  // [2 parity][W][2 m][NT][4][32]
     u16* s_h = reinterpret_cast<u16*>(s_red + 2 * W * RED);         // [TT tokens][16 rows] bf16
     int* s_ws = reinterpret_cast<int*>(s_h + TT * 16);
     int* s_cnt = s_ws + W;
     int* s_ent = s_cnt + e_local;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, u = lane & 3;
 
-    const int n_ent = build_entries<W, SLAB>(counts, e_local, TT, s_cnt, s_ent, s_ws);
+    const int n_ent = build_entries<W>(counts, e_local, TT, s_cnt, s_ent, s_ws);
     int* s_slot = s_ent + n_ent;  // [n_ent][TT] the entries' slots, where they fit (stage_slots)
-    const bool staged = stage_slots<W, SLAB>(lists, nullptr, t, s_cnt, s_ent, n_ent, TT, s_slot, nullptr,
-                                             smem_room(s_slot, smem));
+    const bool staged = stage_slots<W>(lists, nullptr, t, s_cnt, s_ent, n_ent, TT, s_slot, nullptr,
+                                       smem_room(s_slot, smem));
     auto slot_of = [&](int i, int q) { return entry_slot(staged, s_slot, s_ent, s_cnt, lists, t, TT, i, q); };
     const int n_work = n_ent * n_pairs;
     const int chunks = n_groups / (W * P);  // chunks per item (the host picks P dividing n_groups / W)
@@ -368,7 +341,7 @@ __device__ void gate_up(const uint4* __restrict__ w13, const uint2* __restrict__
     if (total == 0) return;  // uniform over the CTA
     const int x_row = c_real * 4;  // uint4 per token row (d / 8)
 
-    Ring<NT, P, false, SLAB> ring;
+    Ring<NT, P> ring;
     int l_wi = blockIdx.x;
     auto l_setup = [&](int wi) {
         const int ent = s_ent[wi / n_pairs], p = wi % n_pairs, e = ent >> 16;
@@ -376,29 +349,7 @@ __device__ void gate_up(const uint4* __restrict__ w13, const uint2* __restrict__
         ring.pw = w13 + blk * 32 + lane;
         ring.ps = s13 + blk * 8 + g;
         ring.chunk = 0;
-        if constexpr (SLAB) {  // one item a CTA (the host's grid): the whole item into the slab, every copy now
-            if (mine > 1) __trap();
-            const u32 sw = smem_u32(smem), ss = sw + (u32)n_groups * 512u, bar = ss + (u32)n_groups * 64u;
-            const int cg = (n_groups + SLAB_CHUNKS - 1) / SLAB_CHUNKS, n_ch = (n_groups + cg - 1) / cg;
-            if (threadIdx.x == 0) {
-                for (int i = 0; i < n_ch; ++i) mbar_init(bar + 8 * i, 1);
-                asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-                for (int i = 0; i < n_ch; ++i) mbar_expect_tx(bar + 8 * i, 576u * (u32)min(cg, n_groups - i * cg));
-            }
-            __syncthreads();  // the mbarriers' init before any copy names them
-            if (threadIdx.x < 2 * n_ch) {  // thread 2 i: chunk i's words, 2 i + 1: its scales
-                const int i = threadIdx.x >> 1, c0 = i * cg, n = min(cg, n_groups - c0);
-                if (threadIdx.x & 1)
-                    bulk_copy_g2s(ss + (u32)c0 * 64u, s13 + (blk + c0) * 8, (u32)n * 64u, bar + 8 * i);
-                else
-                    bulk_copy_g2s(sw + (u32)c0 * 512u, w13 + (blk + c0) * 32, (u32)n * 512u, bar + 8 * i);
-            }
-            ring.sw = sw + (u32)lane * 16u;
-            ring.ss = ss + (u32)g * 8u;
-            ring.bar = bar;
-            ring.cg = cg;
-            ring.landed = 0;
-        } else if ((pf & PF_L2) && warp == W - 1) {  // the item's weights (n_groups * 512 B) and scales at once
+        if ((pf & PF_L2) && warp == W - 1) {  // the item's weights (n_groups * 512 B) and scales, all in flight at once
             warp_prefetch(w13 + blk * 32, n_groups * 512u, lane);
             if (lane == 31) l2_prefetch(s13 + blk * 8, n_groups * 64u);
         }
@@ -640,14 +591,5 @@ GATE_UP(1, 7, 2) GATE_UP(1, 4, 2) GATE_UP(1, 2, 2) GATE_UP(1, 1, 2)
 GATE_UP(2, 4, 2) GATE_UP(2, 2, 2) GATE_UP(2, 1, 2)
 GATE_UP(4, 2, 1) GATE_UP(4, 1, 1)
 GATE_UP_W16(1, 7)
-// the 16-warp kernel with its item in a shared-memory slab (launch_v3.SLAB; sm_90+: bulk copies, mbarriers)
-extern "C" __global__ void __launch_bounds__(16 * 32, 1) kdtree_moe_v3_gate_up_w16_slab_nt1_p7(
-    const uint4* w13, const uint2* s13, const uint4* x, const int* counts, const int* lists, u16* h, int t,
-    int top_k, int e_local, int c_real, int n_groups, int n_pairs, int inter, int pf) {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-    pdl_prologue();
-    gate_up<1, 7, 16, true>(w13, s13, x, counts, lists, h, t, top_k, e_local, c_real, n_groups, n_pairs, inter, pf);
-#endif
-}
 DOWN(1, 8, 2)
 DOWN(2, 4, 2)

@@ -10,12 +10,11 @@ comes from the artifact, the kdtree cache or NVRTC/nvcc (plugins/common/cubin.py
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from core.env_flags import env_flag
 from plugins.common.cubin import load_module
 from plugins.common.device import device_facts
 from plugins.common.device_modules import PerDevice
@@ -58,12 +57,6 @@ LATE_TRIGGER = False
 # GEMMs are cuBLAS's).  An older cubin ignores the flag
 EARLY_WEIGHTS = True
 FLAG_PREFETCH, FLAG_LATE_TRIGGER, FLAG_EARLY_WEIGHTS = 1, 2, 4  # skinny_gemm.cu's flags
-# the CTA's whole weight range into shared memory by bulk copies before the PDL wait (skinny_gemm.cu's `_slab`
-# kernels): one-token plans of one row group (t <= 8, U = 8) whose range fits the device's shared memory a CTA
-# (DeviceFacts.smem_per_cta), sm_90.  The same bits.
-# KDTREE_SKINNY_SLAB=1; off until measured (benchmarks/k26_switches.py's skinny_slab, skinny_gemm.py's column)
-SLAB = env_flag("KDTREE_SKINNY_SLAB", False)
-SLAB_CHUNKS = 8  # skinny_gemm.cu's SLAB_CHUNKS: mbarriers over k, so warps start on the chunks that have landed
 # weights larger than this stay cuBLAS's: the lm_head slice (294 MB at K2.6 TP8) already runs at 93 % of HBM there
 MAX_WEIGHT_BYTES = 128 << 20
 
@@ -127,23 +120,6 @@ def plan(t: int, n: int, k: int, out_f32: bool, add_c: bool, sms: int, u: int | 
     out = "f32" if out_f32 else "bf16_c" if add_c else "bf16"
     name = f"kdtree_skinny_gemm_t{tt}{'_r2' if rg == 2 else ''}_u{u}_{out}"  # RG = 1: the names before RG
     return Plan(name, w, ks, groups, (w * rg * tt * 128 + 1) * 4, rg)
-
-
-def slab_bytes(k: int, splits: int) -> int:
-    """Dynamic shared memory of a `_slab` launch: 16 rows of a split's columns, each padded by 16 bytes, and the
-    mbarriers."""
-    blocks = -(-(k // BLOCK_K) // splits)
-    return 16 * (blocks * 64 + 16) + 8 * SLAB_CHUNKS
-
-
-def slab_plan(p: Plan, t: int, k: int, device: torch.device) -> Plan | None:
-    """Plan p as its `_slab` kernel where it has one (one token tile, one row group, U = 8), the range fits and the
-    device is an sm_90 one (bulk copies; measured there only); else None."""
-    facts = device_facts(device)
-    if token_tiles(t) != 1 or p.row_groups != 1 or not p.kernel.startswith("kdtree_skinny_gemm_t1_u8_") \
-            or facts.capability[0] != 9 or slab_bytes(k, p.splits) > facts.smem_per_cta:
-        return None
-    return replace(p, kernel=p.kernel + "_slab", smem=max(p.smem, slab_bytes(k, p.splits)))
 
 
 def prefetch_for(p: Plan) -> bool:
@@ -220,14 +196,12 @@ def _module(device: torch.device) -> KernelModule:
 
 def skinny_gemm_cuda(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, out_f32: bool, pf: bool | None = None,
                      u: int | None = None, warps: int | None = None, splits: int | None = None,
-                     row_groups: int | None = None, slab: bool | None = None) -> torch.Tensor:
+                     row_groups: int | None = None) -> torch.Tensor:
     """y [t, n] = x [t, k] . w [n, k]^T (+ c), fp32 accumulation, bf16 (or fp32 with out_f32) out; the inputs as
     supports() takes them.  pf: L2-prefetch each CTA's weights first (before the PDL wait); None: PREFETCH's choice.
-    u / warps / splits / row_groups: plan()'s overrides.  slab: the plan's `_slab` kernel where it has one (None:
-    SLAB's choice)."""
+    u / warps / splits / row_groups: plan()'s overrides."""
     t, k = x.shape
     p = plan(t, w.shape[0], k, out_f32, c is not None, device_facts(x.device).sms, u, warps, splits, row_groups)
-    p = (SLAB if slab is None else slab) and slab_plan(p, t, k, x.device) or p
     return _run(x, w, w.shape[0], c, out_f32, p, p.kernel, pf)
 
 
@@ -261,8 +235,7 @@ def _run(x: torch.Tensor, w: torch.Tensor, n: int, c: torch.Tensor | None, out_f
                        f"skinny_gemm: cuModuleGetFunction {kernel}")
         # a plan's dynamic shared memory reaches 64 KB (W = 16, RG = 2, TT = 4: forced, the default pairs groups
         # only at W <= 8): set the kernel's ceiling once to the most any plan of it asks
-        most = device_facts(x.device).smem_per_cta if kernel.endswith("_slab") \
-            else (MAX_WARPS * p.row_groups * token_tiles(t) * 128 + 1) * 4
+        most = (MAX_WARPS * p.row_groups * token_tiles(t) * 128 + 1) * 4
         if most > 48 << 10:
             checked(cu, cu.cuFuncSetAttribute(
                 func, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, most),

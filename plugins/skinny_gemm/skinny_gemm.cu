@@ -90,66 +90,6 @@ __device__ __forceinline__ int frag_index(int tok, int row) {
     return ((tok >> 3) * 4 + i) * 32 + lane;
 }
 
-// The CTA's end, after its k loop: the warps' accumulators summed through shared memory in warp order (red: at least
-// [W][RG][TT][4][32] floats and an int, free to overwrite), then with KS > 1 this split's tile stored and the CTA
-// column's last CTA (a ticket) summing the KS partials in split order; y (+ c) written.
-template <int TT, int RG, bool OUT_F32, bool ADD_C>
-__device__ __forceinline__ void finish(const float (&acc)[RG][TT][4], float* red, void* __restrict__ y,
-                                       const u16* __restrict__ c, float* __restrict__ parts, int* __restrict__ tickets,
-                                       int t, int n, int ldy, int ldc, int ks) {
-    constexpr int CTA_ROWS = 16 * RG;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    const int r0 = blockIdx.x * CTA_ROWS, rows = imin(CTA_ROWS, n - r0);
-
-#pragma unroll
-    for (int h = 0; h < RG; ++h)
-#pragma unroll
-        for (int j = 0; j < TT; ++j)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) red[(((warp * RG + h) * TT + j) * 4 + i) * 32 + lane] = acc[h][j][i];
-    __syncthreads();
-    const int tile = RG * TT * 128;  // a CTA's outputs: row group h's fragments at h * TT * 128
-    if (ks > 1) {  // store this split's tile, then the CTA column's last CTA sums the splits in order
-        float* mine = parts + ((u64)blockIdx.x * ks + blockIdx.y) * tile;
-        for (int e = threadIdx.x; e < tile; e += blockDim.x) {
-            float s = 0.f;
-            for (int v = 0; v < warps; ++v) s += red[v * tile + e];
-            mine[e] = s;
-        }
-        __threadfence();
-        __syncthreads();
-        int* last = reinterpret_cast<int*>(red + warps * tile);
-        if (threadIdx.x == 0) {
-            const int ticket = atomicAdd(tickets + blockIdx.x, 1);
-            *last = ticket == ks - 1;
-            if (ticket == ks - 1) tickets[blockIdx.x] = 0;  // ready for the next call (same stream, after this grid)
-        }
-        __syncthreads();
-        if (!*last) return;
-        __threadfence();
-    }
-    // element e: token e / CTA_ROWS, row e % CTA_ROWS (consecutive threads write consecutive rows of one token)
-    constexpr int ROW_BITS = RG == 2 ? 5 : 4;  // log2(CTA_ROWS): shifts, as the e >> 4 of RG = 1 always was
-    for (int e = threadIdx.x; e < tile; e += blockDim.x) {
-        const int tok = e >> ROW_BITS, row = e & (CTA_ROWS - 1);
-        if (tok >= t || row >= rows) continue;
-        const int f = (row >> 4) * TT * 128 + frag_index(tok, row & 15);
-        float s = 0.f;
-        if (ks > 1) {
-            const float* col_parts = parts + (u64)blockIdx.x * ks * tile + f;
-            for (int v = 0; v < ks; ++v) s += ld_partial(col_parts + (u64)v * tile);
-        } else {
-            for (int v = 0; v < warps; ++v) s += red[v * tile + f];
-        }
-        const u64 col = (u64)r0 + row;
-        if (ADD_C) s += from_bf16(ld_c(c + (u64)tok * ldc + col));
-        if (OUT_F32)
-            reinterpret_cast<float*>(y)[(u64)tok * ldy + col] = s;
-        else
-            reinterpret_cast<u16*>(y)[(u64)tok * ldy + col] = to_bf16(s);
-    }
-}
-
 // FRAG: w is in fragment order (fragment_order.py: [groups, k / 32, 2, 32, 8], rows past n zero): lane (g, q)'s 16
 // bytes of rows g and g + 8 of a block are at lane and 32 + lane of the block's 1 KB, so a warp reads 512 contiguous
 // bytes per load; the same values as the row-major loads, the same math: the same bits.
@@ -263,7 +203,54 @@ __device__ __forceinline__ void skinny(const u16* __restrict__ x, const u16* __r
         }
     }
     if (flags & FLAG_LATE_TRIGGER) pdl_trigger();  // the weights are read: the next kernel may take the SM slots
-    finish<TT, RG, OUT_F32, ADD_C>(acc, red, y, c, parts, tickets, t, n, ldy, ldc, ks);
+
+#pragma unroll
+    for (int h = 0; h < RG; ++h)
+#pragma unroll
+        for (int j = 0; j < TT; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) red[(((warp * RG + h) * TT + j) * 4 + i) * 32 + lane] = acc[h][j][i];
+    __syncthreads();
+    const int tile = RG * TT * 128;  // a CTA's outputs: row group h's fragments at h * TT * 128
+    if (ks > 1) {  // store this split's tile, then the CTA column's last CTA sums the splits in order
+        float* mine = parts + ((u64)blockIdx.x * ks + blockIdx.y) * tile;
+        for (int e = threadIdx.x; e < tile; e += blockDim.x) {
+            float s = 0.f;
+            for (int v = 0; v < warps; ++v) s += red[v * tile + e];
+            mine[e] = s;
+        }
+        __threadfence();
+        __syncthreads();
+        int* last = reinterpret_cast<int*>(red + warps * tile);
+        if (threadIdx.x == 0) {
+            const int ticket = atomicAdd(tickets + blockIdx.x, 1);
+            *last = ticket == ks - 1;
+            if (ticket == ks - 1) tickets[blockIdx.x] = 0;  // ready for the next call (same stream, after this grid)
+        }
+        __syncthreads();
+        if (!*last) return;
+        __threadfence();
+    }
+    // element e: token e / CTA_ROWS, row e % CTA_ROWS (consecutive threads write consecutive rows of one token)
+    constexpr int ROW_BITS = RG == 2 ? 5 : 4;  // log2(CTA_ROWS): shifts, as the e >> 4 of RG = 1 always was
+    for (int e = threadIdx.x; e < tile; e += blockDim.x) {
+        const int tok = e >> ROW_BITS, row = e & (CTA_ROWS - 1);
+        if (tok >= t || row >= rows) continue;
+        const int f = (row >> 4) * TT * 128 + frag_index(tok, row & 15);
+        float s = 0.f;
+        if (ks > 1) {
+            const float* col_parts = parts + (u64)blockIdx.x * ks * tile + f;
+            for (int v = 0; v < ks; ++v) s += ld_partial(col_parts + (u64)v * tile);
+        } else {
+            for (int v = 0; v < warps; ++v) s += red[v * tile + f];
+        }
+        const u64 col = (u64)r0 + row;
+        if (ADD_C) s += from_bf16(ld_c(c + (u64)tok * ldc + col));
+        if (OUT_F32)
+            reinterpret_cast<float*>(y)[(u64)tok * ldy + col] = s;
+        else
+            reinterpret_cast<u16*>(y)[(u64)tok * ldy + col] = to_bf16(s);
+    }
 }
 
 // Variants (launch.py picks): TT token tiles of 8 (t <= 8, 16, 24, 32), RG row groups per CTA (1, or 2 for t > 8),
@@ -293,90 +280,3 @@ OUTS_R2(2, 4) OUTS_R2(2, 2) OUTS_R2(3, 3) OUTS_R2(3, 2) OUTS_R2(4, 2) OUTS_R2(4,
         skinny<1, 1, 8, OUT_F32, ADD_C, true>(x, w, y, c, parts, tickets, t, n, k, ldx, ldy, ldc, ks, flags);       \
     }
 SKINNY_FRAG(bf16, false, false) SKINNY_FRAG(bf16_c, false, true) SKINNY_FRAG(f32, true, false)
-
-// SLAB (sm_90+, one token tile, one row group a CTA, U = 8): the CTA's whole weight range, 16 rows x its split's
-// columns (one contiguous range of each row), goes into shared memory by bulk copies (the tensor memory
-// accelerator, cp.async.bulk) issued before the PDL wait, so every byte of it is in flight under the predecessor
-// instead of each warp's first U blocks (43 % of qkv_a's at K2.6 TP8); SLAB_CHUNKS mbarriers over k let a warp start
-// on the chunks that have landed.  The warps then read their blocks from shared memory with the lanes' row-major
-// loads (rows padded by 16 bytes: the 32 lanes' 16-byte reads fall in 4 distinct wavefronts), in the same block
-// order and mma's as skinny<1, 1, 8>: the same bits.  Shared memory: 16 (span + 16) bytes (span = the split's
-// columns x 2) and the mbarriers, up to qkv_a's 229.7 KB (one CTA an SM); red aliases the slab after the k loop.
-#define SLAB_CHUNKS 8
-template <bool OUT_F32, bool ADD_C>
-__device__ __forceinline__ void skinny_slab(const u16* __restrict__ x, const u16* __restrict__ w, void* __restrict__ y,
-                                            const u16* __restrict__ c, float* __restrict__ parts,
-                                            int* __restrict__ tickets, int t, int n, int k, int ldx, int ldy, int ldc,
-                                            int ks, int flags) {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-    extern __shared__ float red[];  // the slab [16][span + 16 bytes], then SLAB_CHUNKS mbarriers; red after the loop
-    constexpr int U = 8;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    const int g = lane >> 2, q = lane & 3;
-    const int r0 = blockIdx.x * 16;
-    const int nkb = k >> 5;
-    const int per = (nkb + ks - 1) / ks;
-    const int kb_lo = imin(nkb, (int)blockIdx.y * per), kb_hi = imin(nkb, kb_lo + per);  // may be empty
-    const int nblk = kb_hi - kb_lo;
-    const u32 rs = (u32)nblk * 64u + 16u;  // bytes from one row of the slab to the next
-    const u32 sb = smem_u32(red), bar = sb + 16u * rs;
-    const int cb = (nblk + SLAB_CHUNKS - 1) / SLAB_CHUNKS;  // blocks a chunk
-    const int chunks = cb ? (nblk + cb - 1) / cb : 0;
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < chunks; ++i) mbar_init(bar + 8 * i, 1);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-        for (int i = 0; i < chunks; ++i) mbar_expect_tx(bar + 8 * i, 16u * 64u * (u32)imin(cb, nblk - i * cb));
-    }
-    __syncthreads();  // the mbarriers' init before any copy names them
-    // the weights never change in a round: every copy goes out before the wait (one thread a row of a chunk; rows
-    // past n read row n - 1, as the row-major kernel's loads do, and are never stored)
-    for (int i = threadIdx.x; i < 16 * chunks; i += blockDim.x) {
-        const int r = i & 15, ch = i >> 4, b0 = ch * cb;
-        bulk_copy_g2s(sb + (u32)r * rs + (u32)b0 * 64u, w + (u64)imin(r0 + r, n - 1) * k + (u64)(kb_lo + b0) * 32,
-                      64u * (u32)imin(cb, nblk - b0), bar + 8 * ch);
-    }
-    pdl_wait();
-    if (!(flags & FLAG_LATE_TRIGGER)) pdl_trigger();
-
-    const uint4* xr = reinterpret_cast<const uint4*>(x + (u64)(g < t ? g : 0) * ldx) + q;
-    const u32 la = sb + (u32)g * rs + (u32)q * 16u, lb = la + 8u * rs;  // lane's 16 bytes of rows g, g + 8 of block 0
-    float acc[1][1][4] = {{{0.f, 0.f, 0.f, 0.f}}};
-    int landed = 0;  // chunks this warp has waited for
-    for (int kb0 = kb_lo + warp; kb0 < kb_hi; kb0 += U * warps) {
-        uint4 a[U], b[U], xv[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int j = kb0 + u * warps - kb_lo;  // block j of the slab (warp-uniform)
-            if (j < nblk) {
-                while (landed * cb <= j) mbar_wait(bar + 8 * landed++, 0);  // chunk j / cb has landed
-                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                             : "=r"(a[u].x), "=r"(a[u].y), "=r"(a[u].z), "=r"(a[u].w) : "r"(la + (u32)j * 64u));
-                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                             : "=r"(b[u].x), "=r"(b[u].y), "=r"(b[u].z), "=r"(b[u].w) : "r"(lb + (u32)j * 64u));
-                xv[u] = ld_tokens(xr + (kb_lo + j) * 4);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            if (kb0 + u * warps < kb_hi) {
-#pragma unroll
-                for (int s = 0; s < 2; ++s)
-                    mma_bf16(acc[0][0], word(a[u], 2 * s), word(b[u], 2 * s), word(a[u], 2 * s + 1),
-                             word(b[u], 2 * s + 1), word(xv[u], 2 * s), word(xv[u], 2 * s + 1));
-            }
-        }
-    }
-    if (flags & FLAG_LATE_TRIGGER) pdl_trigger();
-    __syncthreads();  // every warp is done with the slab before red overwrites it
-    finish<1, 1, OUT_F32, ADD_C>(acc, red, y, c, parts, tickets, t, n, ldy, ldc, ks);
-#endif
-}
-
-// t1_u8_<out>_slab (launch.SLAB)
-#define SKINNY_SLAB(NAME, OUT_F32, ADD_C)                                                                          \
-    extern "C" __global__ void __launch_bounds__(512) kdtree_skinny_gemm_t1_u8_##NAME##_slab(                      \
-        const u16* x, const u16* w, void* y, const u16* c, float* parts, int* tickets, int t, int n, int k,          \
-        int ldx, int ldy, int ldc, int ks, int flags) {                                                            \
-        skinny_slab<OUT_F32, ADD_C>(x, w, y, c, parts, tickets, t, n, k, ldx, ldy, ldc, ks, flags);                 \
-    }
-SKINNY_SLAB(bf16, false, false) SKINNY_SLAB(bf16_c, false, true) SKINNY_SLAB(f32, true, false)

@@ -59,15 +59,6 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {  // until the p
         "@!p bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
 }
 
-// [src, src + bytes) of global memory into shared memory at dst, completing `bytes` on the mbarrier at bar (dst, src
-// and bytes multiples of 16; nothing below sm_90)
-__device__ __forceinline__ void bulk_copy_g2s(u32 dst, const void* src, u32 bytes, u32 bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-#endif
-}
-
 __device__ __forceinline__ void wgmma_fence() {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
