@@ -31,7 +31,7 @@ from plugins.moe_w4a16 import MoEWorkspace, moe_w4a16  # noqa: E402
 from plugins.moe_w4a16 import launch_v3  # noqa: E402
 
 T = 17  # a DDTree-16 round's tokens
-ENTRIES = (17, 20, 24, 28, 33, 34, 40, 49, 50, 58, 66, 67, 83, 100, 136)
+ENTRIES = (17, 24, 33, 34, 40, 49, 50, 66, 67, 100)
 
 
 def routed_logits(t: int, entries: int, dev) -> torch.Tensor:

@@ -320,6 +320,20 @@ __device__ __forceinline__ void stage_h(u16* s_h, int q, float gs, float us) {
     s_h[col * 16 + row] = to_bf16(gs / (1.f + __expf(-gs)) * us);
 }
 
+// f(q, gate sum, up sum) for each fragment element q of an item this thread ends: red's W warps' sums, in warp order
+template <int NT, int W, typename F>
+__device__ __forceinline__ void for_warp_sums(const float* red, F f) {
+    for (int q = threadIdx.x; q < NT * 128; q += 32 * W) {
+        float gs = 0.f, us = 0.f;
+#pragma unroll
+        for (int w = 0; w < W; ++w) {
+            gs += red[(w * 2) * NT * 128 + q];
+            us += red[(w * 2 + 1) * NT * 128 + q];
+        }
+        f(q, gs, us);
+    }
+}
+
 __device__ __forceinline__ float ld_partial(const float* p) {  // another CTA's partial: from L2, never L1
     float r;
     asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
@@ -337,16 +351,10 @@ __device__ __forceinline__ bool end_split(const float* red, float* __restrict__ 
                                        int* s_flag, u16* s_h) {
     constexpr int PART = 2 * NT * 128;  // floats of one slot: gate sums, then up sums
     float* mine = fix + ((long)blockIdx.x * 2 + (first_item ? 0 : 1)) * PART;
-    for (int q = threadIdx.x; q < NT * 128; q += 32 * W) {
-        float gs = 0.f, us = 0.f;
-#pragma unroll
-        for (int w = 0; w < W; ++w) {
-            gs += red[(w * 2) * NT * 128 + q];
-            us += red[(w * 2 + 1) * NT * 128 + q];
-        }
+    for_warp_sums<NT, W>(red, [&](int q, float gs, float us) {
         mine[q] = gs;
         mine[NT * 128 + q] = us;
-    }
+    });
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -487,15 +495,7 @@ __device__ void gate_up(const uint4* __restrict__ w13, const uint2* __restrict__
                 }
         __syncthreads();
         auto end_whole = [&]() {
-            for (int q = threadIdx.x; q < NT * 128; q += 32 * W) {
-                float gs = 0.f, us = 0.f;
-#pragma unroll
-                for (int w = 0; w < W; ++w) {
-                    gs += red[(w * 2) * NT * 128 + q];
-                    us += red[(w * 2 + 1) * NT * 128 + q];
-                }
-                stage_h<NT>(s_h, q, gs, us);
-            }
+            for_warp_sums<NT, W>(red, [&](int q, float gs, float us) { stage_h<NT>(s_h, q, gs, us); });
         };
         bool store = true;  // this CTA stores the item's h rows
         if constexpr (SK) {
