@@ -206,3 +206,38 @@ def test_v3_equals_v2c_on_the_same_experts():
     y2 = moe_w4a16(x, logits, None, bias, *planar_copy(*experts, d), k, 1, 1, True, 2.5, 0)
     rel = ((y3.float() - y2.float()).norm() / y2.float().norm()).item()
     assert rel < 1e-2, rel
+
+
+def test_stream_k_splits_items_over_many_ctas_and_replays_in_a_graph(monkeypatch):
+    """launch_v3.STREAM_K where items are split over up to four CTAs: K2.6 widths (d 7168, i 256), tokens that all pick
+    the same few experts (4 of 64, top 4: 64 items, 256 chunks on 264 CTAs, one chunk a CTA) and wider routings (each
+    token its own experts), fresh random data: within the reference's tolerance, two calls equal, the tickets zero
+    after every call, and three back-to-back calls replayed from one CUDA graph equal to eager calls on new tokens."""
+    monkeypatch.setattr(launch_v3, "STREAM_K", True)
+    d, i = 7168, 256
+    for t, e, k, same, seed in ((4, 64, 4, True, 11), (2, 64, 8, True, 12), (17, 384, 8, False, 13),
+                                (9, 64, 8, False, 14), (33, 384, 8, False, 15)):
+        g, x, logits, bias, experts = _inputs(t, e, d, i, seed)
+        if same:  # every token picks the same k experts, a random choice
+            pick = torch.randperm(e, device=x.device, generator=g)[:k]
+            logits = torch.full_like(logits, -8.0)
+            logits[:, pick] = 8.0 + torch.rand(t, k, device=x.device, generator=g)
+        ws = MoEWorkspace.allocate(t, k, e, d, i, x.dtype, x.device)
+        call = lambda tokens=x: moe_w4a16(tokens, logits, None, bias, *experts, k, 1, 1, True, 2.5, 0,  # noqa: E731
+                                          ws.buffer)
+        y = call()
+        assert torch.equal(y, call()) and not ws.tickets.any(), (t, e, k)
+        idx, tw = route_reference(logits, bias, k, 1, 1, True, 2.5)
+        w13, s13, w2, s2 = experts
+        ref = experts_reference(x.float(), idx, tw, dequantize_fragments(w13, s13, d, True),
+                                dequantize_fragments(w2, s2, i, False), 0)
+        rel = ((y.float() - ref).norm() / ref.norm()).item()
+        assert rel < 2e-2, (t, e, k, rel)
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            outs = [call() for _ in range(3)]
+        x.copy_(torch.randn(t, d, device=x.device, generator=g).to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = call()
+        assert all(torch.equal(o, want) for o in outs) and not ws.tickets.any(), (t, e, k)
