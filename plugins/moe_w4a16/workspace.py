@@ -34,6 +34,7 @@ class MoEWorkspace:
     #                         calls (allocate zeroes it; each call's combine kernel re-zeroes it after its last read)
     tickets: torch.Tensor   # [SK_CTAS] int32 v3 gate_up's stream-K tickets, one per CTA: zero between calls
     fix: torch.Tensor       # [SK_CTAS, 2, SK_PART] fp32 v3 gate_up's stream-K parts of split items, two per CTA
+    #                         (a launch of NT token tiles packs them as [grid][2][2 * NT * 128] from the start)
     active: torch.Tensor    # [e_local] int32 local ids of the active experts
     lists: torch.Tensor     # [e_local, t] int32 slot ids (token * K + j) per expert
     topk_idx: torch.Tensor  # [t * K] int32 global expert ids
