@@ -3,14 +3,15 @@
 gate_up (plugins/moe_w4a16/moe_v3.cu) gives each CTA every gridDim.x-th item (item = an expert's token tile x a row
 pair of 32 rows; 16 row pairs an expert at K2.6 TP8), on 2 x SMs 8-warp CTAs.  With E entries there are 16 E items,
 so ceil(16 E / 264) rounds on an H100 while the average CTA does 16 E / 264: at E = 34 sixteen CTAs take a third item
-while the rest are done.  This benchmark routes t = 17 tokens (top 8) onto exactly E experts, each getting at most 8
-slots (one token tile: E entries), for E across the round boundaries, and times gate_up and down alone (torch
-profiler, PDL off so a kernel's time is its own), beside the bytes each must read at the device's copy rate.
+while the rest are done.  This benchmark routes t tokens (17 by default: a DDTree-16 round; top 8) onto exactly E
+experts, each getting at most 8 slots (one token tile: E entries), for E across the round boundaries, and times
+gate_up and down alone (torch profiler, PDL off so a kernel's time is its own), beside the bytes each must read at the
+device's copy rate.
 If the rounds bind, gate_up's time steps up where ceil(16 E / CTAs) does (E = 34, 50, 67 on 132 SMs) and is flat
 between; if the bytes bind, it grows with E throughout.  gate_up_sk_us: the stream-K form (launch_v3.STREAM_K), which
 splits the (item, chunk) sequence evenly over the CTAs.
 
-    KDTREE_PDL=0 python3 benchmarks/moe_item_rounds.py [--out DIR]
+    KDTREE_PDL=0 python3 benchmarks/moe_item_rounds.py [--tokens T] [--out DIR]
 """
 
 from __future__ import annotations
@@ -30,8 +31,14 @@ from plugins.common.device import copy_bytes_per_s, device_facts  # noqa: E402
 from plugins.moe_w4a16 import MoEWorkspace, moe_w4a16  # noqa: E402
 from plugins.moe_w4a16 import launch_v3  # noqa: E402
 
-T = 17  # a DDTree-16 round's tokens
-ENTRIES = (17, 24, 33, 34, 40, 49, 50, 66, 67, 100)
+ENTRIES = (16, 17, 24, 33, 34, 40, 49, 50, 66, 67, 100)  # around the round boundaries on 264 CTAs (16 items an entry)
+
+
+def entry_counts(t: int) -> list[int]:
+    """The E to time for t tokens: ENTRIES that t K slots fill with at most 8 slots an expert, and at least K (each
+    token's K experts distinct), plus the fewest that can (t K / 8)."""
+    fewest = max(K, -(-t * K // 8))
+    return sorted({fewest, *(n for n in ENTRIES if fewest <= n <= t * K)})
 
 
 def routed_logits(t: int, entries: int, dev) -> torch.Tensor:
@@ -66,6 +73,7 @@ def kernel_us(call, names: tuple[str, ...], reps: int = 20) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=17, help="tokens a call (17: a DDTree-16 round, 9: DDTree-8)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if os.environ.get("KDTREE_PDL", "1") != "0":
@@ -77,13 +85,14 @@ def main() -> None:
     gate_up_bytes = (w13[0].numel() * 4 + s13[0].numel() * 2)  # one expert's gate_up weights and scales
     down_bytes = (w2[0].numel() * 4 + s2[0].numel() * 2)
     pairs = w13.shape[1]
-    x = torch.randn(T, D, device=dev).to(torch.bfloat16)
+    t = a.tokens
+    x = torch.randn(t, D, device=dev).to(torch.bfloat16)
     bias = torch.zeros(E, device=dev)
-    ws = MoEWorkspace.allocate(T, K, E, D, 256, x.dtype, dev)
+    ws = MoEWorkspace.allocate(t, K, E, D, 256, x.dtype, dev)
     ctas = launch_v3.GATE_UP_CTAS_PER_SM[1] * sms
     rows = []
-    for n in ENTRIES:
-        logits = routed_logits(T, n, dev)
+    for n in entry_counts(t):
+        logits = routed_logits(t, n, dev)
         def call():
             return moe_w4a16(x, logits, None, bias, *ex["frag"], K, 1, 1, True, SCALING, 0, ws.buffer)  # noqa: B023
 
@@ -107,9 +116,9 @@ def main() -> None:
                      "down_us": round(d, 2),
                      "down_roofline_us": round(d_roof, 2), "down_fraction": round(d_roof / d, 3)})
         print(rows[-1], flush=True)
-    extra = {"tokens": T, "top_k": K, "experts": E, "d": D, "i": 256, "copy_bytes_per_s": rate, "sms": sms,
+    extra = {"tokens": t, "top_k": K, "experts": E, "d": D, "i": 256, "copy_bytes_per_s": rate, "sms": sms,
              "timing": "torch profiler, eager, KDTREE_PDL=0: each kernel's own device time, mean of 20 calls",
-             "routing": "t = 17 tokens onto exactly `entries` experts, at most 8 slots each (one token tile)"}
+             "routing": f"t = {t} tokens onto exactly `entries` experts, at most 8 slots each (one token tile)"}
     path = write_result("moe-item-rounds", rows, extra, a.out)
     print(f"wrote {path}")
     print_table(rows, ["entries", "items", "rounds", "items_per_cta", "gate_up_us", "gate_up_roofline_us",
