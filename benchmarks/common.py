@@ -50,6 +50,25 @@ def versions() -> dict[str, str]:
     return out
 
 
+def kernel_us(fn: Callable[[], Any], reps: int = 20, warmup: int = 3) -> dict[str, float]:
+    """Mean device µs per fn() call of each CUDA kernel it launches, by kernel name (torch profiler / CUPTI, eager
+    calls after `warmup` untimed ones): the per-launch view, where time_us gives the whole."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA":
+            out[ev.name] = out.get(ev.name, 0.0) + ev.device_time / reps
+    return out
+
+
 def time_us(fn: Callable[[], Any], warmup_ms: int = 25, rep_ms: int = 100, graph: bool = False) -> float:
     """Median µs of fn() on the current CUDA stream, timed with events (triton.testing.do_bench);
     graph=True captures fn in a CUDA graph first and times replays (for launch-bound ops)."""

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import print_table, write_result  # noqa: E402
+from benchmarks.common import kernel_us, print_table, write_result  # noqa: E402
 from benchmarks.moe_w4a16 import SCALING, D, E, K  # noqa: E402
 from benchmarks.moe_w4a16_v3 import make_experts  # noqa: E402
 from plugins.common.device import copy_bytes_per_s, device_facts  # noqa: E402
@@ -52,23 +52,9 @@ def routed_logits(t: int, entries: int, dev) -> torch.Tensor:
     return logits.to(dev)
 
 
-def kernel_us(call, names: tuple[str, ...], reps: int = 20) -> dict[str, float]:
-    """Mean device µs a call of each kernel whose name starts with one of names (torch profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            call()
-        torch.cuda.synchronize()
-    out = {n: 0.0 for n in names}
-    for ev in prof.events():
-        if ev.device_type.name == "CUDA":
-            for n in names:
-                if ev.name.startswith(n):
-                    out[n] += ev.device_time / reps
-    return out
+def prefix_us(per_kernel: dict[str, float], prefix: str) -> float:
+    """µs of the kernels (common.kernel_us's {name: µs}) whose names start with prefix."""
+    return sum(us for name, us in per_kernel.items() if name.startswith(prefix))
 
 
 def main() -> None:
@@ -96,17 +82,17 @@ def main() -> None:
         def call():
             return moe_w4a16(x, logits, None, bias, *ex["frag"], K, 1, 1, True, SCALING, 0, ws.buffer)  # noqa: B023
 
-        us = kernel_us(call, ("kdtree_moe_v3_gate_up", "kdtree_moe_v3_down"))
+        per = kernel_us(call)
+        g, d = prefix_us(per, "kdtree_moe_v3_gate_up"), prefix_us(per, "kdtree_moe_v3_down")
         launch_v3.STREAM_K = True
         try:
             want = call()
-            sk_us = kernel_us(call, ("kdtree_moe_v3_gate_up",))["kdtree_moe_v3_gate_up"]
+            sk_us = prefix_us(kernel_us(call), "kdtree_moe_v3_gate_up")
         finally:
             launch_v3.STREAM_K = False
         got = call()
         rel = ((want.float() - got.float()).norm() / got.float().norm()).item()  # stream-K against whole items
         items = n * pairs
-        g, d = us["kdtree_moe_v3_gate_up"], us["kdtree_moe_v3_down"]
         g_roof, d_roof = n * gate_up_bytes / rate * 1e6, n * down_bytes / rate * 1e6
         rows.append({"entries": n, "items": items, "gate_up_ctas": ctas, "rounds": -(-items // ctas),
                      "items_per_cta": round(items / ctas, 2), "gate_up_us": round(g, 2),

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import print_table, roofline_us, time_us, write_result  # noqa: E402
+from benchmarks.common import kernel_us, print_table, roofline_us, time_us, write_result  # noqa: E402
 from plugins.moe_w4a16 import MoEWorkspace, moe_w4a16, route_reference  # noqa: E402
 from plugins.moe_w4a16.launch import moe_w4a16_triton  # noqa: E402
 from plugins.moe_w4a16.layout import dequantize_kernel_layout, padded_k  # noqa: E402
@@ -181,7 +181,6 @@ def check_once(ex, dev) -> float:
 
 def profile_launches(dev, out_dir) -> None:
     """Device time per launch of the op (torch.profiler / CUPTI, eager calls), for the diagnosis in NOTES.md."""
-    from torch.profiler import ProfilerActivity, profile
     rows = []
     for name, e_local, i, e_start, ts in (("k26_tp8", E, 256, 0, (1, 16, 64, 512)), ("k26_ep8", 48, 2048, 144, (1, 16))):
         ex = make_experts(e_local, i, dev)
@@ -191,18 +190,10 @@ def profile_launches(dev, out_dir) -> None:
                 ws = MoEWorkspace.allocate(t, K, e_local, D, i, x.dtype, dev)
                 args = (x, logits, None, bias, ex["w13"], ex["s13"], ex["w2"], ex["s2"], K, 1, 1, True, SCALING,
                         e_start, ws.buffer)
-                for _ in range(3):
-                    moe_w4a16(*args)
-                torch.cuda.synchronize()
-                reps = 20
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    for _ in range(reps):
-                        moe_w4a16(*args)
-                    torch.cuda.synchronize()
-                per = {}
-                for ev in prof.key_averages():
-                    if ev.device_type.name == "CUDA" and ev.count:
-                        per[ev.key[:40]] = round(ev.device_time_total / reps, 2)  # µs per op call
+                per = {}  # µs per op call, by the kernel name's first 40 characters
+                for kernel, us in kernel_us(lambda: moe_w4a16(*args)).items():  # noqa: B023
+                    per[kernel[:40]] = per.get(kernel[:40], 0.0) + us
+                per = {k: round(v, 2) for k, v in per.items()}
                 row = {"shape": f"{name}_t{t}", "routing": routing, "experts_touched": touched(logits, bias, e_start,
                                                                                                e_local),
                        "launch_us": per, "sum_us": round(sum(per.values()), 2)}

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import print_table, roofline_us, time_us, write_result  # noqa: E402
+from benchmarks.common import kernel_us, print_table, roofline_us, time_us, write_result  # noqa: E402
 from benchmarks.moe_w4a16 import SCALING, D, E, K, grouped_mm_peer, make_inputs, touched  # noqa: E402
 from plugins.moe_w4a16 import (  # noqa: E402
     MoEWorkspace,
@@ -158,25 +158,15 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def profile(dev, ts: list[int]) -> None:
     """Per-launch device times (torch.profiler) of v3 and v2c, TP8 tree routing; a target for ncu too."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
     tp8 = make_experts(E, 256, dev)
     for t in ts:
         x, logits, bias = make_inputs(t, "tree", dev, seed=t)
         ws = MoEWorkspace.allocate(t, K, E, D, 256, x.dtype, dev)
         for label, experts in (("v3", tp8["frag"]), ("v2c", tp8["planar"])):
             call = lambda: moe_w4a16(x, logits, None, bias, *experts, K, 1, 1, True, SCALING, 0, ws.buffer)  # noqa
-            for _ in range(3):
-                call()
-            torch.cuda.synchronize()
-            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(10):
-                    call()
-                torch.cuda.synchronize()
             kernels_us = {}
-            for ev in prof.events():
-                if ev.device_type.name == "CUDA":
-                    kernels_us[ev.name[:40]] = kernels_us.get(ev.name[:40], 0.0) + ev.device_time / 10
+            for name, us in kernel_us(call, reps=10).items():
+                kernels_us[name[:40]] = kernels_us.get(name[:40], 0.0) + us
             print(f"t={t} {label}: " + ", ".join(f"{k} {v:.1f}" for k, v in kernels_us.items()), flush=True)
 
 

@@ -334,12 +334,6 @@ __device__ __forceinline__ void for_warp_sums(const float* red, F f) {
     }
 }
 
-__device__ __forceinline__ float ld_partial(const float* p) {  // another CTA's partial: from L2, never L1
-    float r;
-    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
-    return r;
-}
-
 // SK's end of a split item wi (every thread of the CTA; red: the warps' sums of this CTA's part): the part's
 // warp-order sums into the CTA's slot of fix (`first_item`: slot 0, else 1), then a ticket of CTA `first`'s; the last
 // of the item's CTAs first .. last to arrive sums the parts in CTA order (CTA b's range starts at chunk
@@ -347,32 +341,23 @@ __device__ __forceinline__ float ld_partial(const float* p) {  // another CTA's 
 // ticket.  Returns whether this CTA is that last one (CTA-uniform).
 template <int NT, int W>
 __device__ __forceinline__ bool end_split(const float* red, float* __restrict__ fix, int* __restrict__ tickets, int wi,
-                                       bool first_item, int first, int last, long all, int n_cta, int chunks,
-                                       int* s_flag, u16* s_h) {
+                                          bool first_item, int first, int last, long all, int n_cta, int chunks,
+                                          int* s_flag, u16* s_h) {
     constexpr int PART = 2 * NT * 128;  // floats of one slot: gate sums, then up sums
     float* mine = fix + ((long)blockIdx.x * 2 + (first_item ? 0 : 1)) * PART;
     for_warp_sums<NT, W>(red, [&](int q, float gs, float us) {
         mine[q] = gs;
         mine[NT * 128 + q] = us;
     });
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const bool done = atomicAdd(tickets + first, 1) == last - first;
-        if (done) tickets[first] = 0;  // ready for the next call (same stream, after this grid)
-        s_flag[0] = done;
-    }
-    __syncthreads();
-    const bool done = s_flag[0] != 0;
+    const bool done = last_arrival(tickets + first, last - first + 1, s_flag);
     if (done) {
-        __threadfence();
         for (int q = threadIdx.x; q < NT * 128; q += 32 * W) {
             float gs = 0.f, us = 0.f;
             for (int b = first; b <= last; ++b) {
                 const int slot = (int)(all * b / n_cta) / chunks == wi ? 0 : 1;
                 const float* part = fix + ((long)b * 2 + slot) * PART;
-                gs += ld_partial(part + q);
-                us += ld_partial(part + NT * 128 + q);
+                gs += ld_cg_f32(part + q);
+                us += ld_cg_f32(part + NT * 128 + q);
             }
             stage_h<NT>(s_h, q, gs, us);
         }

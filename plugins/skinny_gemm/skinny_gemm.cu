@@ -219,17 +219,7 @@ __device__ __forceinline__ void skinny(const u16* __restrict__ x, const u16* __r
             for (int v = 0; v < warps; ++v) s += red[v * tile + e];
             mine[e] = s;
         }
-        __threadfence();
-        __syncthreads();
-        int* last = reinterpret_cast<int*>(red + warps * tile);
-        if (threadIdx.x == 0) {
-            const int ticket = atomicAdd(tickets + blockIdx.x, 1);
-            *last = ticket == ks - 1;
-            if (ticket == ks - 1) tickets[blockIdx.x] = 0;  // ready for the next call (same stream, after this grid)
-        }
-        __syncthreads();
-        if (!*last) return;
-        __threadfence();
+        if (!last_arrival(tickets + blockIdx.x, ks, reinterpret_cast<int*>(red + warps * tile))) return;
     }
     // element e: token e / CTA_ROWS, row e % CTA_ROWS (consecutive threads write consecutive rows of one token)
     constexpr int ROW_BITS = RG == 2 ? 5 : 4;  // log2(CTA_ROWS): shifts, as the e >> 4 of RG = 1 always was

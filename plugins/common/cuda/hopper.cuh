@@ -1,6 +1,7 @@
 // Hopper (sm_90) primitives shared by the CUDA C kernels: programmatic dependent launch, shared-memory addresses, the
 // weights' streaming load, the L2 bulk prefetch, mbarriers (the tensor memory accelerator's completion) and the
-// warpgroup MMA's fence / commit / wait.  Each wraps one PTX instruction; where an arch lacks it (PDL and the prefetch below sm_90, wgmma outside
+// warpgroup MMA's fence / commit / wait, and the split-K kernels' last-CTA ticket.  Each but the ticket wraps one PTX
+// instruction; where an arch lacks it (PDL and the prefetch below sm_90, wgmma outside
 // sm_90a) it compiles to nothing, so the same source builds for sm_120 (whose kernels never take those paths).
 //
 // Included by the .cu files as "../common/cuda/hopper.cuh"; plugins/common/cubin.py inlines it before NVRTC
@@ -57,6 +58,25 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {  // until the p
         "{\n.reg .pred p;\nWAIT_%=:\n"
         "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
         "@!p bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+
+// The split-K ticket of the kernels that sum their CTAs' partials in the last CTA to finish (skinny_gemm, moe_v3's
+// stream-K gate_up; skinny_wgmma.cu still has its own copy: moving it there changes that kernel's SASS).  Every thread of the CTA calls it once its stores of this CTA's partial are issued; thread 0 takes
+// a ticket of *ticket (s_flag: an int of shared memory), and the CTA that arrives count-th is the last: it zeroes the
+// ticket for the next launch (same stream, after this grid) and, with the fence after, reads the others' partials
+// (through L2: ld.global.cg).  Returns whether this CTA is the last (uniform over the CTA).
+__device__ __forceinline__ bool last_arrival(int* ticket, int count, int* s_flag) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int n = atomicAdd(ticket, 1);
+        *s_flag = n == count - 1;
+        if (n == count - 1) *ticket = 0;
+    }
+    __syncthreads();
+    if (!*s_flag) return false;
+    __threadfence();
+    return true;
 }
 
 __device__ __forceinline__ void wgmma_fence() {
