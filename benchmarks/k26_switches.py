@@ -23,8 +23,6 @@ default (DEFAULT_ON), which are set again after the run):
             runtime.model.layers.FRAG_WEIGHTS, plugins/skinny_gemm/fragment_order.py; the same bits)
   skinny_early with skinny: each warp's first weights before the PDL wait (skinny_gemm/launch.EARLY_WEIGHTS; default)
   moe_w16   the MoE's 16-warp gate_up where it applies (plugins/moe_w4a16/launch_v3.USE_W16)
-  moe_sk    the MoE's 8-warp gate_up splits its (item, chunk) sequence evenly over its CTAs, split items ended by
-            tickets (plugins/moe_w4a16/launch_v3.STREAM_K, moe_v3.cu's gate_up_sk: DDTree rounds)
   moe_early the MoE's down kernel loads its weights before its PDL wait (launch_v3.EARLY_WEIGHTS; on by default)
   skinny_wgmma GEMMs of 2..32 tokens (DDTree rounds, the drafter's block) on skinny_wgmma.cu, sm_90
             (runtime.model.layers.SKINNY_WGMMA; on by default: DDTree-16 -1.8 % at 4K, call 12)
@@ -110,7 +108,6 @@ _FLAGS = {"skinny": ("runtime.model.layers", "SKINNY_GEMM"),
           "skinny_frag": ("runtime.model.layers", "FRAG_WEIGHTS"),
           "moe_w16": ("plugins.moe_w4a16.launch_v3", "USE_W16"),
           "moe_early": ("plugins.moe_w4a16.launch_v3", "EARLY_WEIGHTS"),
-          "moe_sk": ("plugins.moe_w4a16.launch_v3", "STREAM_K"),
           "route_stores": ("plugins.moe_w4a16.route_kernel", "ONE_TOKEN_STORES"),
           "skinny_wgmma": ("runtime.model.layers", "SKINNY_WGMMA"),
           "wgmma_kb4": ("plugins.skinny_gemm.wgmma_launch", "KB4"),

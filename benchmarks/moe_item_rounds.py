@@ -8,8 +8,8 @@ experts, each getting at most 8 slots (one token tile: E entries), for E across 
 gate_up and down alone (torch profiler, PDL off so a kernel's time is its own), beside the bytes each must read at the
 device's copy rate.
 If the rounds bind, gate_up's time steps up where ceil(16 E / CTAs) does (E = 34, 50, 67 on 132 SMs) and is flat
-between; if the bytes bind, it grows with E throughout.  gate_up_sk_us: the stream-K form (launch_v3.STREAM_K), which
-splits the (item, chunk) sequence evenly over the CTAs.
+between; if the bytes bind, it grows with E throughout.  (A stream-K gate_up that split the (item, chunk) sequence
+evenly over the CTAs was slower at every E: git show 0e56ab8:benchmarks/results/moe-item-rounds.json.)
 
     KDTREE_PDL=0 python3 benchmarks/moe_item_rounds.py [--tokens T] [--out DIR]
 """
@@ -84,22 +84,12 @@ def main() -> None:
 
         per = kernel_us(call)
         g, d = prefix_us(per, "kdtree_moe_v3_gate_up"), prefix_us(per, "kdtree_moe_v3_down")
-        launch_v3.STREAM_K = True
-        try:
-            want = call()
-            sk_us = prefix_us(kernel_us(call), "kdtree_moe_v3_gate_up")
-        finally:
-            launch_v3.STREAM_K = False
-        got = call()
-        rel = ((want.float() - got.float()).norm() / got.float().norm()).item()  # stream-K against whole items
         items = n * pairs
         g_roof, d_roof = n * gate_up_bytes / rate * 1e6, n * down_bytes / rate * 1e6
         rows.append({"entries": n, "items": items, "gate_up_ctas": ctas, "rounds": -(-items // ctas),
                      "items_per_cta": round(items / ctas, 2), "gate_up_us": round(g, 2),
                      "gate_up_roofline_us": round(g_roof, 2), "gate_up_fraction": round(g_roof / g, 3),
-                     "gate_up_us_per_round": round(g / -(-items // ctas), 2), "gate_up_sk_us": round(sk_us, 2),
-                     "gate_up_sk_fraction": round(g_roof / sk_us, 3), "sk_rel_to_whole_items": rel,
-                     "down_us": round(d, 2),
+                     "gate_up_us_per_round": round(g / -(-items // ctas), 2), "down_us": round(d, 2),
                      "down_roofline_us": round(d_roof, 2), "down_fraction": round(d_roof / d, 3)})
         print(rows[-1], flush=True)
     extra = {"tokens": t, "top_k": K, "experts": E, "d": D, "i": 256, "copy_bytes_per_s": rate, "sms": sms,
@@ -108,8 +98,7 @@ def main() -> None:
     path = write_result("moe-item-rounds", rows, extra, a.out)
     print(f"wrote {path}")
     print_table(rows, ["entries", "items", "rounds", "items_per_cta", "gate_up_us", "gate_up_roofline_us",
-                       "gate_up_fraction", "gate_up_us_per_round", "gate_up_sk_us", "gate_up_sk_fraction",
-                       "sk_rel_to_whole_items", "down_us", "down_fraction"])
+                       "gate_up_fraction", "gate_up_us_per_round", "down_us", "down_fraction"])
 
 
 if __name__ == "__main__":

@@ -179,7 +179,6 @@ def test_every_variant_the_launcher_picks_is_compiled(tmp_path):
     from plugins.moe_w4a16.launch_v3 import (
         DOWN_P,
         GATE_UP_P,
-        SK_VARIANTS,
         SOURCE,
         WARPS,
         gate_up_variant,
@@ -193,7 +192,6 @@ def test_every_variant_the_launcher_picks_is_compiled(tmp_path):
             names.add(gate_up_w16(nt, per_warp * WARPS, 100, 132))
     names.discard(None)
     assert "kdtree_moe_v3_gate_up_w16_nt1_p7" in names
-    names |= set(SK_VARIANTS.values())
     for arch in ("sm_90", "sm_120"):
         data = _nvcc(source_text(SOURCE), SOURCE.name, arch)  # the text NVRTC compiles (its header inlined)
         assert data[:4] == b"\x7fELF"
@@ -312,35 +310,3 @@ def test_prefetch_variable_names_the_kernels(monkeypatch):
         monkeypatch.setenv(PREFETCH_ENV, bad)
         with pytest.raises(ValueError, match=PREFETCH_ENV):
             prefetch_on()
-
-
-def test_stream_k_partition_covers_every_chunk_once_and_tickets_count_the_parts():
-    """moe_v3.cu's SK partition (CPU model of its integer arithmetic): G = min(grid, all) CTAs with contiguous chunk
-    ranges [all b / G, all (b + 1) / G) cover every (item, chunk) once and none is empty; an item's CTAs are
-    cta_of(first chunk) .. cta_of(last chunk); a CTA's part of a split item goes to slot 0 (its first item) or 1, no
-    two parts of one item and no two items of one CTA share a slot; a CTA is the first of at most one split item, so
-    one ticket a CTA serves (workspace.SK_CTAS), and the ticket's last arrival is the parts' count."""
-    for n_work, chunks, grid in ((544, 4, 264), (1, 4, 264), (67, 4, 264), (5000, 2, 264), (264, 4, 264),
-                                 (263, 1, 264), (33, 7, 512), (2448, 4, 264)):
-        all_ = n_work * chunks
-        g = min(grid, all_)
-        start = [all_ * b // g for b in range(g + 1)]
-        assert all(start[b + 1] > start[b] for b in range(g)) and start[0] == 0 and start[g] == all_
-
-        def cta_of(c):
-            return ((c + 1) * g - 1) // all_
-
-        assert all(start[cta_of(c)] <= c < start[cta_of(c) + 1] for c in range(all_))
-        firsts = {}
-        for wi in range(n_work):
-            first, last = cta_of(wi * chunks), cta_of(wi * chunks + chunks - 1)
-            if first == last:
-                continue  # whole in one CTA: no ticket
-            slots = [(b, 0 if start[b] // chunks == wi else 1) for b in range(first, last + 1)]
-            assert slots[0][1] in (0, 1) and all(s == 0 for _, s in slots[1:])  # later parts start their range in wi
-            assert first not in firsts, (n_work, chunks, grid, wi)  # one split item a first CTA
-            firsts[first] = len(slots)
-        # a CTA writes slot 1 only for its last item, which is not its first
-        for b in range(g):
-            items = {c // chunks for c in range(start[b], start[b + 1])}
-            assert len(items) == 1 or start[b] // chunks == min(items)

@@ -27,7 +27,7 @@ from plugins.moe_w4a16.launch import launch_combine
 from plugins.moe_w4a16.layout import GROUP, padded_k
 from plugins.moe_w4a16.plan import cdiv, launch_plan
 from plugins.moe_w4a16.route_kernel import launch_route
-from plugins.moe_w4a16.workspace import SK_CTAS, MoEWorkspace
+from plugins.moe_w4a16.workspace import MoEWorkspace
 
 SOURCE = Path(__file__).with_name("moe_v3.cu")
 # L2 prefetch of the expert weights inside gate_up / down (moe_v3.cu's `pf`): a hint, results are the same bits
@@ -118,22 +118,6 @@ def gate_up_kernel(nt: int, n_groups: int, n_items: int, sms: int) -> tuple[str,
     8-warp kernel with the deepest ring (gate_up_variant)."""
     name = gate_up_w16(nt, n_groups, n_items, sms) if USE_W16 else None
     return (name, W16) if name is not None else (gate_up_variant(nt, n_groups), WARPS)
-
-
-# KDTREE_MOE_STREAM_K=1 (off until measured: benchmarks/k26_switches.py's moe_sk, benchmarks/moe_item_rounds.py): the
-# 8-warp gate_up's (item, chunk) sequence split evenly over its CTAs (moe_v3.cu's gate_up_sk kernels; items split over
-# CTAs end by tickets in the workspace), where whole items every gridDim.x-th leave a last round to a few CTAs (a
-# DDTree round's ~35 entries x 16 row pairs on 264 CTAs).  Bits differ from the whole-item kernel only in the order
-# split items' sums are added; deterministic
-STREAM_K = env_flag("KDTREE_MOE_STREAM_K", False)
-SK_VARIANTS = {"kdtree_moe_v3_gate_up_nt1_p7": "kdtree_moe_v3_gate_up_sk_nt1_p7",
-               "kdtree_moe_v3_gate_up_nt2_p4": "kdtree_moe_v3_gate_up_sk_nt2_p4"}  # gate_up -> its stream-K form
-
-
-def gate_up_stream_k(name: str, grid: int) -> str | None:
-    """The stream-K form of gate_up kernel `name` where it has one and the grid fits the workspace's tickets
-    (workspace.SK_CTAS); else None."""
-    return SK_VARIANTS.get(name) if grid <= SK_CTAS else None
 
 
 def down_kernel(nt: int) -> str:
@@ -338,12 +322,8 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
                  scaling, top_k, n_group, topk_group, norm_topk_prob, shared_gate_up, shared_h, active_list=False)
     name, warps = gate_up_kernel(nt, c1, n_items, sms)
     smem = gate_up_smem(t, top_k, e_local, nt, warps)
-    grid = min(n_items, sms if warps == W16 else GATE_UP_CTAS_PER_SM[nt] * sms)  # one 16-warp CTA per SM, or
-    # GATE_UP_CTAS_PER_SM[nt] of 8 warps
-    sk = gate_up_stream_k(name, grid) if STREAM_K else None
-    if sk is not None:  # the stream-K form: its parts and tickets in the workspace
-        name, args, types = sk, args + (ws.fix.data_ptr(), ws.tickets.data_ptr()), types + (ptr, ptr)
-    _launch(mod, name, grid, smem, args, types, warps)
+    # one 16-warp CTA per SM, or GATE_UP_CTAS_PER_SM[nt] of 8 warps
+    _launch(mod, name, min(n_items, sms if warps == W16 else GATE_UP_CTAS_PER_SM[nt] * sms), smem, args, types, warps)
     nt2 = down_tile(nt)
     n_items = max_entries(t, top_k, e_local, nt2) * pairs2
     smem = down_smem(t, top_k, e_local, nt2)

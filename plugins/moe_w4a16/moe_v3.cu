@@ -312,75 +312,13 @@ struct Ring {
     }
 };
 
-// silu(gate) * up of fragment element q (lane q % 32, register (q / 32) % 4, n tile q / 128) into s_h [TT][16 rows]
-template <int NT>
-__device__ __forceinline__ void stage_h(u16* s_h, int q, float gs, float us) {
-    const int lq = q & 31, r = (q >> 5) & 3, j = q >> 7;
-    const int row = (lq >> 2) + 8 * (r >> 1), col = 8 * j + 2 * (lq & 3) + (r & 1);
-    s_h[col * 16 + row] = to_bf16(gs / (1.f + __expf(-gs)) * us);
-}
-
-// f(q, gate sum, up sum) for each fragment element q of an item this thread ends: red's W warps' sums, in warp order
-template <int NT, int W, typename F>
-__device__ __forceinline__ void for_warp_sums(const float* red, F f) {
-    for (int q = threadIdx.x; q < NT * 128; q += 32 * W) {
-        float gs = 0.f, us = 0.f;
-#pragma unroll
-        for (int w = 0; w < W; ++w) {
-            gs += red[(w * 2) * NT * 128 + q];
-            us += red[(w * 2 + 1) * NT * 128 + q];
-        }
-        f(q, gs, us);
-    }
-}
-
-// SK's end of a split item wi (every thread of the CTA; red: the warps' sums of this CTA's part): the part's
-// warp-order sums into the CTA's slot of fix (`first_item`: slot 0, else 1), then a ticket of CTA `first`'s; the last
-// of the item's CTAs first .. last to arrive sums the parts in CTA order (CTA b's range starts at chunk
-// all * b / n_cta: its slot of item wi is 0 where that chunk is in wi), stages silu(gate) * up in s_h and zeroes the
-// ticket.  Returns whether this CTA is that last one (CTA-uniform).
-template <int NT, int W>
-__device__ __forceinline__ bool end_split(const float* red, float* __restrict__ fix, int* __restrict__ tickets, int wi,
-                                          bool first_item, int first, int last, long all, int n_cta, int chunks,
-                                          int* s_flag, u16* s_h) {
-    constexpr int PART = 2 * NT * 128;  // floats of one slot: gate sums, then up sums
-    float* mine = fix + ((long)blockIdx.x * 2 + (first_item ? 0 : 1)) * PART;
-    for_warp_sums<NT, W>(red, [&](int q, float gs, float us) {
-        mine[q] = gs;
-        mine[NT * 128 + q] = us;
-    });
-    const bool done = last_arrival(tickets + first, last - first + 1, s_flag);
-    if (done) {
-        for (int q = threadIdx.x; q < NT * 128; q += 32 * W) {
-            float gs = 0.f, us = 0.f;
-            for (int b = first; b <= last; ++b) {
-                const int slot = (int)(all * b / n_cta) / chunks == wi ? 0 : 1;
-                const float* part = fix + ((long)b * 2 + slot) * PART;
-                gs += ld_cg_f32(part + q);
-                us += ld_cg_f32(part + NT * 128 + q);
-            }
-            stage_h<NT>(s_h, q, gs, us);
-        }
-    }
-    return done;
-}
-
 // ---------------------------------------------------------------------------------------------------------
 // gate_up: item = (entry, row pair); the CTA's W warps split the item's k groups (warp w: groups w + W m)
 // ---------------------------------------------------------------------------------------------------------
-// SK (stream-K, launch_v3.STREAM_K): the CTAs split the sequence of (item, chunk) evenly, G = min(gridDim.x, all
-// chunks) contiguous ranges, instead of taking whole items every gridDim.x-th: at a DDTree round's t = 17 (~35
-// entries x 16 row pairs on 264 CTAs) whole items leave a third round to a few CTAs while the rest are done.  An item
-// split over CTAs (only a range's first and last item can be) is ended by the last of them to arrive: each writes its
-// warp-order sums to its slot of `fix` (slot 0: the CTA's first item, 1: its last), takes a ticket of the item's first
-// CTA, and the last sums the slots in CTA order (deterministic), forms silu(gate) * up and stores h; it zeroes the
-// ticket for the next call.  Whole items end as before.  fix [gridDim.x][2][2][NT * 128] fp32, tickets [gridDim.x]
-// int32, zero before the first call (MoEWorkspace).
-template <int NT, int P, int W, bool SK = false>
+template <int NT, int P, int W>
 __device__ void gate_up(const uint4* __restrict__ w13, const uint2* __restrict__ s13, const uint4* __restrict__ x,
                         const int* __restrict__ counts, const int* __restrict__ lists, u16* __restrict__ h,
-                        int t, int top_k, int e_local, int c_real, int n_groups, int n_pairs, int inter, int pf,
-                        float* __restrict__ fix = nullptr, int* __restrict__ tickets = nullptr) {
+                        int t, int top_k, int e_local, int c_real, int n_groups, int n_pairs, int inter, int pf) {
     extern __shared__ __align__(16) unsigned char smem[];
     constexpr int TT = 8 * NT;            // token slots per tile
     constexpr int RED = 2 * NT * 4 * 32;  // floats one warp leaves per item
@@ -398,21 +336,13 @@ __device__ void gate_up(const uint4* __restrict__ w13, const uint2* __restrict__
     auto slot_of = [&](int i, int q) { return entry_slot(staged, s_slot, s_ent, s_cnt, lists, t, TT, i, q); };
     const int n_work = n_ent * n_pairs;
     const int chunks = n_groups / (W * P);  // chunks per item (the host picks P dividing n_groups / W)
-    // SK: all chunks of the (item, chunk) sequence, the CTAs with one or more, this CTA's first
-    const long all = SK ? (long)n_work * chunks : 0;
-    const int n_cta = SK ? (int)min((long)gridDim.x, all) : 0;
-    const int c_first = SK ? (int)(all * blockIdx.x / max(n_cta, 1)) : 0;
     const int mine = (int)blockIdx.x < n_work ? (n_work - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
-    const int total = !SK                       ? mine * chunks  // chunks this CTA runs
-                      : (int)blockIdx.x < n_cta ? (int)(all * (blockIdx.x + 1) / n_cta) - c_first
-                                                : 0;
+    const int total = mine * chunks;
     if (total == 0) return;  // uniform over the CTA
     const int x_row = c_real * 4;  // uint4 per token row (d / 8)
-    const int step = SK ? 1 : (int)gridDim.x;  // from an item to the CTA's next
-    auto cta_of = [&](long c) { return (int)(((c + 1) * n_cta - 1) / all); };  // SK: the CTA whose range holds chunk c
 
     Ring<NT, P> ring;
-    int l_wi = SK ? c_first / chunks : (int)blockIdx.x;
+    int l_wi = blockIdx.x;
     auto l_setup = [&](int wi) {
         const int ent = s_ent[wi / n_pairs], p = wi % n_pairs, e = ent >> 16;
         const long blk = ((long)e * n_pairs + p) * n_groups;
@@ -432,25 +362,18 @@ __device__ void gate_up(const uint4* __restrict__ w13, const uint2* __restrict__
     auto l_next = [&]() {  // advance the load cursor by one chunk (stays on the last one)
         if (ring.chunk + 1 < chunks) {
             ++ring.chunk;
-        } else if (l_wi + step < n_work) {
-            l_wi += step;
+        } else if (l_wi + (int)gridDim.x < n_work) {
+            l_wi += gridDim.x;
             l_setup(l_wi);
         }
     };
     l_setup(l_wi);
-    if constexpr (SK) {
-        ring.chunk = c_first % chunks;  // the range may start inside an item
 #pragma unroll
-        for (int k = 0; k < P; ++k) ring.load(k, warp + W * (P * ring.chunk + k), c_real);
-    } else {
-#pragma unroll
-        for (int k = 0; k < P; ++k) ring.load(k, warp + W * k, c_real);
-    }
+    for (int k = 0; k < P; ++k) ring.load(k, warp + W * k, c_real);
     l_next();
 
     // the writer threads (tid < 2 * TT) of the item's h rows: token tid / 2, rows 8 (tid % 2) ..
-    int c_wi = SK ? c_first / chunks : (int)blockIdx.x, c_chunk = SK ? c_first % chunks : 0, parity = 0, w_slot = -1;
-    bool from0 = c_chunk == 0;  // SK: the CTA runs the current item from its first chunk
+    int c_wi = blockIdx.x, c_chunk = 0, parity = 0, w_slot = -1;
     auto w_prefetch = [&](int wi) {
         w_slot = threadIdx.x < 2 * TT ? slot_of(wi / n_pairs, threadIdx.x >> 1) : -1;
     };
@@ -466,8 +389,8 @@ __device__ void gate_up(const uint4* __restrict__ w13, const uint2* __restrict__
             ring.load(k, base + W * k, c_real);
         }
         l_next();
-        if (++c_chunk < chunks && (!SK || ch + 1 < total)) continue;
-        // end of the item (SK: or of the range): reduce over the warps (in warp order), silu(gate) * up, h
+        if (++c_chunk < chunks) continue;
+        // end of the item: reduce over the warps (in warp order), silu(gate) * up, 16-byte stores of h
         float* red = s_red + parity * W * RED;
 #pragma unroll
         for (int m = 0; m < 2; ++m)
@@ -479,30 +402,26 @@ __device__ void gate_up(const uint4* __restrict__ w13, const uint2* __restrict__
                     acc[m][j][r] = 0.f;
                 }
         __syncthreads();
-        auto end_whole = [&]() {
-            for_warp_sums<NT, W>(red, [&](int q, float gs, float us) { stage_h<NT>(s_h, q, gs, us); });
-        };
-        bool store = true;  // this CTA stores the item's h rows
-        if constexpr (SK) {
-            if (!(from0 && c_chunk == chunks))  // a part of a split item: its slot, a ticket, the last one ends it
-                store = end_split<NT, W>(red, fix, tickets, c_wi, c_wi == c_first / chunks,
-                                         cta_of((long)c_wi * chunks), cta_of((long)c_wi * chunks + chunks - 1), all,
-                                         n_cta, chunks, s_ws, s_h);
-            else
-                end_whole();
-        } else {
-            end_whole();
+        for (int q = threadIdx.x; q < NT * 128; q += 32 * W) {
+            float gs = 0.f, us = 0.f;
+#pragma unroll
+            for (int w = 0; w < W; ++w) {
+                gs += red[(w * 2) * NT * 128 + q];
+                us += red[(w * 2 + 1) * NT * 128 + q];
+            }
+            const int lq = q & 31, r = (q >> 5) & 3, j = q >> 7;
+            const int row = (lq >> 2) + 8 * (r >> 1), col = 8 * j + 2 * (lq & 3) + (r & 1);
+            s_h[col * 16 + row] = to_bf16(gs / (1.f + __expf(-gs)) * us);
         }
         __syncthreads();
-        if (store && w_slot >= 0) {
+        if (w_slot >= 0) {
             const int p = c_wi % n_pairs;
             *reinterpret_cast<uint4*>(h + (long)w_slot * inter + p * 16 + 8 * (threadIdx.x & 1)) =
                 *reinterpret_cast<const uint4*>(s_h + (threadIdx.x >> 1) * 16 + 8 * (threadIdx.x & 1));
         }
         parity ^= 1;
         c_chunk = 0;
-        from0 = true;
-        c_wi += step;
+        c_wi += gridDim.x;
         if (c_wi < n_work) w_prefetch(c_wi);
     }
 }
@@ -672,16 +591,5 @@ GATE_UP(1, 7, 2) GATE_UP(1, 4, 2) GATE_UP(1, 2, 2) GATE_UP(1, 1, 2)
 GATE_UP(2, 4, 2) GATE_UP(2, 2, 2) GATE_UP(2, 1, 2)
 GATE_UP(4, 2, 1) GATE_UP(4, 1, 1)
 GATE_UP_W16(1, 7)
-// SK (launch_v3.STREAM_K): the (item, chunk) sequence split evenly over the CTAs, split items ended by tickets
-#define GATE_UP_SK(NT, P, MINB)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(THREADS, MINB) kdtree_moe_v3_gate_up_sk_nt##NT##_p##P(      \
-        const uint4* w13, const uint2* s13, const uint4* x, const int* counts, const int* lists, u16* h, int t, \
-        int top_k, int e_local, int c_real, int n_groups, int n_pairs, int inter, int pf, float* fix,         \
-        int* tickets) {                                                                                        \
-        pdl_prologue();                                                                                        \
-        gate_up<NT, P, WARPS, true>(w13, s13, x, counts, lists, h, t, top_k, e_local, c_real, n_groups, n_pairs, \
-                                    inter, pf, fix, tickets);                                                  \
-    }
-GATE_UP_SK(1, 7, 2) GATE_UP_SK(2, 4, 2)
 DOWN(1, 8, 2)
 DOWN(2, 4, 2)

@@ -8,8 +8,6 @@ buffer serves every MoE layer: they run one after another); each call carves its
 (plugins/common/workspace.py).  The routing counts, always the first view, must be zero when a call starts:
 allocate zeroes the buffer and every call leaves them zero again (its last kernel re-zeroes them), which
 saves a memset launch per MoE layer; a buffer made any other way must zero its first 4 * (e_local + 1) bytes.
-The v3 gate_up's stream-K tickets come next, likewise zero between calls (the kernel re-zeroes each after use), and
-both keep their place whatever t a call carves for (their sizes do not depend on t).
 """
 
 from __future__ import annotations
@@ -21,9 +19,6 @@ import torch
 from plugins.common.workspace import Spec, carve, workspace_bytes
 from plugins.moe_w4a16.plan import KernelConfig, launch_plan
 
-SK_CTAS = 512  # CTAs a stream-K gate_up launch may have (launch_v3: 2 an SM; 256 SMs)
-SK_PART = 2 * 2 * 128  # floats of one CTA's part of an item: gate and up sums of NT <= 2 token tiles' fragments
-
 
 @dataclass
 class MoEWorkspace:
@@ -32,9 +27,6 @@ class MoEWorkspace:
     buffer: torch.Tensor    # [nbytes] uint8: every view below, 256-byte aligned
     counts: torch.Tensor    # [e_local + 1] int32 tokens per local expert | number of active experts: zero between
     #                         calls (allocate zeroes it; each call's combine kernel re-zeroes it after its last read)
-    tickets: torch.Tensor   # [SK_CTAS] int32 v3 gate_up's stream-K tickets, one per CTA: zero between calls
-    fix: torch.Tensor       # [SK_CTAS, 2, SK_PART] fp32 v3 gate_up's stream-K parts of split items, two per CTA
-    #                         (a launch of NT token tiles packs them as [grid][2][2 * NT * 128] from the start)
     active: torch.Tensor    # [e_local] int32 local ids of the active experts
     lists: torch.Tensor     # [e_local, t] int32 slot ids (token * K + j) per expert
     topk_idx: torch.Tensor  # [t * K] int32 global expert ids
@@ -73,7 +65,6 @@ class MoEWorkspace:
 def _specs(t: int, top_k: int, e_local: int, d: int, i: int, dtype: torch.dtype, splits: int) -> list[Spec]:
     """(shape, dtype) of the views, in MoEWorkspace's field order."""
     n_slots, i32 = t * top_k, torch.int32
-    return [((e_local + 1,), i32), ((SK_CTAS,), i32), ((SK_CTAS, 2, SK_PART), torch.float32),
-            ((e_local,), i32), ((e_local, t), i32), ((n_slots,), i32),
+    return [((e_local + 1,), i32), ((e_local,), i32), ((e_local, t), i32), ((n_slots,), i32),
             ((n_slots,), torch.float32), ((n_slots, d), dtype), ((splits, n_slots, 2 * i), torch.float32),
             ((n_slots, i), dtype)]

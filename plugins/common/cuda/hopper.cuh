@@ -60,8 +60,9 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {  // until the p
         "@!p bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
 }
 
-// The split-K ticket of the kernels that sum their CTAs' partials in the last CTA to finish (skinny_gemm, moe_v3's
-// stream-K gate_up; skinny_wgmma.cu still has its own copy: moving it there changes that kernel's SASS).  Every thread of the CTA calls it once its stores of this CTA's partial are issued; thread 0 takes
+// The split-K ticket of the kernels that sum their CTAs' partials in the last CTA to finish (skinny_gemm;
+// skinny_wgmma.cu still has its own copy: moving it there changes that kernel's SASS).  Every thread of the CTA
+// calls it once its stores of this CTA's partial are issued; thread 0 takes
 // a ticket of *ticket (s_flag: an int of shared memory), and the CTA that arrives count-th is the last: it zeroes the
 // ticket for the next launch (same stream, after this grid) and, with the fence after, reads the others' partials
 // (through L2: ld.global.cg).  Returns whether this CTA is the last (uniform over the CTA).
