@@ -41,6 +41,9 @@ default (DEFAULT_ON), which are set again after the run):
   attn_wgmma the attention of 33..1024 query rows (DDTree rounds) on the wgmma split kernel, sm_90
             (plugins/tree_verify_mla/launcher.WGMMA, tree_verify_wgmma.cu; on by default: DDTree-16 -12.5 % at 32K,
             level at 4K, k26-switches-h100.json calls 8-10)
+  attn_early with attn_wgmma: a split's first committed key tile in flight by TMA before its PDL wait
+            (plugins/tree_verify_mla/wgmma_launch.EARLY)
+  attn_wgmma_ar with attn_wgmma: 1..32 query rows (the AR step) on the wgmma split kernel too (launcher.WGMMA_AR)
 
     python3 benchmarks/k26_switches.py --out DIR [--settings base,skinny,moe_pf,gemm_pf,attn_pf,...]
         [--context 4096] [--budget 16[,15,...]] [--iters 10] [--layers N] [--source tiny-kimi --tp 1 --context 512]
@@ -114,7 +117,9 @@ _FLAGS = {"skinny": ("runtime.model.layers", "SKINNY_GEMM"),
           "absorb_tree": ("plugins.layer_fusion.kernel", "V_ABSORB_TREE"),
           "glue_early": ("plugins.layer_fusion.kernel", "EARLY_WEIGHTS"),
           "attn_long": ("plugins.tree_verify_mla.launcher", "LONG_TILE"),
-          "attn_wgmma": ("plugins.tree_verify_mla.launcher", "WGMMA")}
+          "attn_wgmma": ("plugins.tree_verify_mla.launcher", "WGMMA"),
+          "attn_early": ("plugins.tree_verify_mla.wgmma_launch", "EARLY"),
+          "attn_wgmma_ar": ("plugins.tree_verify_mla.launcher", "WGMMA_AR")}
 # see the module doc; skinny_wide before skinny_tree and skinny_8 (which widen only what skinny_wide left)
 SWITCHES = {"moe_pf": _set_moe_pf, "skinny_pf": _set_skinny_pf,
             "skinny_wide": _set_skinny_wide, "skinny_tree": _widen_skinny_tokens(24),

@@ -415,5 +415,53 @@ def test_gpu_cache_prefetch_changes_no_bit(monkeypatch):
         assert torch.equal(outs[0], outs[1]), (b, n, l_max)
 
 
+
+@pytest.mark.gpu
+def test_gpu_wgmma_few_rows_and_early_tiles_match_the_reference(monkeypatch):
+    """KDTREE_ATTN_WGMMA_AR (launcher.WGMMA_AR: 1..32 query rows on the wgmma kernel) and KDTREE_ATTN_WGMMA_EARLY
+    (wgmma_launch.EARLY: a split's first committed tile loaded before the PDL wait): against the reference on fresh
+    random inputs (AR steps, a tree-only request, DDTree rounds, one split and a few), the same bits with the early
+    load on and off, eager and replayed in a graph behind a kernel that runs while the tile is in flight."""
+    import plugins.tree_verify_mla  # noqa: F401
+    from plugins.tree_verify_mla import launcher, wgmma_launch
+    from plugins.tree_verify_mla.launcher import tree_verify_mla_triton, workspace_numel
+    monkeypatch.setattr(launcher, "WGMMA_AR", True)
+    assert launcher.plan(1, 1, 8, 4096, torch.bfloat16, "cuda").config == launcher.WGMMA_CONFIG
+    gen = torch.Generator().manual_seed(31)
+    for b, n, h, l_max, lens, splits in ((1, 1, 8, 4096, [4096], None), (1, 1, 8, 4096, [1000], None),
+                                         (2, 1, 8, 5000, [4999, 17], None), (1, 2, 8, 300, [0], None),
+                                         (1, 1, 8, 4096, [4095], 1), (1, 3, 8, 4096, [2000], 3),
+                                         (1, 17, 8, 4096, [4000], None), (2, 9, 8, 5000, [4999, 17], None),
+                                         (1, 4, 8, 32768, [30000], None)):
+        x = make_inputs(b, n, h, l_max, lens, 512, 64, torch.bfloat16, gen, device="cuda")
+        ws = torch.full((max(1, workspace_numel(b, n, h, 512, l_max, torch.bfloat16, "cuda", num_splits=splits)),),
+                        float("nan"), device="cuda")
+        outs = []
+        for early in (False, True):
+            monkeypatch.setattr(wgmma_launch, "EARLY", early)
+            out = torch.full((b, n, h, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+            lse = torch.full((b, n, h), float("nan"), device="cuda")
+
+            def call():
+                tree_verify_mla_triton(x["q"], x["cache"], x["cache_lens"], x["tree_kv"], x["tree_mask"], x["scale"],
+                                       out, lse, workspace=ws, num_splits=splits)  # noqa: B023
+
+            call()
+            torch.cuda.synchronize()
+            e = errors(out, lse, *reference(x, 512))
+            assert e["all_written"] and e["out_rel"] <= TOL[torch.bfloat16][0] \
+                and e["lse_max_abs"] <= TOL[torch.bfloat16][1], (b, n, l_max, lens, splits, early, e)
+            eager = out.clone()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                x["q"].mul_(1.0)  # a predecessor kernel in the stream
+                call()
+            out.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, eager), (b, n, l_max, early)
+            outs.append(eager)
+        assert torch.equal(outs[0], outs[1]), (b, n, l_max, lens, splits)
+
 if __name__ == "__main__" and sys.argv[1:] == ["--cpu-worker"]:
     _cpu_worker()

@@ -101,6 +101,10 @@ LONG_TILE_MIN, LONG_TILE_MAX = 16384, 65536
 WGMMA = env_flag("KDTREE_ATTN_WGMMA", True)
 WGMMA_CONFIG = Config(block_m=64, block_n=64, num_warps=8, num_stages=2, wgmma=True)
 WGMMA_ROWS = (33, 1024)
+# KDTREE_ATTN_WGMMA_AR=1 (off until measured; k26_switches attn_wgmma_ar): requests of 1..32 query rows (the AR step at
+# h = 8, DDTree rounds of up to 3 nodes) take the wgmma split kernel too: one 64-key tile a split by TMA (65 splits at
+# 4K) where the table's Triton tiles take 32 keys (129 splits); with wgmma_launch.EARLY its tile loads under q_absorb
+WGMMA_AR = env_flag("KDTREE_ATTN_WGMMA_AR", False)
 CONFIGS_FP32: tuple[tuple[int, Config], ...] = (  # 128 registers, no spill (4 warps: 255 and 1 KB of spills)
     (1 << 62, Config(block_m=16, block_n=32, num_warps=8, num_stages=2)),
 )
@@ -148,9 +152,9 @@ def plan(b: int, n: int, h: int, l_max: int, dtype: torch.dtype, device: torch.d
 
 
 def _wgmma_wanted(m: int, dtype: torch.dtype, device: torch.device | str, d_qk: int, d_v: int) -> bool:
-    """Whether the plan takes WGMMA_CONFIG: switched on, rows in WGMMA_ROWS, bf16 576 / 512, and the kernel loads on
-    this CUDA device (sm_90)."""
-    if not (WGMMA and wgmma_launch.takes(dtype, d_qk, d_v) and WGMMA_ROWS[0] <= m <= WGMMA_ROWS[1]
+    """Whether the plan takes WGMMA_CONFIG: switched on, rows in WGMMA_ROWS (from 1 with WGMMA_AR), bf16 576 / 512, and
+    the kernel loads on this CUDA device (sm_90)."""
+    if not (WGMMA and wgmma_launch.takes(dtype, d_qk, d_v) and (1 if WGMMA_AR else WGMMA_ROWS[0]) <= m <= WGMMA_ROWS[1]
             and torch.device(device).type == "cuda"):
         return False
     return wgmma_launch.available(torch.device(device))

@@ -29,8 +29,8 @@
 // log) are written here; else o / l (fp32) and lse base 2 per split into the workspace.  Softmax in base 2 (scale2 =
 // scale * log2 e), fp32 scores and sums, p rounded to bf16 for the value product (as the Triton kernel).
 //
-// PDL: the program waits for its predecessor grid (griddepcontrol.wait) before reading anything, then lets the
-// combine launch.  plugins/common/cuda/hopper.cuh is its one header (cubin.py inlines it for NVRTC).
+// PDL: the program waits for its predecessor grid (griddepcontrol.wait) before reading anything but, with `early`, the
+// committed length and its first key tile when that is a committed one; then it lets the combine launch.  plugins/common/cuda/hopper.cuh is its one header (cubin.py inlines it for NVRTC).
 
 #define KDTREE_ARCH_FEATURES  // plugins/common/cubin.py: compiled for sm_90a where the arch is sm_90 (wgmma)
 
@@ -59,6 +59,14 @@ static_assert(SMEM_BYTES == SMEM_BAR + 16, "SMEM_BYTES is the end of the shared-
 // CTAs of the other m-blocks from L2).
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+// A 32-bit load through L2 (ld.global.cg): the committed length, read before the PDL wait with `early` (what the
+// PDL order test allows there: no round data, and not an .nc load ptxas could hoist)
+__device__ __forceinline__ int ld_cg_s32(const int* p) {
+    int r;
+    asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(r) : "l"(p));
+    return r;
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
@@ -205,7 +213,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) tree_verify_wgmma(
     void* __restrict__ out, float* __restrict__ lse, float* __restrict__ opart, float* __restrict__ lpart,
     long long sqb, long long sqn, long long sqh,
     long long smb, long long smn, long long sob, long long son, long long soh, long long slb, long long sln,
-    int n, int h, int l_max, int num_splits, float scale2, int direct, int out_f32) {
+    int n, int h, int l_max, int num_splits, float scale2, int direct, int out_f32, int early) {
     extern __shared__ unsigned char smem_raw[];
     const u32 raw = smem_u32(smem_raw);
     const u32 pad = (1024u - (raw & 1023u)) & 1023u;  // the swizzle atoms need 1024-byte alignment
@@ -225,12 +233,23 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) tree_verify_wgmma(
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
+    // The committed rows and their count are written only by kv_commit at the end of a round, never by the grids just
+    // before this one: with `early` a first tile from the cache is in flight before the wait, under the predecessor
+    // (q_absorb) that the wait is for.  Tree rows, q, the mask and the workspace are read after it.
+    int length = early ? max(0, min(ld_cg_s32(lens + r), l_max)) : 0;
+    int t_cache = (length + BN - 1) / BN;  // committed tiles, then the tree's; split s takes [s per, (s + 1) per)
+    int per = (t_cache + (n + BN - 1) / BN + num_splits - 1) / num_splits;
+    const bool first_early = early && s * per < t_cache;  // the split's first tile is a committed one (so it has one)
+    if (tid == 0 && first_early) issue_tile(sb + SMEM_KV, bar, &cache_map, &tree_map, s * per, t_cache, (int)r);
     pdl_wait();  // q, tree rows, mask and the workspace come from the predecessor grids
     pdl_trigger();  // the combine may become resident; it waits for this grid's completion
 
-    const int length = max(0, min(lens[r], l_max));
-    const int t_cache = (length + BN - 1) / BN, t_all = t_cache + (n + BN - 1) / BN;
-    const int per = (t_all + num_splits - 1) / num_splits;
+    if (!early) {
+        length = max(0, min(lens[r], l_max));
+        t_cache = (length + BN - 1) / BN;
+        per = (t_cache + (n + BN - 1) / BN + num_splits - 1) / num_splits;
+    }
+    const int t_all = t_cache + (n + BN - 1) / BN;
     const int t_lo = s * per, t_hi = min(t_lo + per, t_all);
 
     // this thread's accumulator rows (wgmma D layout: warp w of a warpgroup holds rows 16 w .. 16 w + 15; lane l rows
@@ -242,7 +261,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) tree_verify_wgmma(
     const long long* mask1 = mask + r * smb + (long long)(ok1 ? g1 / h : 0) * smn;
     const int cq = 2 * (lane & 3);
 
-    if (tid == 0 && t_lo < t_hi) issue_tile(sb + SMEM_KV, bar, &cache_map, &tree_map, t_lo, t_cache, (int)r);
+    if (tid == 0 && t_lo < t_hi && !first_early)
+        issue_tile(sb + SMEM_KV, bar, &cache_map, &tree_map, t_lo, t_cache, (int)r);
     load_q(sb + SMEM_Q, q + r * sqb, sqn, sqh, mb * BM, m_rows, h, tid);
     cp_async_commit();
 

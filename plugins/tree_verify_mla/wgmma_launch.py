@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from core.env_flags import env_flag
 from plugins.common.cubin import load_module
 from plugins.common.device import device_facts
 from plugins.common.device_modules import NotForThisDevice, PerDevice
@@ -23,6 +24,9 @@ THREADS = 256  # two warpgroups
 BLOCK_M = BLOCK_N = 64  # query rows a CTA, keys a tile (the .cu's BM, BN)
 D_QK, D_V = 576, 512  # the widths the .cu is written for (K2.6's latent row)
 SMEM = 229904 + 1024  # the .cu's SMEM_BYTES and the slack to align it to 1024 bytes
+# KDTREE_ATTN_WGMMA_EARLY=1 (off until measured; k26_switches attn_early): a split whose first key tile is a committed
+# one issues its TMA before the PDL wait (the .cu's `early`), under the predecessor grid; the same bits
+EARLY = env_flag("KDTREE_ATTN_WGMMA_EARLY", False)
 
 
 class WgmmaAttentionWarning(UserWarning):
@@ -90,8 +94,8 @@ def launch_split(q: torch.Tensor, cache: torch.Tensor, cache_lens: torch.Tensor,
             lse.data_ptr(), o_part.data_ptr(), l_part.data_ptr(),
             q.stride(0), q.stride(1), q.stride(2), tree_mask.stride(0), tree_mask.stride(1), out.stride(0),
             out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), n, h, cache.shape[1], num_splits, scale2,
-            int(num_splits == 1), int(out.dtype == torch.float32))
-    types = (None, None) + (ptr,) * 7 + (i64,) * 10 + (i32, i32, i32, i32, f32, i32, i32)  # None: a cuda object
+            int(num_splits == 1), int(out.dtype == torch.float32), int(EARLY and pdl))
+    types = (None, None) + (ptr,) * 7 + (i64,) * 10 + (i32, i32, i32, i32, f32, i32, i32, i32)  # None: a cuda object
     stream = cu.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     grid = ((n * h + BLOCK_M - 1) // BLOCK_M, num_splits * b)
     launch(cu, func, grid, THREADS, SMEM, stream, args, types, pdl, f"{KERNEL}: launch", q.device.index)
