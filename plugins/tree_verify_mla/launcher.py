@@ -104,7 +104,7 @@ WGMMA_ROWS = (33, 1024)
 # KDTREE_ATTN_WGMMA_AR=1 (off until measured; k26_switches attn_wgmma_ar): requests of 1..32 query rows (the AR step at
 # h = 8, DDTree rounds of up to 3 nodes) take the wgmma split kernel too: one 64-key tile a split by TMA (65 splits at
 # 4K) where the table's Triton tiles take 32 keys (129 splits); with wgmma_launch.EARLY its tile loads under q_absorb
-WGMMA_AR = env_flag("KDTREE_ATTN_WGMMA_AR", False)
+WGMMA_AR = env_flag("KDTREE_ATTN_WGMMA_AR", True)
 CONFIGS_FP32: tuple[tuple[int, Config], ...] = (  # 128 registers, no spill (4 warps: 255 and 1 KB of spills)
     (1 << 62, Config(block_m=16, block_n=32, num_warps=8, num_stages=2)),
 )

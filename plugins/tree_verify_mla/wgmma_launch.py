@@ -26,7 +26,7 @@ D_QK, D_V = 576, 512  # the widths the .cu is written for (K2.6's latent row)
 SMEM = 229904 + 1024  # the .cu's SMEM_BYTES and the slack to align it to 1024 bytes
 # KDTREE_ATTN_WGMMA_EARLY=1 (off until measured; k26_switches attn_early): a split whose first key tile is a committed
 # one issues its TMA before the PDL wait (the .cu's `early`), under the predecessor grid; the same bits
-EARLY = env_flag("KDTREE_ATTN_WGMMA_EARLY", False)
+EARLY = env_flag("KDTREE_ATTN_WGMMA_EARLY", True)
 
 
 class WgmmaAttentionWarning(UserWarning):
