@@ -44,6 +44,8 @@ default (DEFAULT_ON), which are set again after the run):
   attn_early with attn_wgmma: a split's first committed key tile in flight by TMA before its PDL wait
             (plugins/tree_verify_mla/wgmma_launch.EARLY)
   attn_wgmma_ar with attn_wgmma: 1..32 query rows (the AR step) on the wgmma split kernel too (launcher.WGMMA_AR)
+  attn_early2 with attn_early: the second stage's committed tile before the wait too (wgmma_launch.EARLY2)
+  attn_ar2  with attn_wgmma_ar: the AR step's splits at least 2 key tiles (launcher.AR_TILES 2: half the partials)
 
     python3 benchmarks/k26_switches.py --out DIR [--settings base,skinny,moe_pf,gemm_pf,attn_pf,...]
         [--context 4096] [--budget 16[,15,...]] [--iters 10] [--layers N] [--source tiny-kimi --tp 1 --context 512]
@@ -119,11 +121,14 @@ _FLAGS = {"skinny": ("runtime.model.layers", "SKINNY_GEMM"),
           "attn_long": ("plugins.tree_verify_mla.launcher", "LONG_TILE"),
           "attn_wgmma": ("plugins.tree_verify_mla.launcher", "WGMMA"),
           "attn_early": ("plugins.tree_verify_mla.wgmma_launch", "EARLY"),
-          "attn_wgmma_ar": ("plugins.tree_verify_mla.launcher", "WGMMA_AR")}
+          "attn_wgmma_ar": ("plugins.tree_verify_mla.launcher", "WGMMA_AR"),
+          "attn_early2": ("plugins.tree_verify_mla.wgmma_launch", "EARLY2")}
 # see the module doc; skinny_wide before skinny_tree and skinny_8 (which widen only what skinny_wide left)
 SWITCHES = {"moe_pf": _set_moe_pf, "skinny_pf": _set_skinny_pf,
             "skinny_wide": _set_skinny_wide, "skinny_tree": _widen_skinny_tokens(24),
             "skinny_8": _widen_skinny_tokens(8), "wgmma_t1": _set_wgmma_t1,
+            "attn_ar2": lambda on: setattr(importlib.import_module("plugins.tree_verify_mla.launcher"), "AR_TILES",
+                                           2 if on else 1),
             **{name: _set_flag(*at) for name, at in _FLAGS.items()}}
 
 

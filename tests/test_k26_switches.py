@@ -12,7 +12,8 @@ def test_switch_settings_parse_and_name_unknown_switches():
                                                                               frozenset({"skinny", "moe_pf"}))]
     assert parse_settings("default") == [("default", frozenset({"skinny", "moe_early", "skinny_early", "glue_early",
                                                                  "moe_w16", "attn_long", "attn_wgmma", "skinny_wgmma",
-                                                                 "route_stores", "absorb_tree"}))]
+                                                                 "route_stores", "absorb_tree", "attn_early",
+                                                                 "attn_wgmma_ar"}))]
     with pytest.raises(ValueError, match=r"unknown switch \['turbo'\]"):
         parse_settings("base,skinny+turbo")
     (name, parts), = parse_settings("default+moe_pf")  # a named set joins switches as one
@@ -54,3 +55,17 @@ def test_default_on_is_the_modules_defaults():
     from benchmarks.k26_switches import _FLAGS, DEFAULT_ON
     for name, (module, attr) in _FLAGS.items():
         assert bool(getattr(importlib.import_module(module), attr)) == (name in DEFAULT_ON), name
+
+
+def test_the_attention_switches_set_their_flags_and_the_defaults_restore_them():
+    """attn_early2 / attn_ar2 (off by default) set wgmma_launch.EARLY2 and launcher.AR_TILES; apply(DEFAULT_ON) puts
+    back the module defaults (EARLY, WGMMA_AR on)."""
+    from benchmarks.k26_switches import DEFAULT_ON, apply
+    from plugins.tree_verify_mla import launcher, wgmma_launch
+
+    try:
+        apply(DEFAULT_ON | {"attn_early2", "attn_ar2"})
+        assert wgmma_launch.EARLY and wgmma_launch.EARLY2 and launcher.WGMMA_AR and launcher.AR_TILES == 2
+    finally:
+        apply(DEFAULT_ON)
+    assert wgmma_launch.EARLY and not wgmma_launch.EARLY2 and launcher.WGMMA_AR and launcher.AR_TILES == 1

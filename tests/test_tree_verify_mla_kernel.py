@@ -370,6 +370,7 @@ def test_gpu_long_tile_matches_the_reference(monkeypatch):
     import plugins.tree_verify_mla  # noqa: F401
     from plugins.tree_verify_mla import launcher
     monkeypatch.setattr(launcher, "LONG_TILE", True)
+    monkeypatch.setattr(launcher, "WGMMA_AR", False)  # on sm_90 the AR step's rows take the wgmma kernel before it
     assert launcher.plan(1, 1, 8, 32768, torch.bfloat16, "cuda").config == launcher.LONG_TILE_CONFIG
     assert launcher.plan(1, 1, 8, 4096, torch.bfloat16, "cuda").config != launcher.LONG_TILE_CONFIG
     gen = torch.Generator().manual_seed(12)
@@ -418,10 +419,12 @@ def test_gpu_cache_prefetch_changes_no_bit(monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_wgmma_few_rows_and_early_tiles_match_the_reference(monkeypatch):
-    """KDTREE_ATTN_WGMMA_AR (launcher.WGMMA_AR: 1..32 query rows on the wgmma kernel) and KDTREE_ATTN_WGMMA_EARLY
-    (wgmma_launch.EARLY: a split's first committed tile loaded before the PDL wait): against the reference on fresh
-    random inputs (AR steps, a tree-only request, DDTree rounds, one split and a few), the same bits with the early
-    load on and off, eager and replayed in a graph behind a kernel that runs while the tile is in flight."""
+    """KDTREE_ATTN_WGMMA_AR (launcher.WGMMA_AR: 1..32 query rows on the wgmma kernel) and KDTREE_ATTN_WGMMA_EARLY /
+    _EARLY2 (wgmma_launch.EARLY / EARLY2: a split's first / first two committed tiles loaded before the PDL wait):
+    against the reference on fresh random inputs (AR steps, a tree-only request, DDTree rounds, one split and a few),
+    the same bits with the early loads off, on and on for two tiles, eager and replayed in a graph behind a kernel
+    that runs while the tiles are in flight; and the AR step's two-tile splits (launcher.AR_TILES) against the
+    reference."""
     import plugins.tree_verify_mla  # noqa: F401
     from plugins.tree_verify_mla import launcher, wgmma_launch
     from plugins.tree_verify_mla.launcher import tree_verify_mla_triton, workspace_numel
@@ -437,8 +440,9 @@ def test_gpu_wgmma_few_rows_and_early_tiles_match_the_reference(monkeypatch):
         ws = torch.full((max(1, workspace_numel(b, n, h, 512, l_max, torch.bfloat16, "cuda", num_splits=splits)),),
                         float("nan"), device="cuda")
         outs = []
-        for early in (False, True):
+        for early, early2 in ((False, False), (True, False), (True, True)):
             monkeypatch.setattr(wgmma_launch, "EARLY", early)
+            monkeypatch.setattr(wgmma_launch, "EARLY2", early2)
             out = torch.full((b, n, h, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
             lse = torch.full((b, n, h), float("nan"), device="cuda")
 
@@ -459,9 +463,21 @@ def test_gpu_wgmma_few_rows_and_early_tiles_match_the_reference(monkeypatch):
             out.zero_()
             graph.replay()
             torch.cuda.synchronize()
-            assert torch.equal(out, eager), (b, n, l_max, early)
+            assert torch.equal(out, eager), (b, n, l_max, early, early2)
             outs.append(eager)
-        assert torch.equal(outs[0], outs[1]), (b, n, l_max, lens, splits)
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), (b, n, l_max, lens, splits)
+    # the AR step's splits of two tiles (launcher.AR_TILES), both before the wait
+    monkeypatch.setattr(launcher, "AR_TILES", 2)
+    assert launcher.plan(1, 1, 8, 4096, torch.bfloat16, "cuda").num_splits == 32  # 65 tiles // 2
+    for b, lens in ((1, [4096]), (2, [4000, 130])):
+        x = make_inputs(b, 1, 8, 4096, lens, 512, 64, torch.bfloat16, gen, device="cuda")
+        out = torch.full((b, 1, 8, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+        lse = torch.full((b, 1, 8), float("nan"), device="cuda")
+        torch.ops.kdtree.tree_verify_mla(x["q"], x["cache"], x["cache_lens"], x["tree_kv"], x["tree_mask"], x["scale"],
+                                         out, lse, None)
+        e = errors(out, lse, *reference(x, 512))
+        assert e["all_written"] and e["out_rel"] <= TOL[torch.bfloat16][0] \
+            and e["lse_max_abs"] <= TOL[torch.bfloat16][1], (b, lens, e)
 
 if __name__ == "__main__" and sys.argv[1:] == ["--cpu-worker"]:
     _cpu_worker()

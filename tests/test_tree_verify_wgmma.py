@@ -127,6 +127,8 @@ def test_gpu_wgmma_is_planned_and_replays_in_a_graph(monkeypatch):
     monkeypatch.setattr(launcher, "WGMMA", True)
     b, n, h, l_max = 2, 17, 8, 5000
     assert launcher.plan(b, n, h, l_max, torch.bfloat16, "cuda").config.wgmma
-    assert not launcher.plan(b, 4, h, l_max, torch.bfloat16, "cuda").config.wgmma  # 32 rows: the Triton tiles
+    assert launcher.plan(b, 4, h, l_max, torch.bfloat16, "cuda").config.wgmma  # 32 rows: with WGMMA_AR (default)
+    monkeypatch.setattr(launcher, "WGMMA_AR", False)
+    assert not launcher.plan(b, 4, h, l_max, torch.bfloat16, "cuda").config.wgmma  # without it the Triton tiles
     e = graph_replay_errors(b, n, h, l_max, 8)
     assert e["all_written"] and e["out_rel"] <= TOL[torch.bfloat16][0] and e["lse_max_abs"] <= TOL[torch.bfloat16][1], e

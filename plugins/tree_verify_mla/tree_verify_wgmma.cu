@@ -30,7 +30,8 @@
 // scale * log2 e), fp32 scores and sums, p rounded to bf16 for the value product (as the Triton kernel).
 //
 // PDL: the program waits for its predecessor grid (griddepcontrol.wait) before reading anything but, with `early`, the
-// committed length and its first key tile when that is a committed one; then it lets the combine launch.  plugins/common/cuda/hopper.cuh is its one header (cubin.py inlines it for NVRTC).
+// committed length and its first key tile when that is a committed one (early >= 2: its first two); then it lets the
+// combine launch.  plugins/common/cuda/hopper.cuh is its one header (cubin.py inlines it for NVRTC).
 
 #define KDTREE_ARCH_FEATURES  // plugins/common/cubin.py: compiled for sm_90a where the arch is sm_90 (wgmma)
 
@@ -240,7 +241,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) tree_verify_wgmma(
     int t_cache = (length + BN - 1) / BN;  // committed tiles, then the tree's; split s takes [s per, (s + 1) per)
     int per = (t_cache + (n + BN - 1) / BN + num_splits - 1) / num_splits;
     const bool first_early = early && s * per < t_cache;  // the split's first tile is a committed one (so it has one)
+    // early >= 2: the second stage too, where the split's second tile is a committed one
+    const bool second_early = first_early && early >= 2 && per > 1 && s * per + 1 < t_cache;
     if (tid == 0 && first_early) issue_tile(sb + SMEM_KV, bar, &cache_map, &tree_map, s * per, t_cache, (int)r);
+    if (tid == 0 && second_early)
+        issue_tile(sb + SMEM_KV + TILE_BYTES, bar + 8, &cache_map, &tree_map, s * per + 1, t_cache, (int)r);
     pdl_wait();  // q, tree rows, mask and the workspace come from the predecessor grids
     pdl_trigger();  // the combine may become resident; it waits for this grid's completion
 
@@ -289,7 +294,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) tree_verify_wgmma(
         }
         fence_async_smem();
         __syncthreads();  // tile t (and Q) visible to wgmma; every warp is done with tile t - 1, its stage and P
-        if (tid == 0 && t + 1 < t_hi)
+        if (tid == 0 && t + 1 < t_hi && !(i == 0 && second_early))  // (the second stage's tile issued early)
             issue_tile(sb + SMEM_KV + ((i + 1) & 1) * TILE_BYTES, bar + 8 * ((i + 1) & 1), &cache_map, &tree_map,
                        t + 1, t_cache, (int)r);
 

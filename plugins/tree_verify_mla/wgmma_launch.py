@@ -24,9 +24,13 @@ THREADS = 256  # two warpgroups
 BLOCK_M = BLOCK_N = 64  # query rows a CTA, keys a tile (the .cu's BM, BN)
 D_QK, D_V = 576, 512  # the widths the .cu is written for (K2.6's latent row)
 SMEM = 229904 + 1024  # the .cu's SMEM_BYTES and the slack to align it to 1024 bytes
-# KDTREE_ATTN_WGMMA_EARLY=1 (off until measured; k26_switches attn_early): a split whose first key tile is a committed
-# one issues its TMA before the PDL wait (the .cu's `early`), under the predecessor grid; the same bits
+# KDTREE_ATTN_WGMMA_EARLY (on; =0 turns it off; k26_switches attn_early): a split whose first key tile is a committed
+# one issues its TMA before the PDL wait (the .cu's `early`), under the predecessor grid; the same bits.  H200, K2.6
+# rank at 40 layers, 4K: DDTree-16 -0.7 % (results/k26-switches.json)
 EARLY = env_flag("KDTREE_ATTN_WGMMA_EARLY", True)
+# KDTREE_ATTN_WGMMA_EARLY2=1 (off until measured; k26_switches attn_early2): with EARLY, the second stage's tile too
+# when it is a committed one (a DDTree-16 round's splits at 4K take 3 tiles)
+EARLY2 = env_flag("KDTREE_ATTN_WGMMA_EARLY2", False)
 
 
 class WgmmaAttentionWarning(UserWarning):
@@ -94,7 +98,7 @@ def launch_split(q: torch.Tensor, cache: torch.Tensor, cache_lens: torch.Tensor,
             lse.data_ptr(), o_part.data_ptr(), l_part.data_ptr(),
             q.stride(0), q.stride(1), q.stride(2), tree_mask.stride(0), tree_mask.stride(1), out.stride(0),
             out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), n, h, cache.shape[1], num_splits, scale2,
-            int(num_splits == 1), int(out.dtype == torch.float32), int(EARLY and pdl))
+            int(num_splits == 1), int(out.dtype == torch.float32), (2 if EARLY2 else 1) if EARLY and pdl else 0)
     types = (None, None) + (ptr,) * 7 + (i64,) * 10 + (i32, i32, i32, i32, f32, i32, i32, i32)  # None: a cuda object
     stream = cu.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     grid = ((n * h + BLOCK_M - 1) // BLOCK_M, num_splits * b)
