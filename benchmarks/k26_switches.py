@@ -46,6 +46,7 @@ default (DEFAULT_ON), which are set again after the run):
   attn_wgmma_ar with attn_wgmma: 1..32 query rows (the AR step) on the wgmma split kernel too (launcher.WGMMA_AR)
   attn_early2 with attn_early: the second stage's committed tile before the wait too (wgmma_launch.EARLY2)
   attn_ar2  with attn_wgmma_ar: the AR step's splits at least 2 key tiles (launcher.AR_TILES 2: half the partials)
+  attn_wgmma_wide with attn_wgmma: more than 1024 query rows too (budgets 128 / 256; launcher.WGMMA_WIDE)
 
     python3 benchmarks/k26_switches.py --out DIR [--settings base,skinny,moe_pf,gemm_pf,attn_pf,...]
         [--context 4096] [--budget 16[,15,...]] [--iters 10] [--layers N] [--source tiny-kimi --tp 1 --context 512]
@@ -122,7 +123,8 @@ _FLAGS = {"skinny": ("runtime.model.layers", "SKINNY_GEMM"),
           "attn_wgmma": ("plugins.tree_verify_mla.launcher", "WGMMA"),
           "attn_early": ("plugins.tree_verify_mla.wgmma_launch", "EARLY"),
           "attn_wgmma_ar": ("plugins.tree_verify_mla.launcher", "WGMMA_AR"),
-          "attn_early2": ("plugins.tree_verify_mla.wgmma_launch", "EARLY2")}
+          "attn_early2": ("plugins.tree_verify_mla.wgmma_launch", "EARLY2"),
+          "attn_wgmma_wide": ("plugins.tree_verify_mla.launcher", "WGMMA_WIDE")}
 # see the module doc; skinny_wide before skinny_tree and skinny_8 (which widen only what skinny_wide left)
 SWITCHES = {"moe_pf": _set_moe_pf, "skinny_pf": _set_skinny_pf,
             "skinny_wide": _set_skinny_wide, "skinny_tree": _widen_skinny_tokens(24),

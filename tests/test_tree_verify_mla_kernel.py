@@ -479,5 +479,35 @@ def test_gpu_wgmma_few_rows_and_early_tiles_match_the_reference(monkeypatch):
         assert e["all_written"] and e["out_rel"] <= TOL[torch.bfloat16][0] \
             and e["lse_max_abs"] <= TOL[torch.bfloat16][1], (b, lens, e)
 
+
+@pytest.mark.gpu
+def test_gpu_wgmma_wide_takes_more_than_1024_rows_and_matches_the_reference(monkeypatch):
+    """KDTREE_ATTN_WGMMA_WIDE (launcher.WGMMA_WIDE): DDTree rounds of budget 128 / 256 (1032 / 2056 query rows at h 8)
+    on the wgmma kernel, against the reference on fresh random inputs, eager and in a graph."""
+    import plugins.tree_verify_mla  # noqa: F401
+    from plugins.tree_verify_mla import launcher
+    assert not launcher.plan(1, 129, 8, 4096, torch.bfloat16, "cuda").config.wgmma  # off: the Triton table
+    monkeypatch.setattr(launcher, "WGMMA_WIDE", True)
+    assert launcher.plan(1, 129, 8, 4096, torch.bfloat16, "cuda").config.wgmma
+    gen = torch.Generator().manual_seed(41)
+    for b, n, l_max, lens in ((1, 129, 4096, [4000]), (1, 257, 2048, [2048]), (2, 130, 1000, [999, 3])):
+        x = make_inputs(b, n, 8, l_max, lens, 512, 64, torch.bfloat16, gen, device="cuda")
+        out = torch.full((b, n, 8, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+        lse = torch.full((b, n, 8), float("nan"), device="cuda")
+        args = (x["q"], x["cache"], x["cache_lens"], x["tree_kv"], x["tree_mask"], x["scale"], out, lse, None)
+        torch.ops.kdtree.tree_verify_mla(*args)
+        torch.cuda.synchronize()
+        e = errors(out, lse, *reference(x, 512))
+        assert e["all_written"] and e["out_rel"] <= TOL[torch.bfloat16][0] \
+            and e["lse_max_abs"] <= TOL[torch.bfloat16][1], (b, n, l_max, lens, e)
+        eager = out.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            torch.ops.kdtree.tree_verify_mla(*args)
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), (b, n, l_max)
+
 if __name__ == "__main__" and sys.argv[1:] == ["--cpu-worker"]:
     _cpu_worker()

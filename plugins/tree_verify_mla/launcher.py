@@ -110,6 +110,9 @@ WGMMA_AR = env_flag("KDTREE_ATTN_WGMMA_AR", True)
 # kernel for 1..32 query rows, 2 instead of 1: half the AR step's partials for the combine (33 splits at 4K), both
 # tiles loaded before the PDL wait with wgmma_launch.EARLY2
 AR_TILES = 2 if env_flag("KDTREE_ATTN_AR_TWO_TILES", False) else 1
+# KDTREE_ATTN_WGMMA_WIDE=1 (off until measured; k26_switches attn_wgmma_wide): more than 1024 query rows too (DDTree
+# rounds of budget 128 and 256 at h = 8: 1032 and 2056 rows), which the Triton table's 64 x 64 tiles take otherwise
+WGMMA_WIDE = env_flag("KDTREE_ATTN_WGMMA_WIDE", False)
 CONFIGS_FP32: tuple[tuple[int, Config], ...] = (  # 128 registers, no spill (4 warps: 255 and 1 KB of spills)
     (1 << 62, Config(block_m=16, block_n=32, num_warps=8, num_stages=2)),
 )
@@ -158,10 +161,10 @@ def plan(b: int, n: int, h: int, l_max: int, dtype: torch.dtype, device: torch.d
 
 
 def _wgmma_wanted(m: int, dtype: torch.dtype, device: torch.device | str, d_qk: int, d_v: int) -> bool:
-    """Whether the plan takes WGMMA_CONFIG: switched on, rows in WGMMA_ROWS (from 1 with WGMMA_AR), bf16 576 / 512, and
-    the kernel loads on this CUDA device (sm_90)."""
-    if not (WGMMA and wgmma_launch.takes(dtype, d_qk, d_v) and (1 if WGMMA_AR else WGMMA_ROWS[0]) <= m <= WGMMA_ROWS[1]
-            and torch.device(device).type == "cuda"):
+    """Whether the plan takes WGMMA_CONFIG: switched on, rows in WGMMA_ROWS (from 1 with WGMMA_AR, unbounded with
+    WGMMA_WIDE), bf16 576 / 512, and the kernel loads on this CUDA device (sm_90)."""
+    lo, hi = 1 if WGMMA_AR else WGMMA_ROWS[0], 1 << 62 if WGMMA_WIDE else WGMMA_ROWS[1]
+    if not (WGMMA and wgmma_launch.takes(dtype, d_qk, d_v) and lo <= m <= hi and torch.device(device).type == "cuda"):
         return False
     return wgmma_launch.available(torch.device(device))
 
