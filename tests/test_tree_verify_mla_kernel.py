@@ -416,7 +416,6 @@ def test_gpu_cache_prefetch_changes_no_bit(monkeypatch):
         assert torch.equal(outs[0], outs[1]), (b, n, l_max)
 
 
-
 @pytest.mark.gpu
 def test_gpu_wgmma_few_rows_and_early_tiles_match_the_reference(monkeypatch):
     """KDTREE_ATTN_WGMMA_AR (launcher.WGMMA_AR: 1..32 query rows on the wgmma kernel) and KDTREE_ATTN_WGMMA_EARLY /
