@@ -50,9 +50,11 @@ def versions() -> dict[str, str]:
     return out
 
 
-def kernel_us(fn: Callable[[], Any], reps: int = 20, warmup: int = 3) -> dict[str, float]:
+def kernel_us(fn: Callable[[], Any], reps: int = 20, warmup: int = 3,
+              name_chars: int | None = None) -> dict[str, float]:
     """Mean device µs per fn() call of each CUDA kernel it launches, by kernel name (torch profiler / CUPTI, eager
-    calls after `warmup` untimed ones): the per-launch view, where time_us gives the whole."""
+    calls after `warmup` untimed ones): the per-launch view, where time_us gives the whole.  name_chars: keyed by
+    the names' first name_chars characters instead (kernels sharing them summed)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
     for _ in range(warmup):
@@ -65,7 +67,8 @@ def kernel_us(fn: Callable[[], Any], reps: int = 20, warmup: int = 3) -> dict[st
     out: dict[str, float] = {}
     for ev in prof.events():
         if ev.device_type.name == "CUDA":
-            out[ev.name] = out.get(ev.name, 0.0) + ev.device_time / reps
+            key = ev.name[:name_chars] if name_chars else ev.name
+            out[key] = out.get(key, 0.0) + ev.device_time / reps
     return out
 
 

@@ -190,10 +190,8 @@ def profile_launches(dev, out_dir) -> None:
                 ws = MoEWorkspace.allocate(t, K, e_local, D, i, x.dtype, dev)
                 args = (x, logits, None, bias, ex["w13"], ex["s13"], ex["w2"], ex["s2"], K, 1, 1, True, SCALING,
                         e_start, ws.buffer)
-                per = {}  # µs per op call, by the kernel name's first 40 characters
-                for kernel, us in kernel_us(lambda: moe_w4a16(*args)).items():  # noqa: B023
-                    per[kernel[:40]] = per.get(kernel[:40], 0.0) + us
-                per = {k: round(v, 2) for k, v in per.items()}
+                # µs per op call, by the kernel name's first 40 characters
+                per = {k: round(v, 2) for k, v in kernel_us(lambda: moe_w4a16(*args), name_chars=40).items()}  # noqa: B023
                 row = {"shape": f"{name}_t{t}", "routing": routing, "experts_touched": touched(logits, bias, e_start,
                                                                                                e_local),
                        "launch_us": per, "sum_us": round(sum(per.values()), 2)}

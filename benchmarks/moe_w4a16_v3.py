@@ -164,9 +164,7 @@ def profile(dev, ts: list[int]) -> None:
         ws = MoEWorkspace.allocate(t, K, E, D, 256, x.dtype, dev)
         for label, experts in (("v3", tp8["frag"]), ("v2c", tp8["planar"])):
             call = lambda: moe_w4a16(x, logits, None, bias, *experts, K, 1, 1, True, SCALING, 0, ws.buffer)  # noqa
-            kernels_us = {}
-            for name, us in kernel_us(call, reps=10).items():
-                kernels_us[name[:40]] = kernels_us.get(name[:40], 0.0) + us
+            kernels_us = kernel_us(call, reps=10, name_chars=40)
             print(f"t={t} {label}: " + ", ".join(f"{k} {v:.1f}" for k, v in kernels_us.items()), flush=True)
 
 
