@@ -237,9 +237,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) tree_verify_wgmma(
     // The committed rows and their count are written only by kv_commit at the end of a round, never by the grids just
     // before this one: with `early` a first tile from the cache is in flight before the wait, under the predecessor
     // (q_absorb) that the wait is for.  Tree rows, q, the mask and the workspace are read after it.
-    int length = early ? max(0, min(ld_cg_s32(lens + r), l_max)) : 0;
-    int t_cache = (length + BN - 1) / BN;  // committed tiles, then the tree's; split s takes [s per, (s + 1) per)
-    int per = (t_cache + (n + BN - 1) / BN + num_splits - 1) / num_splits;
+    // committed tiles, then the tree's: t_all tiles, split s takes [s per, (s + 1) per)
+    int length = 0, t_cache = 0, t_all = 0, per = 0;
+    auto plan_tiles = [&]() {
+        length = max(0, min(ld_cg_s32(lens + r), l_max));
+        t_cache = (length + BN - 1) / BN;
+        t_all = t_cache + (n + BN - 1) / BN;
+        per = (t_all + num_splits - 1) / num_splits;
+    };
+    if (early) plan_tiles();
     const bool first_early = early && s * per < t_cache;  // the split's first tile is a committed one (so it has one)
     // early >= 2: the second stage too, where the split's second tile is a committed one
     const bool second_early = first_early && early >= 2 && per > 1 && s * per + 1 < t_cache;
@@ -249,12 +255,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) tree_verify_wgmma(
     pdl_wait();  // q, tree rows, mask and the workspace come from the predecessor grids
     pdl_trigger();  // the combine may become resident; it waits for this grid's completion
 
-    if (!early) {
-        length = max(0, min(lens[r], l_max));
-        t_cache = (length + BN - 1) / BN;
-        per = (t_cache + (n + BN - 1) / BN + num_splits - 1) / num_splits;
-    }
-    const int t_all = t_cache + (n + BN - 1) / BN;
+    if (!early) plan_tiles();
     const int t_lo = s * per, t_hi = min(t_lo + per, t_all);
 
     // this thread's accumulator rows (wgmma D layout: warp w of a warpgroup holds rows 16 w .. 16 w + 15; lane l rows
