@@ -45,7 +45,6 @@ default (DEFAULT_ON), which are set again after the run):
             (plugins/tree_verify_mla/wgmma_launch.EARLY)
   attn_wgmma_ar with attn_wgmma: 1..32 query rows (the AR step) on the wgmma split kernel too (launcher.WGMMA_AR)
   attn_early2 with attn_early: the second stage's committed tile before the wait too (wgmma_launch.EARLY2)
-  attn_ar2  with attn_wgmma_ar: the AR step's splits at least 2 key tiles (launcher.AR_TILES 2: half the partials)
   attn_wgmma_wide with attn_wgmma: more than 1024 query rows too (budgets 128 / 256; launcher.WGMMA_WIDE)
 
     python3 benchmarks/k26_switches.py --out DIR [--settings base,skinny,moe_pf,gemm_pf,attn_pf,...]
@@ -129,14 +128,13 @@ _FLAGS = {"skinny": ("runtime.model.layers", "SKINNY_GEMM"),
 SWITCHES = {"moe_pf": _set_moe_pf, "skinny_pf": _set_skinny_pf,
             "skinny_wide": _set_skinny_wide, "skinny_tree": _widen_skinny_tokens(24),
             "skinny_8": _widen_skinny_tokens(8), "wgmma_t1": _set_wgmma_t1,
-            "attn_ar2": lambda on: setattr(importlib.import_module("plugins.tree_verify_mla.launcher"), "AR_TILES",
-                                           2 if on else 1),
             **{name: _set_flag(*at) for name, at in _FLAGS.items()}}
 
 
 # the runtime's defaults among SWITCHES
 DEFAULT_ON = frozenset({"skinny", "moe_early", "skinny_early", "glue_early", "moe_w16", "attn_long", "attn_wgmma",
-                        "skinny_wgmma", "route_stores", "absorb_tree", "attn_early", "attn_wgmma_ar"})
+                        "skinny_wgmma", "route_stores", "absorb_tree", "attn_early", "attn_wgmma_ar",
+                        "attn_early2", "attn_wgmma_wide"})
 
 
 def parse_settings(text: str) -> list[tuple[str, frozenset[str]]]:

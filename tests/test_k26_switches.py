@@ -13,7 +13,8 @@ def test_switch_settings_parse_and_name_unknown_switches():
     assert parse_settings("default") == [("default", frozenset({"skinny", "moe_early", "skinny_early", "glue_early",
                                                                  "moe_w16", "attn_long", "attn_wgmma", "skinny_wgmma",
                                                                  "route_stores", "absorb_tree", "attn_early",
-                                                                 "attn_wgmma_ar"}))]
+                                                                 "attn_wgmma_ar", "attn_early2",
+                                                                 "attn_wgmma_wide"}))]
     with pytest.raises(ValueError, match=r"unknown switch \['turbo'\]"):
         parse_settings("base,skinny+turbo")
     (name, parts), = parse_settings("default+moe_pf")  # a named set joins switches as one
@@ -58,16 +59,14 @@ def test_default_on_is_the_modules_defaults():
 
 
 def test_the_attention_switches_set_their_flags_and_the_defaults_restore_them():
-    """attn_early2 / attn_ar2 / attn_wgmma_wide (off by default) set wgmma_launch.EARLY2, launcher.AR_TILES and
-    launcher.WGMMA_WIDE; apply(DEFAULT_ON) puts back the module defaults (EARLY, WGMMA_AR on)."""
+    """attn_early2 / attn_wgmma_wide (on by default) set wgmma_launch.EARLY2 and launcher.WGMMA_WIDE; apply(DEFAULT_ON)
+    puts back the module defaults."""
     from benchmarks.k26_switches import DEFAULT_ON, apply
     from plugins.tree_verify_mla import launcher, wgmma_launch
 
     try:
-        apply(DEFAULT_ON | {"attn_early2", "attn_ar2", "attn_wgmma_wide"})
-        assert wgmma_launch.EARLY and wgmma_launch.EARLY2 and launcher.WGMMA_AR and launcher.AR_TILES == 2
-        assert launcher.WGMMA_WIDE
+        apply(DEFAULT_ON - {"attn_early2", "attn_wgmma_wide"})
+        assert wgmma_launch.EARLY and not wgmma_launch.EARLY2 and launcher.WGMMA_AR and not launcher.WGMMA_WIDE
     finally:
         apply(DEFAULT_ON)
-    assert wgmma_launch.EARLY and not wgmma_launch.EARLY2 and launcher.WGMMA_AR and launcher.AR_TILES == 1
-    assert not launcher.WGMMA_WIDE
+    assert wgmma_launch.EARLY and wgmma_launch.EARLY2 and launcher.WGMMA_AR and launcher.WGMMA_WIDE

@@ -106,13 +106,11 @@ WGMMA_ROWS = (33, 1024)
 # 4K) where the table's Triton tiles take 32 keys (129 splits); with wgmma_launch.EARLY its tile loads under q_absorb.
 # H200, K2.6 rank at 40 layers, 4K, with EARLY: AR step -1.4 % (results/k26-switches.json)
 WGMMA_AR = env_flag("KDTREE_ATTN_WGMMA_AR", True)
-# KDTREE_ATTN_AR_TWO_TILES=1 (off until measured; k26_switches attn_ar2): key tiles a split takes at least on the wgmma
-# kernel for 1..32 query rows, 2 instead of 1: half the AR step's partials for the combine (33 splits at 4K), both
-# tiles loaded before the PDL wait with wgmma_launch.EARLY2
-AR_TILES = 2 if env_flag("KDTREE_ATTN_AR_TWO_TILES", False) else 1
-# KDTREE_ATTN_WGMMA_WIDE=1 (off until measured; k26_switches attn_wgmma_wide): more than 1024 query rows too (DDTree
-# rounds of budget 128 and 256 at h = 8: 1032 and 2056 rows), which the Triton table's 64 x 64 tiles take otherwise
-WGMMA_WIDE = env_flag("KDTREE_ATTN_WGMMA_WIDE", False)
+# KDTREE_ATTN_WGMMA_WIDE (on; =0 turns it off; k26_switches attn_wgmma_wide): more than 1024 query rows too (DDTree
+# rounds of budget 128 and 256 at h = 8: 1032 and 2056 rows), which the Triton table's 64 x 64 tiles take otherwise.
+# H100, K2.6 rank at 40 layers, 4K: DDTree-128 step -5.0 %, DDTree-256 -5.6 %
+# (results/k26-switches-h100.json calls 19-20)
+WGMMA_WIDE = env_flag("KDTREE_ATTN_WGMMA_WIDE", True)
 CONFIGS_FP32: tuple[tuple[int, Config], ...] = (  # 128 registers, no spill (4 warps: 255 and 1 KB of spills)
     (1 << 62, Config(block_m=16, block_n=32, num_warps=8, num_stages=2)),
 )
@@ -152,8 +150,7 @@ def plan(b: int, n: int, h: int, l_max: int, dtype: torch.dtype, device: torch.d
         work = max(l_max * d_qk * torch.finfo(dtype).bits // 8, 2 * m * l_max * (d_qk + d_v) * facts.bytes_per_flop)
         split_bytes = m * (d_v + 1) * 4  # one split's partials of one request
         by_partials = max(int(PARTIAL_SHARE * work // split_bytes), int(L2_SHARE * facts.l2_bytes // (b * split_bytes)))
-        min_tiles = AR_TILES if cfg.wgmma and m < WGMMA_ROWS[0] else MIN_TILES_PER_SPLIT
-        num_splits = max(1, min(num_sms * cfg.ctas_per_sm // max(units, 1), tiles // min_tiles,
+        num_splits = max(1, min(num_sms * cfg.ctas_per_sm // max(units, 1), tiles // MIN_TILES_PER_SPLIT,
                                 by_partials, MAX_SPLITS))
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"tree_verify_mla: num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")

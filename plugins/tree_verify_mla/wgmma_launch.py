@@ -28,9 +28,10 @@ SMEM = 229904 + 1024  # the .cu's SMEM_BYTES and the slack to align it to 1024 b
 # one issues its TMA before the PDL wait (the .cu's `early`), under the predecessor grid; the same bits.  H200, K2.6
 # rank at 40 layers, 4K: DDTree-16 -0.7 % (results/k26-switches.json)
 EARLY = env_flag("KDTREE_ATTN_WGMMA_EARLY", True)
-# KDTREE_ATTN_WGMMA_EARLY2=1 (off until measured; k26_switches attn_early2): with EARLY, the second stage's tile too
-# when it is a committed one (a DDTree-16 round's splits at 4K take 3 tiles)
-EARLY2 = env_flag("KDTREE_ATTN_WGMMA_EARLY2", False)
+# KDTREE_ATTN_WGMMA_EARLY2 (on; =0 turns it off; k26_switches attn_early2): with EARLY, the second stage's tile too
+# when it is a committed one (a DDTree-16 round's splits at 4K take 3 tiles).  H100, K2.6 rank at 40 layers, 4K:
+# DDTree-16 step -0.5 %, AR level (results/k26-switches-h100.json calls 19-20)
+EARLY2 = env_flag("KDTREE_ATTN_WGMMA_EARLY2", True)
 
 
 class WgmmaAttentionWarning(UserWarning):
