@@ -24,6 +24,7 @@ default (DEFAULT_ON), which are set again after the run):
   skinny_early with skinny: each warp's first weights before the PDL wait (skinny_gemm/launch.EARLY_WEIGHTS; default)
   moe_w16   the MoE's 16-warp gate_up where it applies (plugins/moe_w4a16/launch_v3.USE_W16)
   moe_early the MoE's down kernel loads its weights before its PDL wait (launch_v3.EARLY_WEIGHTS; on by default)
+  moe_one   the 16-warp gate_up at t = 1 takes token 0 without reading the lists first (launch_v3.ONE_TOKEN)
   skinny_wgmma GEMMs of 2..32 tokens (DDTree rounds, the drafter's block) on skinny_wgmma.cu, sm_90
             (runtime.model.layers.SKINNY_WGMMA; on by default: DDTree-16 -1.8 % at 4K, call 12)
   wgmma_kb4 with skinny_wgmma: four 64-column boxes a TMA stage (512 contiguous bytes of each weight row at once,
@@ -113,6 +114,7 @@ _FLAGS = {"skinny": ("runtime.model.layers", "SKINNY_GEMM"),
           "skinny_frag": ("runtime.model.layers", "FRAG_WEIGHTS"),
           "moe_w16": ("plugins.moe_w4a16.launch_v3", "USE_W16"),
           "moe_early": ("plugins.moe_w4a16.launch_v3", "EARLY_WEIGHTS"),
+          "moe_one": ("plugins.moe_w4a16.launch_v3", "ONE_TOKEN"),
           "route_stores": ("plugins.moe_w4a16.route_kernel", "ONE_TOKEN_STORES"),
           "skinny_wgmma": ("runtime.model.layers", "SKINNY_WGMMA"),
           "wgmma_kb4": ("plugins.skinny_gemm.wgmma_launch", "KB4"),

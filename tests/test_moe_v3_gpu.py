@@ -87,6 +87,8 @@ def _case(t, e, d, i, k, n_group, topk_group, e_start, e_local, seed, dev) -> di
     same_early = bool(torch.equal(y, _flipped("EARLY_WEIGHTS", call)))
     # one token's routing by stores instead of atomics (route_kernel.ONE_TOKEN_STORES) or not: the same bits
     same_route_stores = bool(torch.equal(y, _flipped("ONE_TOKEN_STORES", call, route_kernel)))
+    # the 16-warp gate_up's one-token rows without the lists (launch_v3.ONE_TOKEN) or not: the same bits
+    same_one = bool(torch.equal(y, _flipped("ONE_TOKEN", call)))
     y_w = _flipped("USE_W16", call)  # the other gate_up where the 16-warp one applies (t = 1 at K2.6): 8 or 16 warps
     idx, tw = route_reference(logits, bias, k, n_group, topk_group, True, 2.5)
     w13f, w2f = dequantize_fragments(w13, s13, d, True), dequantize_fragments(w2, s2, i, False)
@@ -112,7 +114,7 @@ def _case(t, e, d, i, k, n_group, topk_group, e_start, e_local, seed, dev) -> di
             "next_call_rel": rel_b,
             "deterministic": same,
             "prefetch_equal": same_prefetched, "early_equal": same_early,
-            "route_stores_equal": same_route_stores,
+            "route_stores_equal": same_route_stores, "one_token_equal": same_one,
             "shared_down_rel": down_rel,
             "finite": bool(torch.isfinite(y).all()),
             "counts_rezeroed": carved is None or not carved.counts.any().item(),
@@ -150,7 +152,7 @@ def test_v3_matches_reference_on_random_and_k26_shapes():
     bad = [r for r in results if not (r["finite"] and max(r["rel"], r["other_gate_up_rel"], r["next_call_rel"]) < 2e-2
                                       and r["deterministic"] and r["counts_rezeroed"]
                                       and r["shared_equal"] and r["prefetch_equal"] and r["early_equal"]
-                                      and r["route_stores_equal"]
+                                      and r["route_stores_equal"] and r["one_token_equal"]
                                       and r["shared_down_rel"] < 1e-2)]
     summary = {"op": "moe_w4a16 v3", "checked": len(results), "failed": len(bad), "tolerance_rel": 2e-2,
                "max_rel": max(r["rel"] for r in results), "failures": bad[:20], "cases": results}

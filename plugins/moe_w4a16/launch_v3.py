@@ -89,6 +89,11 @@ GATE_UP_W16_P = {1: 7}  # their (NT, ring depth)
 # The op alone still measures it level or slower (t = 1: 31.3 against 30.8 µs): in the round its CTAs start under
 # the predecessor's tail and down's early CTAs find no room either way
 USE_W16 = True
+# KDTREE_MOE_ONE_TOKEN=1 (off until measured; k26_switches moe_one): the 16-warp gate_up at t = 1 takes token 0 for
+# each entry's one position instead of reading the lists through stage_slots (moe_v3.cu's PF_ONE), so its first
+# weight and token loads follow the entry list without that round trip; the same bits.  Predicted (the AR step's
+# gate_up, one L2 round trip and a CTA barrier): -0.5 .. -0.8 µs a layer, AR step ~-0.8 %, DDTree rounds unchanged.
+ONE_TOKEN = env_flag("KDTREE_MOE_ONE_TOKEN", False)
 # NT for every t (1, 2 or 4; down takes min(NT, 2)): the benchmark's other choice; None: token_tile(t)
 TOKEN_TILE_OVERRIDE: int | None = None
 DOWN_P = {1: 8, 2: 4}
@@ -170,7 +175,7 @@ class _Module:
 _MODULES: dict[int, _Module] = {}
 
 
-PF_L2 = 1  # moe_v3.cu's bit of `pf`
+PF_L2, PF_ONE = 1, 2  # moe_v3.cu's bits of `pf`
 
 
 def _ok(cu, res, what: str):
@@ -311,7 +316,7 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
     pf_on = prefetch_on()
     sms = device_facts(x.device).sms
     i32, ptr = ctypes.c_int, ctypes.c_void_p
-    pf = ((PF_L2 * pf_on,), (i32,))  # the flags argument (values, ctypes) of gate_up and down
+    pf = ((PF_L2 * pf_on | PF_ONE * ONE_TOKEN,), (i32,))  # the flags argument (values, ctypes) of gate_up and down
     nt = TOKEN_TILE_OVERRIDE or token_tile(t)
     n_items = max_entries(t, top_k, e_local, nt) * pairs13
     args = (w13.data_ptr(), w13_scale.data_ptr(), x.data_ptr(), ws.counts.data_ptr(), ws.lists.data_ptr(),

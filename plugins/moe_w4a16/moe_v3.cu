@@ -83,6 +83,10 @@ __device__ __forceinline__ void pdl_prologue() {
 
 // The kernels' last argument `pf`, bit flags (0: none):
 #define PF_L2 1  // gate_up prefetches each item's weights into L2 as it starts it, down each warp's next item
+// the 16-warp gate_up (t = 1 only: launch_v3.gate_up_w16) at t = 1: every entry's one position holds token 0 (a slot
+// < top_k), so the token rows need neither the lists nor stage_slots' round trip before the first loads; only the h
+// stores' slots are read (late, through L2).  The 8-warp kernels compile without it (the same SASS as before).
+#define PF_ONE 2
 // (bit 2 was PF_EARLY, down's weights before its wait chosen at run time: now the EARLY template, kernels
 // kdtree_moe_v3_down_early_*, where the wait is not behind a branch that ptxas schedules across)
 
@@ -331,8 +335,9 @@ __device__ void gate_up(const uint4* __restrict__ w13, const uint2* __restrict__
 
     const int n_ent = build_entries<W>(counts, e_local, TT, s_cnt, s_ent, s_ws);
     int* s_slot = s_ent + n_ent;  // [n_ent][TT] the entries' slots, where they fit (stage_slots)
-    const bool staged = stage_slots<W>(lists, nullptr, t, s_cnt, s_ent, n_ent, TT, s_slot, nullptr,
-                                       smem_room(s_slot, smem));
+    const bool one = W == 16 && (pf & PF_ONE) && t == 1;  // uniform: token 0 at each position 0, nothing staged
+    const bool staged = !one && stage_slots<W>(lists, nullptr, t, s_cnt, s_ent, n_ent, TT, s_slot, nullptr,
+                                               smem_room(s_slot, smem));
     auto slot_of = [&](int i, int q) { return entry_slot(staged, s_slot, s_ent, s_cnt, lists, t, TT, i, q); };
     const int n_work = n_ent * n_pairs;
     const int chunks = n_groups / (W * P);  // chunks per item (the host picks P dividing n_groups / W)
@@ -355,7 +360,7 @@ __device__ void gate_up(const uint4* __restrict__ w13, const uint2* __restrict__
         }
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
-            const int slot = slot_of(wi / n_pairs, 8 * j + g);
+            const int slot = one ? (8 * j + g == 0 ? 0 : -1) : slot_of(wi / n_pairs, 8 * j + g);
             ring.px[j] = slot >= 0 ? x + (long)(slot / top_k) * x_row + u : nullptr;
         }
     };
