@@ -89,11 +89,12 @@ GATE_UP_W16_P = {1: 7}  # their (NT, ring depth)
 # The op alone still measures it level or slower (t = 1: 31.3 against 30.8 µs): in the round its CTAs start under
 # the predecessor's tail and down's early CTAs find no room either way
 USE_W16 = True
-# KDTREE_MOE_ONE_TOKEN=1 (off until measured; k26_switches moe_one): the 16-warp gate_up at t = 1 takes token 0 for
+# KDTREE_MOE_ONE_TOKEN (on; =0 turns it off; k26_switches moe_one): the 16-warp gate_up at t = 1 takes token 0 for
 # each entry's one position instead of reading the lists through stage_slots (moe_v3.cu's PF_ONE), so its first
 # weight and token loads follow the entry list without that round trip; the same bits.  Predicted (the AR step's
-# gate_up, one L2 round trip and a CTA barrier): -0.5 .. -0.8 µs a layer, AR step ~-0.8 %, DDTree rounds unchanged.
-ONE_TOKEN = env_flag("KDTREE_MOE_ONE_TOKEN", False)
+# gate_up, one L2 round trip and a CTA barrier): -0.5 .. -0.8 µs a layer, AR step ~-0.8 %, DDTree rounds unchanged;
+# measured (H100, K2.6 rank at 40 layers, 4K; k26-switches-h100.json call 21): AR step -1.3 %, DDTree-16 level.
+ONE_TOKEN = env_flag("KDTREE_MOE_ONE_TOKEN", True)
 # KDTREE_MOE_PAIR_COMBINE=1 (off until measured; k26_switches moe_pairs / moe_fuse / moe_fuse17): the combine through
 # down (moe_v3.cu's Combine section).  down's pair items (one warp per 32 output rows) form the shared expert's down
 # product into the workspace's shared_f, in place of the Triton combine's tl.dot; up to FUSE_TOKENS tokens (NT 1)
