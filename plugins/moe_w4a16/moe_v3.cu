@@ -533,22 +533,35 @@ __device__ __noinline__ void pair_arrive(const Combine& c, const u16* out, int p
     if (!__shfl_sync(0xFFFFFFFFu, last, 0)) return;
     __threadfence();
     const int row = 32 * p + lane;
-    for (int tok = 0; tok < t; ++tok) {
-        const float shared = c.w_sd != nullptr ? ld_cg_f32(c.shared_f + (long)tok * d + row) : 0.f;
-        float acc = 0.f;
-        for (int j0 = 0; j0 < c.top_k; j0 += 8) {  // 8 slots' ids and rows in flight together (out [t * top_k, d]:
-            int le[8];                             // every slot's row exists, a non-local one is read and dropped)
-            float v[8];
+    constexpr int TB = 4;  // tokens whose slot ids and rows are in flight together (8 slots each a pass)
+    for (int tok0 = 0; tok0 < t; tok0 += TB) {
+        float acc[TB], shared[TB];
 #pragma unroll
-            for (int q = 0; q < 8; ++q) {
-                const int j = j0 + q, slot = tok * c.top_k + (j < c.top_k ? j : 0);
-                le[q] = j < c.top_k ? ld_count(c.topk_idx + slot) - c.e_start : -1;
-                v[q] = ld_cg_bf16(out + (long)slot * d + row);
-            }
-#pragma unroll
-            for (int q = 0; q < 8; ++q) acc += le[q] >= 0 && le[q] < e_local ? v[q] : 0.f;  // slot order
+        for (int b = 0; b < TB; ++b) {
+            const int tok = tok0 + b < t ? tok0 + b : tok0;
+            acc[b] = 0.f;
+            shared[b] = c.w_sd != nullptr ? ld_cg_f32(c.shared_f + (long)tok * d + row) : 0.f;
         }
-        c.y[(long)tok * d + row] = to_bf16(bf16_round(acc) + shared);
+        for (int j0 = 0; j0 < c.top_k; j0 += 8) {  // out [t * top_k, d]: every slot's row exists, so a non-local
+            int le[TB][8];                         // slot's (or a token past t's) is read and dropped
+            float v[TB][8];
+#pragma unroll
+            for (int b = 0; b < TB; ++b)
+#pragma unroll
+                for (int q = 0; q < 8; ++q) {
+                    const int j = j0 + q, tok = tok0 + b < t ? tok0 + b : tok0;
+                    const int slot = tok * c.top_k + (j < c.top_k ? j : 0);
+                    le[b][q] = j < c.top_k ? ld_count(c.topk_idx + slot) - c.e_start : -1;
+                    v[b][q] = ld_cg_bf16(out + (long)slot * d + row);
+                }
+#pragma unroll
+            for (int b = 0; b < TB; ++b)
+#pragma unroll
+                for (int q = 0; q < 8; ++q) acc[b] += le[b][q] >= 0 && le[b][q] < e_local ? v[b][q] : 0.f;  // in order
+        }
+#pragma unroll
+        for (int b = 0; b < TB; ++b)
+            if (tok0 + b < t) c.y[(long)(tok0 + b) * d + row] = to_bf16(bf16_round(acc[b]) + shared[b]);
     }
     __threadfence();
     __syncwarp();
