@@ -364,7 +364,8 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
     _launch(mod, name, min(n_items, sms if warps == W16 else GATE_UP_CTAS_PER_SM[nt] * sms), smem, args, types, warps)
     nt2 = down_tile(nt)
     cmb = combine_mode(t, nt2, shared_down, shared_h, pairs2)
-    n_items = max_entries(t, top_k, e_local, nt2) * pairs2 + (pairs2 if cmb else 0)  # cmb: the pair items too
+    n_items = max_entries(t, top_k, e_local, nt2) * pairs2
+    pair_ctas = cdiv(pairs2, WARPS) if cmb else 0  # cmb: the grid's last CTAs take the pair items (moe_v3.cu's down)
     smem = down_smem(t, top_k, e_local, nt2)
     args = (w2.data_ptr(), w2_scale.data_ptr(), ws.h.data_ptr(), ws.topk_w.data_ptr(), ws.counts.data_ptr(),
             ws.lists.data_ptr(), ws.out.data_ptr(), t, e_local, i // GROUP, c2, pairs2, d, *pf[0])
@@ -375,7 +376,7 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
                  shared_down.data_ptr() if shared else 0, ws.shared_f.data_ptr(), mod.tickets.data_ptr(),
                  shared_h.stride(0) if shared else 0, shared_down.shape[1] if shared else 0, e_start, top_k)
         types += (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32)
-    _launch(mod, down_kernel(nt2, cmb), min(cdiv(n_items, WARPS), 2 * sms), smem, args, types)
+    _launch(mod, down_kernel(nt2, cmb), min(cdiv(n_items, WARPS), 2 * sms - pair_ctas) + pair_ctas, smem, args, types)
     pdl = mod.pdl and not pdl_refused(mod.index)
     if cmb == 1:
         launch_combine_shared_f32(ws.out, ws.topk_idx, ws.shared_f, y, ws.counts, e_start, e_local, top_k, pdl)

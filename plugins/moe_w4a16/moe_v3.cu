@@ -575,11 +575,24 @@ __device__ __noinline__ void pair_arrive(const Combine& c, const u16* out, int p
         for (int e = lane; e <= e_local; e += 32) c.counts[e] = 0;
 }
 
+// A warp of down's pair CTAs, pair items q0, q0 + step, ... < n_pairs: their shared products (before the PDL wait: the
+// weights by ld.nc, the route kernel's h_s by 32-bit L2 loads, complete as the counts are), then after the wait their
+// tickets.  Own functions, so the entries' items' code around them holds no call and no stack traffic.
+__device__ __noinline__ void pair_products(const Combine& c, int q0, int step, int n_pairs, int t, int d) {
+    if (c.w_sd != nullptr)
+        for (int q = q0; q < n_pairs; q += step) pair_shared(c, q, t, d);
+}
+
+__device__ __noinline__ void pair_tickets(const Combine& c, const u16* out, int q0, int step, int n_pairs,
+                                          int expected, int t, int d, int e_local) {
+    for (int q = q0; q < n_pairs; q += step) pair_arrive(c, out, q, expected, t, d, e_local, n_pairs);
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // down: item = (entry, row pair), one warp over the whole k (warps of all CTAs stride over the items)
 // ---------------------------------------------------------------------------------------------------------
-// CMB (with EARLY): 0 none; 1 the pair items after the entries' items in the item order (shared_f), their products
-// formed before the PDL wait; 2 those and the tickets, the last item of a pair summing it into y (see Combine)
+// CMB (with EARLY): 0 none; 1 the last cdiv(n_pairs, WARPS) CTAs take the pair items (shared_f); 2 those and the
+// tickets, every warp taking its items' after its last item, the last item of a pair summing it into y (see Combine)
 template <int NT, int P, bool EARLY, int CMB = 0>
 __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2, const uint4* __restrict__ h,
                      const float* __restrict__ topk_w, const int* __restrict__ counts, const int* __restrict__ lists,
@@ -610,21 +623,17 @@ __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2,
                                            smem_room(s_slot, smem));
     auto slot_of = [&](int i, int q) { return entry_slot(staged, s_slot, s_ent, s_cnt, lists, t, TT, i, q); };
     const int n_work = n_ent * n_pairs;
-    const int gw = blockIdx.x * WARPS + warp, n_warps = gridDim.x * WARPS;
+    const int pair_ctas = CMB ? (n_pairs + WARPS - 1) / WARPS : 0;  // the grid's last CTAs (launch_v3 adds them)
+    const bool pair_cta = CMB && (int)blockIdx.x >= (int)gridDim.x - pair_ctas;
+    const int pq0 = (int)(blockIdx.x - (gridDim.x - pair_ctas)) * WARPS + warp;  // a pair CTA warp's first pair item
+    const int gw = blockIdx.x * WARPS + warp, n_warps = ((int)gridDim.x - pair_ctas) * WARPS;
     const int chunks = n_groups / P;  // chunks per item (P divides n_groups: a multiple of 8)
     const int mine = gw < n_work ? (n_work - 1 - gw) / n_warps + 1 : 0;
     const int total = mine * chunks;
-    // CMB: items q = gw, gw + n_warps, ... of the warp past the entries' n_work are pair items q - n_work, n_pairs of
-    // them (last, so they fall to the warps with one item fewer); q_pair: the warp's first
-    const int q_end = n_work + (CMB ? n_pairs : 0);
-    const int q_pair = CMB == 0 || gw >= n_work ? gw : gw + (n_work - gw + n_warps - 1) / n_warps * n_warps;
-    // uniform over the warp; no CTA barrier follows (nothing read or written after the wait).  With CMB a warp with
-    // pair items but no items of its own goes on to the one wait below (one wait site: tests/test_pdl_order_sass.py)
-    if (total == 0 && (CMB == 0 || q_pair >= q_end)) return;
-    const bool own = CMB == 0 || total > 0;  // items of its own (always without CMB)
-    // the pair items' shared products before the wait: the weights and the route kernel's h_s (complete, as counts)
-    if (CMB && cmb.w_sd != nullptr)
-        for (int q = q_pair; q < q_end; q += n_warps) pair_shared(cmb, q - n_work, t, d);
+    // uniform over the warp; no CTA barrier follows (nothing read or written after the wait).  A pair CTA's warps go
+    // on to the kernel's one wait below (tests/test_pdl_order_sass.py reads the wait last in the SASS as the wait)
+    if (!pair_cta && total == 0) return;
+    if (pair_cta) pair_products(cmb, pq0, pair_ctas * WARPS, n_pairs, t, d);
     const int h_row = c_real * 4;  // uint4 per h row (i / 8)
 
     Ring<NT, P, true> ring;  // h through L2 (.cg)
@@ -655,16 +664,16 @@ __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2,
             l_setup(l_wi);
         }
     };
-    if (own) l_setup(l_wi);
+    if (!pair_cta) l_setup(l_wi);
     if (EARLY) {  // the first chunk's weights and scales put in flight into L2, then the wait
-        if (own && lane == 0) l2_prefetch(ring.pw, P * 512u);  // lane 0's words start the chunk (g = 0 for scales)
-        if (own && lane == 1) l2_prefetch(ring.ps, P * 64u);
+        if (!pair_cta && lane == 0) l2_prefetch(ring.pw, P * 512u);  // lane 0's words start the chunk (g = 0 for
+        if (!pair_cta && lane == 1) l2_prefetch(ring.ps, P * 64u);   // the scales too)
         pdl_prologue();  // gate_up's h is complete and visible from here
     }
-    if (CMB == 2)  // the pair items' tickets after the wait (their last may sum the pair, the last pair zero counts)
-        for (int q = q_pair; q < q_end; q += n_warps)
-            pair_arrive(cmb, out, q - n_work, n_ent + 1, t, d, e_local, n_pairs);
-    if (!own) return;  // CMB: only pair items
+    if (pair_cta) {
+        if (CMB == 2) pair_tickets(cmb, out, pq0, pair_ctas * WARPS, n_pairs, n_ent + 1, t, d, e_local);
+        return;
+    }
 #pragma unroll
     for (int k = 0; k < P; ++k) ring.load(k, k, c_real);
     l_next();
@@ -717,11 +726,13 @@ __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2,
                 *reinterpret_cast<uint4*>(out + (long)my_slot[j] * d + p * 32 + 8 * u) =
                     *reinterpret_cast<const uint4*>(stage + (8 * j + g) * 32 + 8 * u);
         __syncwarp();
-        if (CMB == 2) pair_arrive(cmb, out, p, n_ent + 1, t, d, e_local, n_pairs);
         c_chunk = 0;
         c_wi += n_warps;
         if (c_wi < n_work) prefetch_slots(c_wi);
     }
+    if (CMB == 2)  // the tickets of the warp's items, once its loop's registers are dead (no stack traffic in it)
+        for (int wi = gw; wi < n_work; wi += n_warps)
+            pair_arrive(cmb, out, wi % n_pairs, n_ent + 1, t, d, e_local, n_pairs);
 }
 
 #define GATE_UP(NT, P, MINB)                                                                                    \
