@@ -25,10 +25,6 @@ default (DEFAULT_ON), which are set again after the run):
   moe_w16   the MoE's 16-warp gate_up where it applies (plugins/moe_w4a16/launch_v3.USE_W16)
   moe_early the MoE's down kernel loads its weights before its PDL wait (launch_v3.EARLY_WEIGHTS; on by default)
   moe_one   the 16-warp gate_up at t = 1 takes token 0 without reading the lists first (launch_v3.ONE_TOKEN)
-  moe_pairs the MoE's shared expert down product in down's pair items, then the Triton combine adds it
-            (launch_v3.PAIR_COMBINE, FUSE_TOKENS 0)
-  moe_fuse  with it, down sums y itself up to one token (the AR step: three MoE launches; FUSE_TOKENS 1)
-  moe_fuse17 the same up to 17 tokens (DDTree rounds of budget <= 16; FUSE_TOKENS 17)
   skinny_wgmma GEMMs of 2..32 tokens (DDTree rounds, the drafter's block) on skinny_wgmma.cu, sm_90
             (runtime.model.layers.SKINNY_WGMMA; on by default: DDTree-16 -1.8 % at 4K, call 12)
   wgmma_kb4 with skinny_wgmma: four 64-column boxes a TMA stage (512 contiguous bytes of each weight row at once,
@@ -99,21 +95,6 @@ def _set_moe_pf(on: bool) -> None:
         os.environ.pop("KDTREE_MOE_PREFETCH", None)
 
 
-def _set_moe_pairs(on: bool) -> None:
-    from plugins.moe_w4a16 import launch_v3
-    launch_v3.PAIR_COMBINE, launch_v3.FUSE_TOKENS = (True, 0) if on else (False, 1)
-
-
-def _fuse_moe_combine(tokens: int):
-    """A switch that, on, has down sum y itself up to `tokens` tokens; applied after moe_pairs (SWITCHES' order),
-    which resets both: it only ever widens."""
-    def setter(on: bool) -> None:
-        from plugins.moe_w4a16 import launch_v3
-        if on:
-            launch_v3.PAIR_COMBINE, launch_v3.FUSE_TOKENS = True, max(launch_v3.FUSE_TOKENS, tokens)
-    return setter
-
-
 def _set_skinny_pf(on: bool) -> None:
     from plugins.skinny_gemm import launch
     launch.PREFETCH = True if on else None
@@ -149,7 +130,6 @@ _FLAGS = {"skinny": ("runtime.model.layers", "SKINNY_GEMM"),
 SWITCHES = {"moe_pf": _set_moe_pf, "skinny_pf": _set_skinny_pf,
             "skinny_wide": _set_skinny_wide, "skinny_tree": _widen_skinny_tokens(24),
             "skinny_8": _widen_skinny_tokens(8), "wgmma_t1": _set_wgmma_t1,
-            "moe_pairs": _set_moe_pairs, "moe_fuse": _fuse_moe_combine(1), "moe_fuse17": _fuse_moe_combine(17),
             **{name: _set_flag(*at) for name, at in _FLAGS.items()}}
 
 

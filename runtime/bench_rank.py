@@ -63,7 +63,7 @@ KERNEL_CLASSES = (  # (class, kernel-name pattern), first match wins
     ("attention", r"tree_verify_(mla|wgmma)"),
     ("layer_glue", r"^_(add_rms_norm|mla_q_absorb|mla_v_absorb|mla_rope_kv|silu_mul)_kernel"),  # plugins/layer_fusion
     ("moe_experts", r"^(gate_up_kernel|down_kernel|silu_mul_kernel|combine_kernel|combine_shared_kernel|"
-                    r"combine_shared_f32_kernel|kdtree_moe_v3_)"),
+                    r"kdtree_moe_v3_)"),
     ("moe_route", r"route_kernel"),
     ("tree_ops", r"_tree_kernel|_lse_partial|_radix_pass|_gather_kernel|_sort_rows|_tree_accept|kv_commit|"
                  r"_advance_lens|posterior|_round_emit"),

@@ -70,19 +70,3 @@ def test_the_attention_switches_set_their_flags_and_the_defaults_restore_them():
     finally:
         apply(DEFAULT_ON)
     assert wgmma_launch.EARLY and wgmma_launch.EARLY2 and launcher.WGMMA_AR and launcher.WGMMA_WIDE
-
-
-def test_the_moe_combine_switches_widen_and_the_defaults_restore_them():
-    """moe_pairs / moe_fuse / moe_fuse17 set launch_v3.PAIR_COMBINE and FUSE_TOKENS (0, 1, 17); apply(DEFAULT_ON)
-    turns the pair combine off again."""
-    from benchmarks.k26_switches import DEFAULT_ON, apply
-    from plugins.moe_w4a16 import launch_v3
-
-    try:
-        for extra, fuse in (({"moe_pairs"}, 0), ({"moe_fuse"}, 1), ({"moe_fuse17"}, 17),
-                            ({"moe_pairs", "moe_fuse"}, 1)):
-            apply(DEFAULT_ON | extra)
-            assert launch_v3.PAIR_COMBINE and launch_v3.FUSE_TOKENS == fuse, extra
-    finally:
-        apply(DEFAULT_ON)
-    assert not launch_v3.PAIR_COMBINE and launch_v3.FUSE_TOKENS == 1

@@ -186,8 +186,6 @@ def test_every_variant_the_launcher_picks_is_compiled(tmp_path):
     )
 
     names = {f"kdtree_moe_v3_down{early}_nt{nt}_p{p}" for nt, p in DOWN_P.items() for early in ("", "_early")}
-    names |= {f"kdtree_moe_v3_down_early_pairs_nt{nt}_p{p}" for nt, p in DOWN_P.items()}  # launch_v3.PAIR_COMBINE
-    names.add(f"kdtree_moe_v3_down_early_fuse_nt1_p{DOWN_P[1]}")
     for nt in GATE_UP_P:
         for per_warp in range(1, 40):
             names.add(gate_up_variant(nt, per_warp * WARPS))

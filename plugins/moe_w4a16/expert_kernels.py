@@ -262,31 +262,6 @@ def combine_kernel(out_ptr, idx_ptr, y_ptr, counts_ptr, D, e_start, e_local, K: 
 
 
 @triton.jit
-def combine_shared_f32_kernel(out_ptr, idx_ptr, sf_ptr, y_ptr, counts_ptr, D, e_start, e_local, K: tl.constexpr,
-                              BD: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr):
-    """combine_kernel plus the shared expert's down product that moe_v3's down kernel formed into sf [t, D] fp32
-    (its pair items, launch_v3.PAIR_COMBINE): y = round(round(the routed sum) + sf), the arithmetic of that kernel's
-    own last-arrival combine (moe_v3.cu pair_arrive), so a row's bits do not depend on which of the two sums it.
-    Program (0, 0) re-zeroes counts as combine_kernel does."""
-    pdl_prologue(PDL)  # out and sf are the down kernel's; counts are zeroed after it, their last reader, completed
-    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-        rc = tl.arange(0, BC)
-        tl.store(counts_ptr + rc, tl.zeros([BC], tl.int32), mask=rc < e_local + 1)
-    t = tl.program_id(0).to(tl.int64)
-    rd = tl.program_id(1) * BD + tl.arange(0, BD)
-    dmask = rd < D
-    acc = tl.zeros([BD], tl.float32)
-    for j in tl.static_range(K):
-        le = tl.load(idx_ptr + t * K + j) - e_start
-        ok = (le >= 0) & (le < e_local)
-        v = tl.load(out_ptr + (t * K + j) * D + rd, mask=dmask & ok, other=0.0)
-        acc += v.to(tl.float32)
-    routed = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
-    shared = tl.load(sf_ptr + t * D + rd, mask=dmask, other=0.0)
-    tl.store(y_ptr + t * D + rd, (routed + shared).to(y_ptr.dtype.element_ty), mask=dmask)
-
-
-@triton.jit
 def _shared_down_tile(h_ptr, w_ptr, rt, rd, tmask, dmask, I, stride_h, BT: tl.constexpr, BD: tl.constexpr,
                       BI: tl.constexpr, N_KI: tl.constexpr, DOT_PREC: tl.constexpr):
     """h [rt, I] . w [rd, I]^T in fp32: [BT, BD].  h is read through L2 (.cg): the route kernel writes it."""

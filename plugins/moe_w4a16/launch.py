@@ -18,7 +18,6 @@ import torch
 from plugins.common.pdl import pdl_args, pdl_for
 from plugins.moe_w4a16.expert_kernels import (
     combine_kernel,
-    combine_shared_f32_kernel,
     combine_shared_kernel,
     down_kernel,
     gate_up_kernel,
@@ -153,17 +152,6 @@ def launch_combine(out: torch.Tensor, topk_idx: torch.Tensor, y: torch.Tensor, c
         out, topk_idx, y, counts, shared_h, shared_down, t, d, i, shared_h.stride(0), e_start, e_local, K=top_k,
         BT=bt, BD=bd, BI=bi, N_KI=cdiv(i, bi), BC=next_pow2(e_local + 1), DOT_PREC=prec, num_warps=4,
         EARLY=early, **pdl_args(pdl))
-
-
-def launch_combine_shared_f32(out: torch.Tensor, topk_idx: torch.Tensor, shared_f: torch.Tensor, y: torch.Tensor,
-                              counts: torch.Tensor, e_start: int, e_local: int, top_k: int, pdl: bool,
-                              bd: int = 1024) -> None:
-    """v3's last launch where down formed the shared product (launch_v3.PAIR_COMBINE): y [t, d] = the routed sum of
-    out [t * top_k, d] rounded, plus shared_f [t, d] fp32, rounded; re-zeroes counts for the next call."""
-    t, d = y.shape
-    bd = min(bd, next_pow2(d))
-    combine_shared_f32_kernel[(t, cdiv(d, bd))](out, topk_idx, shared_f, y, counts, d, e_start, e_local, K=top_k,
-                                                BD=bd, BC=next_pow2(e_local + 1), num_warps=4, **pdl_args(pdl))
 
 
 def _scale_strides(s: torch.Tensor, int4: bool) -> tuple[int, int, int]:

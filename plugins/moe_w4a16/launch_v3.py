@@ -23,7 +23,7 @@ from plugins.common.device import device_facts
 from plugins.common.driver import checked, launch, pdl_refused
 from plugins.common.pdl import USE_PDL
 from plugins.moe_w4a16.fragment_layout import ROWS
-from plugins.moe_w4a16.launch import launch_combine, launch_combine_shared_f32
+from plugins.moe_w4a16.launch import launch_combine
 from plugins.moe_w4a16.layout import GROUP, padded_k
 from plugins.moe_w4a16.plan import cdiv, launch_plan
 from plugins.moe_w4a16.route_kernel import launch_route
@@ -95,17 +95,6 @@ USE_W16 = True
 # gate_up, one L2 round trip and a CTA barrier): -0.5 .. -0.8 µs a layer, AR step ~-0.8 %, DDTree rounds unchanged;
 # measured (H100, K2.6 rank at 40 layers, 4K; k26-switches-h100.json call 21): AR step -1.3 %, DDTree-16 level.
 ONE_TOKEN = env_flag("KDTREE_MOE_ONE_TOKEN", True)
-# KDTREE_MOE_PAIR_COMBINE=1 (off until measured; k26_switches moe_pairs / moe_fuse / moe_fuse17): the combine through
-# down (moe_v3.cu's Combine section).  down's pair items (one warp per 32 output rows) form the shared expert's down
-# product into the workspace's shared_f, in place of the Triton combine's tl.dot; up to FUSE_TOKENS tokens (NT 1)
-# down also sums y itself, the last item of each row pair taking the pair's rows (a ticket per pair), and the op is
-# three launches; above it combine_shared_f32_kernel adds shared_f to the routed sum.  Both sums are the same
-# arithmetic, so a row's bits do not depend on t (the AR step and a DDTree round agree).  Predicted (40 layers, 4K):
-# at FUSE_TOKENS 1 the combine's 3.2 µs a layer of the AR step becomes down's tail (ticket, one L2 round trip, the
-# stores), AR -1.5 .. -2 µs a layer (~-2.5 %); DDTree-16 level with the pair items alone, ~-1 % with FUSE_TOKENS 17.
-PAIR_COMBINE = env_flag("KDTREE_MOE_PAIR_COMBINE", False)
-FUSE_TOKENS = 1
-TICKETS = 1025  # row pairs + 1 the fused combine can count (d <= 32768)
 # NT for every t (1, 2 or 4; down takes min(NT, 2)): the benchmark's other choice; None: token_tile(t)
 TOKEN_TILE_OVERRIDE: int | None = None
 DOWN_P = {1: 8, 2: 4}
@@ -137,28 +126,9 @@ def gate_up_kernel(nt: int, n_groups: int, n_items: int, sms: int) -> tuple[str,
     return (name, W16) if name is not None else (gate_up_variant(nt, n_groups), WARPS)
 
 
-def combine_mode(t: int, nt: int, shared_down: torch.Tensor | None, shared_h: torch.Tensor | None,
-                 pairs: int) -> int:
-    """How the op's combine runs (moe_v3.cu's CMB): 0 the Triton combine (with the shared product's tl.dot), 1 down's
-    pair items then combine_shared_f32_kernel, 2 down sums y itself.  1 and 2 need PAIR_COMBINE, the early down, a
-    shared expert width a multiple of 32 with 16-byte aligned rows (its h 4-byte aligned) and pairs + 1 tickets."""
-    if not (PAIR_COMBINE and EARLY_WEIGHTS and pairs + 1 <= TICKETS):
-        return 0
-    if shared_down is not None:
-        i_s = shared_down.shape[1]
-        if i_s % 32 or shared_down.data_ptr() % 16 or shared_h.stride(0) % 2 or shared_h.data_ptr() % 4:
-            return 0
-    if t <= FUSE_TOKENS and nt == 1:
-        return 2
-    return 1 if shared_down is not None else 0
-
-
-def down_kernel(nt: int, cmb: int = 0) -> str:
-    """down's variant for NT (and combine_mode's cmb 1 / 2: the pair items, the fused combine; early only): with
-    EARLY_WEIGHTS the one that prefetches its first weights before its PDL wait
+def down_kernel(nt: int) -> str:
+    """down's variant for NT: with EARLY_WEIGHTS the one that prefetches its first weights before its PDL wait
     (moe_v3.cu's kdtree_moe_v3_down_early_*), else the one that waits first."""
-    if cmb:
-        return f"kdtree_moe_v3_down_early_{'fuse' if cmb == 2 else 'pairs'}_nt{nt}_p{DOWN_P[nt]}"
     return f"kdtree_moe_v3_down{'_early' if EARLY_WEIGHTS else ''}_nt{nt}_p{DOWN_P[nt]}"
 
 
@@ -201,7 +171,6 @@ class _Module:
     where: str
     index: int  # the CUDA device's
     pdl: bool = False  # ask for programmatic dependent launch (sm_90+; plugins/common/driver.launch remembers a refusal)
-    tickets: torch.Tensor | None = None  # [TICKETS] int32, zero between launches: the fused combine's (moe_v3.cu)
 
 
 _MODULES: dict[int, _Module] = {}
@@ -224,8 +193,7 @@ def kernels(device: torch.device) -> _Module:
         from cuda.bindings import driver as cu
         module, where = load_module(SOURCE, torch.device("cuda", index), "moe_w4a16 v3")
         pdl = USE_PDL and device_facts(device).capability[0] >= 9
-        tickets = torch.zeros(TICKETS, dtype=torch.int32, device=torch.device("cuda", index))  # outside any capture
-        mod = _MODULES[index] = _Module(cu, module, {}, {}, where, index, pdl, tickets)
+        mod = _MODULES[index] = _Module(cu, module, {}, {}, where, index, pdl)
     return mod
 
 
@@ -363,24 +331,12 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
     # one 16-warp CTA per SM, or GATE_UP_CTAS_PER_SM[nt] of 8 warps
     _launch(mod, name, min(n_items, sms if warps == W16 else GATE_UP_CTAS_PER_SM[nt] * sms), smem, args, types, warps)
     nt2 = down_tile(nt)
-    cmb = combine_mode(t, nt2, shared_down, shared_h, pairs2)
     n_items = max_entries(t, top_k, e_local, nt2) * pairs2
-    pair_ctas = cdiv(pairs2, WARPS) if cmb else 0  # cmb: the grid's last CTAs take the pair items (moe_v3.cu's down)
     smem = down_smem(t, top_k, e_local, nt2)
-    args = (w2.data_ptr(), w2_scale.data_ptr(), ws.h.data_ptr(), ws.topk_w.data_ptr(), ws.counts.data_ptr(),
-            ws.lists.data_ptr(), ws.out.data_ptr(), t, e_local, i // GROUP, c2, pairs2, d, *pf[0])
-    types = (ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, *pf[1])
-    if cmb:  # moe_v3.cu's DOWN_CMB_KERNEL arguments: Combine's
-        shared = shared_down is not None
-        args += (y.data_ptr(), ws.topk_idx.data_ptr(), shared_h.data_ptr() if shared else 0,
-                 shared_down.data_ptr() if shared else 0, ws.shared_f.data_ptr(), mod.tickets.data_ptr(),
-                 shared_h.stride(0) if shared else 0, shared_down.shape[1] if shared else 0, e_start, top_k)
-        types += (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32)
-    _launch(mod, down_kernel(nt2, cmb), min(cdiv(n_items, WARPS), 2 * sms - pair_ctas) + pair_ctas, smem, args, types)
-    pdl = mod.pdl and not pdl_refused(mod.index)
-    if cmb == 1:
-        launch_combine_shared_f32(ws.out, ws.topk_idx, ws.shared_f, y, ws.counts, e_start, e_local, top_k, pdl)
-    elif cmb == 0:
-        launch_combine(ws.out, ws.topk_idx, y, ws.counts, e_start, e_local, top_k, pdl, shared_h, shared_down,
-                       early=EARLY_WEIGHTS)
+    _launch(mod, down_kernel(nt2), min(cdiv(n_items, WARPS), 2 * sms), smem,
+            (w2.data_ptr(), w2_scale.data_ptr(), ws.h.data_ptr(), ws.topk_w.data_ptr(), ws.counts.data_ptr(),
+             ws.lists.data_ptr(), ws.out.data_ptr(), t, e_local, i // GROUP, c2, pairs2, d, *pf[0]),
+            (ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, *pf[1]))
+    launch_combine(ws.out, ws.topk_idx, y, ws.counts, e_start, e_local, top_k, mod.pdl and not pdl_refused(mod.index),
+                   shared_h, shared_down, early=EARLY_WEIGHTS)
     return y

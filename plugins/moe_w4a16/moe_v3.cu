@@ -7,8 +7,7 @@
 //
 //   gate_up:  h[slot, :] = silu(W1_e x[tok]) * (W3_e x[tok])        h [t * top_k, i] bf16
 //   down:     out[slot, :] = topk_w[slot] * (W2_e h[slot])          out [t * top_k, d] bf16
-// and the combine (y[tok] = sum over the token's local slots, in slot order) stays the Triton kernel, or goes into
-// down (the `Combine` section: launch_v3.PAIR_COMBINE).
+// and the combine (y[tok] = sum over the token's local slots, in slot order) stays the Triton kernel.
 //
 // Work.  Each CTA first turns counts into the list of (expert, token tile) entries, in expert order
 // (a tile is 8 * NT token slots of one expert).  gate_up: a work item is (entry, row pair p of 32 w13 rows
@@ -433,172 +432,13 @@ __device__ void gate_up(const uint4* __restrict__ w13, const uint2* __restrict__
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// The combine through down (launch_v3.PAIR_COMBINE): down's `pair items`, one per row pair p of 32 output rows, form
-// the shared expert's down product of those rows for every token, shared_f [t, d] fp32 = h_s [t, i_s] . w_sd [d, i_s]^T
-// (mma.sync bf16, fp32 accumulation, k in 32-column chunks in order: a row's value does not depend on t or on which
-// warp forms it), and then either the Triton combine (combine_shared_f32_kernel) or, with CMB 2, down itself finishes
-// y: every item of row pair p (its n_ent entries' items and its pair item) takes a ticket after its stores, and the
-// one that arrives last sums the pair's 32 rows for all t tokens: y = bf16(bf16(sum of the token's local slots of out,
-// fp32, slot order) + shared_f), the Triton kernel's arithmetic.  The last pair to finish re-zeroes the routing counts
-// (the combine kernel's job otherwise).
-// ---------------------------------------------------------------------------------------------------------
-struct Combine {
-    u16* y;               // [t, d] the op's output (CMB 2)
-    const int* topk_idx;  // [t * top_k] global expert ids (the route kernel's)
-    const u16* h_s;       // [t, stride_hs] the shared expert's silu(gate) * up (the route kernel's), or nullptr
-    const u16* w_sd;      // [d, i_s] its down projection (weights), or nullptr
-    float* shared_f;      // [t, d] fp32 scratch: h_s . w_sd^T
-    int* tickets;         // [n_pairs + 1] zero between launches (each last arrival re-zeroes its own)
-    int* counts;          // [e_local + 1] the routing counts, re-zeroed by the last pair (CMB 2)
-    int stride_hs, i_s, e_start, top_k;
-};
-
-__device__ __forceinline__ u32 ld_cg_u32(const void* p) {
-    u32 r;
-    asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(r) : "l"(p));
-    return r;
-}
-
-__device__ __forceinline__ float ld_cg_bf16(const u16* p) {
-    unsigned short r;
-    asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(r) : "l"(p));
-    return __uint_as_float((u32)r << 16);
-}
-
-__device__ __forceinline__ float bf16_round(float f) { return __uint_as_float((u32)to_bf16(f) << 16); }
-
-// Pair item p: shared_f [tok, 32 p .. 32 p + 31] for every token tok < t (one warp; tiles of 8 tokens).  Lane (g, u)
-// of k step st of a 32-column chunk holds the columns 8u + 4st .. 8u + 4st + 3 of rows g, g + 8 (A) and of token g (B)
-// as the mma's k positions 2u, 2u + 1, 2u + 8, 2u + 9: one 16-byte load a row a chunk, the same order for A and B.
-__device__ __noinline__ void pair_shared(const Combine& c, int p, int t, int d) {
-    constexpr int B = 4;  // 32-column chunks a batch: their 16 weight loads and 16 token words in flight together
-    const int lane = threadIdx.x & 31, g = lane >> 2, u = lane & 3;
-    for (int tok0 = 0; tok0 < t; tok0 += 8) {
-        float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-        const int tok = tok0 + g;
-        for (int kb = 0; kb < c.i_s; kb += 32 * B) {
-            uint4 a[B][2][2];
-            u32 b[B][4];
-#pragma unroll
-            for (int cc = 0; cc < B; ++cc) {
-                const int kc = kb + 32 * cc;
-                const bool in = kc < c.i_s;  // uniform
-#pragma unroll
-                for (int m = 0; m < 2; ++m)
-#pragma unroll
-                    for (int h8 = 0; h8 < 2; ++h8)
-                        a[cc][m][h8] = in ? ld_stream(reinterpret_cast<const uint4*>(
-                                                c.w_sd + (long)(32 * p + 16 * m + 8 * h8 + g) * c.i_s + kc + 8 * u))
-                                          : make_uint4(0u, 0u, 0u, 0u);
-                const u16* hp = c.h_s + (long)tok * c.stride_hs + kc + 8 * u;
-#pragma unroll
-                for (int q = 0; q < 4; ++q) b[cc][q] = in && tok < t ? ld_cg_u32(hp + 2 * q) : 0u;  // 32-bit L2 loads
-            }
-#pragma unroll
-            for (int cc = 0; cc < B; ++cc) {
-                if (kb + 32 * cc >= c.i_s) break;
-#pragma unroll
-                for (int st = 0; st < 2; ++st)
-#pragma unroll
-                    for (int m = 0; m < 2; ++m)
-                        mma_bf16(acc[m], word(a[cc][m][0], 2 * st), word(a[cc][m][1], 2 * st),
-                                 word(a[cc][m][0], 2 * st + 1), word(a[cc][m][1], 2 * st + 1), b[cc][2 * st],
-                                 b[cc][2 * st + 1]);
-            }
-        }
-#pragma unroll
-        for (int m = 0; m < 2; ++m)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {  // c_r: row g (+ 8 for r >= 2), token 2u + (r & 1)
-                const int row = 32 * p + 16 * m + g + 8 * (r >> 1), tk = tok0 + 2 * u + (r & 1);
-                if (tk < t) c.shared_f[(long)tk * d + row] = acc[m][r];
-            }
-    }
-}
-
-// An item of row pair p has stored its rows of out (every lane of the warp calls it): its ticket; the last of the
-// pair's `expected` items sums the pair's rows for all t tokens (lane r: row 32 p + r) into y, and the last pair
-// re-zeroes the counts.  The fences and the L2 loads as hopper.cuh's last_arrival.
-__device__ __noinline__ void pair_arrive(const Combine& c, const u16* out, int p, int expected, int t, int d,
-                                         int e_local, int n_pairs) {
-    const int lane = threadIdx.x & 31;
-    __threadfence();
-    __syncwarp();
-    int last = 0;
-    if (lane == 0) {
-        const int n = atomicAdd(c.tickets + p, 1);
-        last = n == expected - 1;
-        if (last) c.tickets[p] = 0;
-    }
-    if (!__shfl_sync(0xFFFFFFFFu, last, 0)) return;
-    __threadfence();
-    const int row = 32 * p + lane;
-    constexpr int TB = 4;  // tokens whose slot ids and rows are in flight together (8 slots each a pass)
-    for (int tok0 = 0; tok0 < t; tok0 += TB) {
-        float acc[TB], shared[TB];
-#pragma unroll
-        for (int b = 0; b < TB; ++b) {
-            const int tok = tok0 + b < t ? tok0 + b : tok0;
-            acc[b] = 0.f;
-            shared[b] = c.w_sd != nullptr ? ld_cg_f32(c.shared_f + (long)tok * d + row) : 0.f;
-        }
-        for (int j0 = 0; j0 < c.top_k; j0 += 8) {  // out [t * top_k, d]: every slot's row exists, so a non-local
-            int le[TB][8];                         // slot's (or a token past t's) is read and dropped
-            float v[TB][8];
-#pragma unroll
-            for (int b = 0; b < TB; ++b)
-#pragma unroll
-                for (int q = 0; q < 8; ++q) {
-                    const int j = j0 + q, tok = tok0 + b < t ? tok0 + b : tok0;
-                    const int slot = tok * c.top_k + (j < c.top_k ? j : 0);
-                    le[b][q] = j < c.top_k ? ld_count(c.topk_idx + slot) - c.e_start : -1;
-                    v[b][q] = ld_cg_bf16(out + (long)slot * d + row);
-                }
-#pragma unroll
-            for (int b = 0; b < TB; ++b)
-#pragma unroll
-                for (int q = 0; q < 8; ++q) acc[b] += le[b][q] >= 0 && le[b][q] < e_local ? v[b][q] : 0.f;  // in order
-        }
-#pragma unroll
-        for (int b = 0; b < TB; ++b)
-            if (tok0 + b < t) c.y[(long)(tok0 + b) * d + row] = to_bf16(bf16_round(acc[b]) + shared[b]);
-    }
-    __threadfence();
-    __syncwarp();
-    int all = 0;
-    if (lane == 0) {
-        const int n = atomicAdd(c.tickets + n_pairs, 1);
-        all = n == n_pairs - 1;
-        if (all) c.tickets[n_pairs] = 0;
-    }
-    if (__shfl_sync(0xFFFFFFFFu, all, 0))
-        for (int e = lane; e <= e_local; e += 32) c.counts[e] = 0;
-}
-
-// A warp of down's pair CTAs, pair items q0, q0 + step, ... < n_pairs: their shared products (before the PDL wait: the
-// weights by ld.nc, the route kernel's h_s by 32-bit L2 loads, complete as the counts are), then after the wait their
-// tickets.  Own functions, so the entries' items' code around them holds no call and no stack traffic.
-__device__ __noinline__ void pair_products(const Combine& c, int q0, int step, int n_pairs, int t, int d) {
-    if (c.w_sd != nullptr)
-        for (int q = q0; q < n_pairs; q += step) pair_shared(c, q, t, d);
-}
-
-__device__ __noinline__ void pair_tickets(const Combine& c, const u16* out, int q0, int step, int n_pairs,
-                                          int expected, int t, int d, int e_local) {
-    for (int q = q0; q < n_pairs; q += step) pair_arrive(c, out, q, expected, t, d, e_local, n_pairs);
-}
-
-// ---------------------------------------------------------------------------------------------------------
 // down: item = (entry, row pair), one warp over the whole k (warps of all CTAs stride over the items)
 // ---------------------------------------------------------------------------------------------------------
-// CMB (with EARLY): 0 none; 1 the last cdiv(n_pairs, WARPS) CTAs take the pair items (shared_f); 2 those and the
-// tickets, every warp taking its items' after its last item, the last item of a pair summing it into y (see Combine)
-template <int NT, int P, bool EARLY, int CMB = 0>
+template <int NT, int P, bool EARLY>
 __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2, const uint4* __restrict__ h,
                      const float* __restrict__ topk_w, const int* __restrict__ counts, const int* __restrict__ lists,
                      u16* __restrict__ out, int t, int e_local, int c_real, int n_groups, int n_pairs, int d,
-                     int pf, const Combine& cmb) {
-    static_assert(CMB == 0 || EARLY, "the pair items follow the early down's wait");
+                     int pf) {
     extern __shared__ __align__(16) unsigned char smem[];
     constexpr int TT = 8 * NT;
     u16* s_o = reinterpret_cast<u16*>(smem);  // [WARPS][TT tokens][32 rows] bf16: the warp's item, staged
@@ -623,17 +463,11 @@ __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2,
                                            smem_room(s_slot, smem));
     auto slot_of = [&](int i, int q) { return entry_slot(staged, s_slot, s_ent, s_cnt, lists, t, TT, i, q); };
     const int n_work = n_ent * n_pairs;
-    const int pair_ctas = CMB ? (n_pairs + WARPS - 1) / WARPS : 0;  // the grid's last CTAs (launch_v3 adds them)
-    const bool pair_cta = CMB && (int)blockIdx.x >= (int)gridDim.x - pair_ctas;
-    const int pq0 = (int)(blockIdx.x - (gridDim.x - pair_ctas)) * WARPS + warp;  // a pair CTA warp's first pair item
-    const int gw = blockIdx.x * WARPS + warp, n_warps = ((int)gridDim.x - pair_ctas) * WARPS;
+    const int gw = blockIdx.x * WARPS + warp, n_warps = gridDim.x * WARPS;
     const int chunks = n_groups / P;  // chunks per item (P divides n_groups: a multiple of 8)
     const int mine = gw < n_work ? (n_work - 1 - gw) / n_warps + 1 : 0;
     const int total = mine * chunks;
-    // uniform over the warp; no CTA barrier follows (nothing read or written after the wait).  A pair CTA's warps go
-    // on to the kernel's one wait below (tests/test_pdl_order_sass.py reads the wait last in the SASS as the wait)
-    if (!pair_cta && total == 0) return;
-    if (pair_cta) pair_products(cmb, pq0, pair_ctas * WARPS, n_pairs, t, d);
+    if (total == 0) return;  // uniform over the warp; no CTA barrier follows (nothing read or written after the wait)
     const int h_row = c_real * 4;  // uint4 per h row (i / 8)
 
     Ring<NT, P, true> ring;  // h through L2 (.cg)
@@ -664,15 +498,11 @@ __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2,
             l_setup(l_wi);
         }
     };
-    if (!pair_cta) l_setup(l_wi);
+    l_setup(l_wi);
     if (EARLY) {  // the first chunk's weights and scales put in flight into L2, then the wait
-        if (!pair_cta && lane == 0) l2_prefetch(ring.pw, P * 512u);  // lane 0's words start the chunk (g = 0 for
-        if (!pair_cta && lane == 1) l2_prefetch(ring.ps, P * 64u);   // the scales too)
+        if (lane == 0) l2_prefetch(ring.pw, P * 512u);  // lane 0's words start the chunk (g = 0 for the scales too)
+        if (lane == 1) l2_prefetch(ring.ps, P * 64u);
         pdl_prologue();  // gate_up's h is complete and visible from here
-    }
-    if (pair_cta) {
-        if (CMB == 2) pair_tickets(cmb, out, pq0, pair_ctas * WARPS, n_pairs, n_ent + 1, t, d, e_local);
-        return;
     }
 #pragma unroll
     for (int k = 0; k < P; ++k) ring.load(k, k, c_real);
@@ -730,9 +560,6 @@ __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2,
         c_wi += n_warps;
         if (c_wi < n_work) prefetch_slots(c_wi);
     }
-    if (CMB == 2)  // the tickets of the warp's items, once its loop's registers are dead (no stack traffic in it)
-        for (int wi = gw; wi < n_work; wi += n_warps)
-            pair_arrive(cmb, out, wi % n_pairs, n_ent + 1, t, d, e_local, n_pairs);
 }
 
 #define GATE_UP(NT, P, MINB)                                                                                    \
@@ -756,20 +583,7 @@ __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2,
     extern "C" __global__ void __launch_bounds__(THREADS, MINB) NAME(                                         \
         const uint4* w2, const uint2* s2, const uint4* h, const float* topk_w, const int* counts,             \
         const int* lists, u16* out, int t, int e_local, int c_real, int n_groups, int n_pairs, int d, int pf) {\
-        down<NT, P, EARLY>(w2, s2, h, topk_w, counts, lists, out, t, e_local, c_real, n_groups, n_pairs, d, pf, \
-                           Combine{});                                                                         \
-    }
-// the early down with the combine's pair items (CMB 1: kdtree_moe_v3_down_early_pairs_*) or the whole combine (CMB 2:
-// kdtree_moe_v3_down_early_fuse_*); Combine's fields follow down's arguments
-#define DOWN_CMB_KERNEL(NAME, NT, P, MINB, CMB)                                                                   \
-    extern "C" __global__ void __launch_bounds__(THREADS, MINB) NAME(                                         \
-        const uint4* w2, const uint2* s2, const uint4* h, const float* topk_w, int* counts, const int* lists,  \
-        u16* out, int t, int e_local, int c_real, int n_groups, int n_pairs, int d, int pf, u16* y,           \
-        const int* topk_idx, const u16* h_s, const u16* w_sd, float* shared_f, int* tickets, int stride_hs,   \
-        int i_s, int e_start, int top_k) {                                                                     \
-        down<NT, P, true, CMB>(w2, s2, h, topk_w, counts, lists, out, t, e_local, c_real, n_groups, n_pairs, d, pf, \
-                               Combine{y, topk_idx, h_s, w_sd, shared_f, tickets, counts, stride_hs, i_s, e_start, \
-                                       top_k});                                                               \
+        down<NT, P, EARLY>(w2, s2, h, topk_w, counts, lists, out, t, e_local, c_real, n_groups, n_pairs, d, pf); \
     }
 // each down variant twice: waiting first, and with its weights before the wait (launch_v3.EARLY_WEIGHTS)
 #define DOWN(NT, P, MINB)                                                       \
@@ -784,6 +598,3 @@ GATE_UP(4, 2, 1) GATE_UP(4, 1, 1)
 GATE_UP_W16(1, 7)
 DOWN(1, 8, 2)
 DOWN(2, 4, 2)
-DOWN_CMB_KERNEL(kdtree_moe_v3_down_early_pairs_nt1_p8, 1, 8, 2, 1)
-DOWN_CMB_KERNEL(kdtree_moe_v3_down_early_pairs_nt2_p4, 2, 4, 2, 1)
-DOWN_CMB_KERNEL(kdtree_moe_v3_down_early_fuse_nt1_p8, 1, 8, 2, 2)

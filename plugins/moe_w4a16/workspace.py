@@ -34,7 +34,6 @@ class MoEWorkspace:
     out: torch.Tensor       # [t * K, d] x's dtype: weighted expert output per slot
     part: torch.Tensor      # [s, t * K, 2i] fp32 gate|up partial sums per k split
     h: torch.Tensor         # [t * K, i] x's dtype: silu(gate) * up per slot
-    shared_f: torch.Tensor  # [t, d] fp32: the shared expert's down product (v3's down with launch_v3.PAIR_COMBINE)
 
     @classmethod
     def allocate(cls, max_tokens: int, top_k: int, e_local: int, d: int, i: int, dtype: torch.dtype, device,
@@ -68,4 +67,4 @@ def _specs(t: int, top_k: int, e_local: int, d: int, i: int, dtype: torch.dtype,
     n_slots, i32 = t * top_k, torch.int32
     return [((e_local + 1,), i32), ((e_local,), i32), ((e_local, t), i32), ((n_slots,), i32),
             ((n_slots,), torch.float32), ((n_slots, d), dtype), ((splits, n_slots, 2 * i), torch.float32),
-            ((n_slots, i), dtype), ((t, d), torch.float32)]
+            ((n_slots, i), dtype)]
