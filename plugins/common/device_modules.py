@@ -1,7 +1,8 @@
 """Kernels loaded once per CUDA device: the loaded object, or why it does not load there (remembered for the process,
-one warning).  The launchers of the CUDA C plugins (skinny_gemm, skinny_wgmma, tree_verify_wgmma) ask it in their
-`available(device)`; the first ask loads, never inside a CUDA graph capture (nothing is allocated in a capture's pool:
-the runtime's warm-up calls come first)."""
+one warning).  The launchers of the CUDA C plugins (skinny_gemm, skinny_wgmma, tree_verify_wgmma, l2_prefetch) ask
+it (in their `available(device)`, or at a launch); the first ask loads, never inside a CUDA graph capture (nothing is
+allocated in a capture's pool: the runtime's warm-up calls come first).  moe_w4a16's launch_v3 keeps its own table:
+its `unavailable` returns the reason for the loader's MoEKernelWarning instead of warning itself."""
 
 from __future__ import annotations
 

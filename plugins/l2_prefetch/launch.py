@@ -15,6 +15,7 @@ import torch
 
 from plugins.common.cubin import load_module
 from plugins.common.device import device_facts
+from plugins.common.device_modules import PerDevice
 from plugins.common.driver import checked, launch
 from plugins.common.pdl import USE_PDL
 
@@ -22,18 +23,33 @@ SOURCE = Path(__file__).with_name("l2_prefetch.cu")
 CHUNK = 64 << 10  # bytes per bulk prefetch request
 THREADS = 128
 
-_FUNCS: dict[int, dict[str, object]] = {}
 REGIONS = 4  # kdtree_l2_prefetch_regions' parameters
+KERNELS = ("kdtree_l2_prefetch", "kdtree_l2_prefetch_regions", "kdtree_spin")
+
+
+class L2PrefetchWarning(UserWarning):
+    """The l2_prefetch kernels could not be loaded on a device."""
+
+
+_FUNCS: PerDevice[dict[str, object]] = PerDevice("l2_prefetch", L2PrefetchWarning)
+
+
+def _load(dev: torch.device) -> dict[str, object]:
+    """The kernels of l2_prefetch.cu's cubin loaded on dev (a CUDA device with an index), by name."""
+    from cuda.bindings import driver as cu
+    module, _ = load_module(SOURCE, dev, "l2_prefetch")
+    return {n: checked(cu, cu.cuModuleGetFunction(module, n.encode()), f"l2_prefetch: {n}") for n in KERNELS}
 
 
 def _func(device: torch.device, name: str):
+    """(the driver module, kernel `name`) on `device`, loaded at the first call (which must not be inside a CUDA
+    graph capture); RuntimeError naming why where the kernels do not load."""
     from cuda.bindings import driver as cu
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    funcs = _FUNCS.get(index)
+    funcs = _FUNCS.get(device, _load)
     if funcs is None:
-        module, _ = load_module(SOURCE, torch.device("cuda", index), "l2_prefetch")
-        funcs = _FUNCS[index] = {n: checked(cu, cu.cuModuleGetFunction(module, n.encode()), f"l2_prefetch: {n}")
-                                 for n in ("kdtree_l2_prefetch", "kdtree_l2_prefetch_regions", "kdtree_spin")}
+        why = _FUNCS.why_not.get(_FUNCS.index(torch.device(device)), "first call inside a CUDA graph capture; call "
+                                 "it once before capturing")
+        raise RuntimeError(f"l2_prefetch: not loaded on {device}: {why}")
     return cu, funcs[name]
 
 
