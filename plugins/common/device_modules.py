@@ -61,3 +61,14 @@ class PerDevice(Generic[T]):
             return None
         self.loaded[index] = found
         return found
+
+    def require(self, device: torch.device, load: Callable[[torch.device], T]) -> T:
+        """get(device, load), or RuntimeError naming why the kernels are not loaded there (the reason get()
+        remembered, or a first call inside a CUDA graph capture)."""
+        found = self.get(device, load)
+        if found is None:
+            device = torch.device(device)
+            why = self.why_not.get(self.index(device), "first call inside a CUDA graph capture; call it once before "
+                                   "capturing") if device.type == "cuda" else "not a CUDA device"
+            raise RuntimeError(f"{self.what}: not loaded on {device}: {why}")
+        return found

@@ -45,12 +45,7 @@ def _func(device: torch.device, name: str):
     """(the driver module, kernel `name`) on `device`, loaded at the first call (which must not be inside a CUDA
     graph capture); RuntimeError naming why where the kernels do not load."""
     from cuda.bindings import driver as cu
-    funcs = _FUNCS.get(device, _load)
-    if funcs is None:
-        why = _FUNCS.why_not.get(_FUNCS.index(torch.device(device)), "first call inside a CUDA graph capture; call "
-                                 "it once before capturing")
-        raise RuntimeError(f"l2_prefetch: not loaded on {device}: {why}")
-    return cu, funcs[name]
+    return cu, _FUNCS.require(device, _load)[name]
 
 
 def _launch(device: torch.device, name: str, grid: int, threads: int, args: tuple, types: tuple) -> None:

@@ -186,12 +186,7 @@ def available(device: torch.device) -> bool:
 def _module(device: torch.device) -> KernelModule:
     """The loaded module and split workspace of `device` (loaded at its first call, which must not be inside a CUDA
     graph capture: the workspace would live in the capture's pool)."""
-    mod = _KERNELS.get(device, _load)
-    if mod is None:
-        why = _KERNELS.why_not.get(_KERNELS.index(device), "first call inside a CUDA graph capture; call it once "
-                                   "before capturing")
-        raise RuntimeError(f"skinny_gemm: not loaded on {device}: {why}")
-    return mod
+    return _KERNELS.require(device, _load)
 
 
 def skinny_gemm_cuda(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, out_f32: bool, pf: bool | None = None,
