@@ -21,7 +21,7 @@
 // bf16 through PTX on raw 32-bit registers; plugins/common/cuda/hopper.cuh (PDL, l2_prefetch) is its one header
 // (cubin.py inlines it for NVRTC).
 
-#include "../common/cuda/hopper.cuh"  // pdl_wait, pdl_trigger, l2_prefetch, ld_stream
+#include "../common/cuda/hopper.cuh"  // pdl_wait, pdl_trigger, l2_prefetch, ld_stream, ld_cg_s32
 
 typedef unsigned short u16;
 
@@ -151,11 +151,7 @@ __device__ __forceinline__ void group_mma(float (&acc)[2][NT][4], const uint4& w
 // pass: one memory latency and one CTA scan, not two.
 // The counts come from L2 (.cg): the route kernel, this grid's predecessor, writes them, and under PDL this grid may
 // start while it runs, so not through the non-coherent path that `const __restrict__` lets the compiler pick.
-__device__ __forceinline__ int ld_count(const int* p) {
-    int r;
-    asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(r) : "l"(p));
-    return r;
-}
+__device__ __forceinline__ int ld_count(const int* p) { return ld_cg_s32(p); }
 
 __device__ __forceinline__ float ld_cg_f32(const float* p) {
     float r;

@@ -35,7 +35,7 @@
 
 #define KDTREE_ARCH_FEATURES  // plugins/common/cubin.py: compiled for sm_90a where the arch is sm_90 (wgmma)
 
-#include "../common/cuda/hopper.cuh"  // smem_u32, pdl_*, mbar_*, wgmma_fence / commit / wait_all
+#include "../common/cuda/hopper.cuh"  // smem_u32, pdl_*, mbar_*, wgmma_fence / commit / wait_all, ld_cg_s32
 
 typedef unsigned short u16;
 
@@ -60,14 +60,6 @@ static_assert(SMEM_BYTES == SMEM_BAR + 16, "SMEM_BYTES is the end of the shared-
 // CTAs of the other m-blocks from L2).
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-
-// A 32-bit load through L2 (ld.global.cg): the committed length, read before the PDL wait with `early` (what the
-// PDL order test allows there: no round data, and not an .nc load ptxas could hoist)
-__device__ __forceinline__ int ld_cg_s32(const int* p) {
-    int r;
-    asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(r) : "l"(p));
-    return r;
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }

@@ -1,7 +1,7 @@
 // Hopper (sm_90) primitives shared by the CUDA C kernels: programmatic dependent launch, shared-memory addresses, the
-// weights' streaming load, the L2 bulk prefetch, mbarriers (the tensor memory accelerator's completion) and the
-// warpgroup MMA's fence / commit / wait, and the split-K kernels' last-CTA ticket.  Each but the ticket wraps one PTX
-// instruction; where an arch lacks it (PDL and the prefetch below sm_90, wgmma outside
+// weights' streaming load, the 32-bit L2 load, the L2 bulk prefetch, mbarriers (the tensor memory accelerator's
+// completion) and the warpgroup MMA's fence / commit / wait, and the split-K kernels' last-CTA ticket.  Each but the
+// ticket wraps one PTX instruction; where an arch lacks it (PDL and the prefetch below sm_90, wgmma outside
 // sm_90a) it compiles to nothing, so the same source builds for sm_120 (whose kernels never take those paths).
 //
 // Included by the .cu files as "../common/cuda/hopper.cuh"; plugins/common/cubin.py inlines it before NVRTC
@@ -35,6 +35,15 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
     uint4 r;
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+// A 32-bit load through L2 (ld.global.cg): what a kernel may read before its PDL wait of data written a launch or
+// more before its predecessor (routing counts and lists, the committed cache length): a strong load ptxas keeps in
+// place, never the non-coherent path that `const __restrict__` would let it pick (tests/test_pdl_order_sass.py)
+__device__ __forceinline__ int ld_cg_s32(const int* p) {
+    int r;
+    asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(r) : "l"(p));
     return r;
 }
 
