@@ -2,14 +2,17 @@
 bf16 grouped GEMM on dequantised weights, side by side in one run, on the same experts and inputs.
 
 Shapes and routing as benchmarks/moe_w4a16.py: K2.6 TP8 rank (384 experts x 256, hidden 7168, top-8) at
-t in {1, 8, 16, 17, 33, 64, 256, 512}, EP8 rank (48 whole experts x 2048) at t in {1, 16, 64}; "tree" (neighbouring
-tokens share experts) and "uniform" routing.  Roofline bytes: the touched experts' packed weights + scales
-+ x, y, logits (benchmarks/moe_w4a16.py's count; v3's layout holds the same bytes per expert).  Both kernel
-paths are timed as CUDA graph replays (scratch from a MoEWorkspace allocated once), the peer eagerly.
-v3 is timed five times: with the defaults (launch_v3: down's weights before its PDL wait, the 16-warp gate_up where
-it applies: t = 1), with its L2 prefetch of the expert weights (v3_pf, KDTREE_MOE_PREFETCH=1), with down's weights
-after the wait (v3_late_w8, v3_late_w16 with the 16-warp gate_up), and early with the 8-warp gate_up (v3_early_w8); at
-t = 8, 9, 16, 17, 33, 64, 256, 512 also with another token tile (v3_nt{1,2,4}_us: launch_v3.token_tile's choice
+t in {1, 8, 9, 16, 17, 33, 64, 129, 256, 257, 512, 1024} (--quick: 1, 9, 17, 64, 257, 512), EP8 rank (48 whole
+experts x 2048) at t in {1, 16, 64}; "tree" (neighbouring tokens share experts) and "uniform" routing.  Roofline
+bytes: the touched experts' packed weights + scales + x, y, logits (benchmarks/moe_w4a16.py's count; v3's layout
+holds the same bytes per expert).  Both kernel paths are timed as CUDA graph replays (scratch from a MoEWorkspace
+allocated once), the peer eagerly.
+v3 is timed with the defaults (launch_v3: down's weights before its PDL wait, the 16-warp gate_up where it applies:
+t = 1; the wgmma GEMMs where launch_wgmma.applies), with the expert GEMMs on the mma.sync kernels (v3_mma) and on
+moe_wgmma.cu's wgmma kernels (v3_wg, where the shapes suit them) at every t, and on the mma.sync kernels with their L2
+prefetch of the expert weights (v3_pf, KDTREE_MOE_PREFETCH=1), with down's weights after the wait (v3_late_w8,
+v3_late_w16 with the 16-warp gate_up), and early with the 8-warp gate_up (v3_early_w8); at t = 8, 9, 16, 17, 33, 64,
+256, 512 also with another token tile where the mma.sync kernels run (v3_nt{1,2,4}_us: launch_v3.token_tile's choice
 checked).
 Before timing: v3 against the fp32 reference on the dequantised experts and against v2c at t = 16.
 Writes benchmarks/results/moe_w4a16_v3.json and moe_w4a16_v3.png (fraction of roofline against t).
@@ -38,7 +41,7 @@ from plugins.moe_w4a16 import (  # noqa: E402
     route_reference,
 )
 from plugins.moe_w4a16.fragment_layout import dequantize_fragments  # noqa: E402
-from plugins.moe_w4a16 import launch_v3  # noqa: E402
+from plugins.moe_w4a16 import launch_v3, launch_wgmma  # noqa: E402
 from plugins.moe_w4a16.launch_v3 import PREFETCH_ENV, kernels  # noqa: E402
 
 
@@ -96,26 +99,31 @@ def bench_shape(name: str, t: int, routing: str, ex: dict, e_start: int, dev, de
     # v3_pf: v3 with its L2 prefetch of the expert weights (KDTREE_MOE_PREFETCH, read when the graph is captured);
     # v3_late_w8 / _w16: down's weights loaded after its PDL wait (launch_v3.EARLY_WEIGHTS off), with the 8- / 16-warp
     # gate_up (launch_v3.USE_W16: the 16-warp one where it applies, t = 1); v3_early_w8: before the wait, 8 warps
+    # v3_mma / v3_wg: the expert GEMMs on v3's mma.sync kernels / on moe_wgmma.cu's (launch_wgmma.FORCE), where v3
+    # takes the one launch_wgmma.applies picks; v3_wg only where the experts' shapes suit it (not EP8's i = 2048)
     w16_default, early_default = launch_v3.USE_W16, launch_v3.EARLY_WEIGHTS
-    for label, experts, pf, w16, early in (
-            ("v3", ex["frag"], "0", w16_default, early_default),
-            ("v3_pf", ex["frag"], "1", w16_default, early_default),
-            ("v3_late_w8", ex["frag"], "0", False, False),
-            ("v3_late_w16", ex["frag"], "0", True, False),
-            ("v3_early_w8", ex["frag"], "0", False, True),
-            ("v2c", ex["planar"], "0", True, False)):
+    wg_fits = launch_wgmma.shapes_fit(*ex["frag"][0].shape[1:3], *ex["frag"][2].shape[1:3])
+    for label, experts, pf, w16, early, wg in (
+            ("v3", ex["frag"], "0", w16_default, early_default, None),
+            ("v3_mma", ex["frag"], "0", w16_default, early_default, False),
+            *((("v3_wg", ex["frag"], "0", w16_default, early_default, True),) if wg_fits else ()),
+            ("v3_pf", ex["frag"], "1", w16_default, early_default, False),
+            ("v3_late_w8", ex["frag"], "0", False, False, False),
+            ("v3_late_w16", ex["frag"], "0", True, False, False),
+            ("v3_early_w8", ex["frag"], "0", False, True, False),
+            ("v2c", ex["planar"], "0", True, False, None)):
         os.environ[PREFETCH_ENV] = pf
-        launch_v3.USE_W16, launch_v3.EARLY_WEIGHTS = w16, early
+        launch_v3.USE_W16, launch_v3.EARLY_WEIGHTS, launch_wgmma.FORCE = w16, early, wg
         call = lambda: moe_w4a16(x, logits, None, bias, *experts, K, 1, 1, True, SCALING, e_start,  # noqa: E731,B023
                                  ws.buffer)
         us = time_us(call, graph=True)
         row[f"{label}_us"], row[f"{label}_fraction"] = us, roof / us
     os.environ.pop(PREFETCH_ENV)
-    launch_v3.USE_W16, launch_v3.EARLY_WEIGHTS = w16_default, early_default
+    launch_v3.USE_W16, launch_v3.EARLY_WEIGHTS, launch_wgmma.FORCE = w16_default, early_default, None
     # another token tile than the choice (launch_v3.token_tile: NT = 1 to t = 17, then 2): is the switch at the right
     # t under tree routing, where most experts see a few of the tokens, and does NT = 4 still lose at many tokens?
     other = {8: 2, 9: 2, 16: 2, 17: 2, 33: 1, 64: 4, 256: 4, 512: 4}.get(t)
-    if other is not None:
+    if other is not None and not launch_wgmma.applies(t, dev, *ex["frag"][0].shape[1:3], *ex["frag"][2].shape[1:3]):
         call = lambda: moe_w4a16(x, logits, None, bias, *ex["frag"], K, 1, 1, True, SCALING, e_start,  # noqa: E731
                                  ws.buffer)
         want = call()
@@ -142,15 +150,15 @@ def plot(rows: list[dict], path: Path) -> None:
         sel = [r for r in rows if r["shape"].startswith(shape) and r["routing"] == routing]
         if not sel:
             continue
-        ts = [r["t"] for r in sel]
-        for label, color in (("v3", "tab:blue"), ("v3_pf", "tab:green"), ("v2c", "tab:orange")):
-            ax.plot(ts, [r[f"{label}_fraction"] for r in sel], style, color=color, marker="o",
-                    label=f"{label} {shape} {routing}")
+        for label, color in (("v3_mma", "tab:blue"), ("v3_wg", "tab:red"), ("v2c", "tab:orange")):
+            got = [(r["t"], r[f"{label}_fraction"]) for r in sel if f"{label}_fraction" in r]
+            if got:
+                ax.plot(*zip(*got), style, color=color, marker="o", label=f"{label} {shape} {routing}")
     ax.axhline(0.5, color="gray", lw=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens t")
     ax.set_ylabel("fraction of the HBM roofline")
-    ax.set_title("moe_w4a16 on the H200: v3 (CUDA C, fragment order) vs v2c (Triton)")
+    ax.set_title("moe_w4a16: v3 mma.sync / wgmma (CUDA C, fragment order) vs v2c (Triton)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -186,11 +194,12 @@ def main() -> None:
     dense = None if args.quick else dense_operands(tp8)
     rows = []
     # t = 17 and 33: the verify of a 16- and a 32-node tree (nodes + the root)
-    for t in ([1, 9, 17, 64, 512] if args.quick else [1, 8, 9, 16, 17, 33, 64, 256, 512]):
+    for t in ([1, 9, 17, 64, 257, 512] if args.quick else [1, 8, 9, 16, 17, 33, 64, 129, 256, 257, 512, 1024]):
         for routing in (("tree",) if args.quick else ("tree", "uniform")):
             rows.append(bench_shape(f"k26_tp8_t{t}", t, routing, tp8, 0, dev, dense))
             r = rows[-1]
-            print(f"{r['shape']} {routing}: v3 {r['v3_us']:.1f} us ({r['v3_fraction']:.2f}), with L2 prefetch "
+            print(f"{r['shape']} {routing}: v3 {r['v3_us']:.1f} us ({r['v3_fraction']:.2f}), mma.sync "
+                  f"{r['v3_mma_us']:.1f} us, wgmma {r.get('v3_wg_us', float('nan')):.1f} us, with L2 prefetch "
                   f"{r['v3_pf_us']:.1f} us ({r['v3_pf_fraction']:.2f}), "
                   f"late down {r['v3_late_w8_us']:.1f} / {r['v3_late_w16_us']:.1f} us (8 / 16 warps), "
                   f"early down with 8 warps {r['v3_early_w8_us']:.1f} us, "
@@ -207,7 +216,8 @@ def main() -> None:
                         out_dir=args.out)
     plot(rows, Path(path).with_suffix(".png"))
     print(f"wrote {path}")
-    print_table(rows, ["shape", "routing", "experts_touched", "roofline_us", "v3_us", "v3_fraction", "v3_pf_us",
+    print_table(rows, ["shape", "routing", "experts_touched", "roofline_us", "v3_us", "v3_fraction", "v3_mma_us",
+                       "v3_mma_fraction", "v3_wg_us", "v3_wg_fraction", "v3_pf_us",
                        "v3_pf_fraction", "v3_late_w8_us", "v3_late_w16_us", "v3_early_w8_us", "v2c_us",
                        "v2c_fraction", "bf16_grouped_mm_us"])
 

@@ -445,16 +445,22 @@ def test_gpu_op_is_graph_capturable():
     (w13, s13), (w2, s2) = _random_int4(e, 2 * i, d, dev, g), _random_int4(e, d, i, dev, g)
     ws = MoEWorkspace.allocate(t, k, e, d, i, x.dtype, dev)  # the captured graph allocates only y
     call = lambda: moe_w4a16(x, logits, None, bias, w13, s13, w2, s2, k, 1, 1, True, 1.0, 0, ws.buffer)  # noqa
+    assert torch.equal(call(), moe_w4a16(x, logits, None, bias, w13, s13, w2, s2, k, 1, 1, True, 1.0, 0))
+    assert replays_on_new_tokens(call, x, g)
+
+
+def replays_on_new_tokens(call, x: torch.Tensor, g: torch.Generator) -> bool:
+    """call() captured in a CUDA graph, x refilled with new random tokens, the graph replayed: its output equals an
+    eager call's on the new tokens and differs from the first eager output."""
     eager = call()
-    assert torch.equal(eager, moe_w4a16(x, logits, None, bias, w13, s13, w2, s2, k, 1, 1, True, 1.0, 0))
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
         out = call()
-    x.copy_(torch.randn(t, d, device=dev, generator=g).to(torch.bfloat16))
+    x.copy_(torch.randn(x.shape, device=x.device, generator=g).to(x.dtype))
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, call()) and not torch.equal(out, eager)
+    return torch.equal(out, call()) and not torch.equal(out, eager)
 
 
 if __name__ == "__main__":

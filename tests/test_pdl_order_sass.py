@@ -110,7 +110,7 @@ def test_no_round_data_is_read_above_the_pdl_wait(source, arch, tmp_path):
     env = dict(os.environ, PATH=f"{Path(tool).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     sass = subprocess.run([tool, "-sass", str(cubin)], check=True, capture_output=True, text=True, env=env).stdout
     functions = _functions(sass)
-    if source.name in ("moe_v3.cu", "skinny_gemm.cu", "l2_prefetch.cu", "tree_verify_wgmma.cu",
+    if source.name in ("moe_v3.cu", "moe_wgmma.cu", "skinny_gemm.cu", "l2_prefetch.cu", "tree_verify_wgmma.cu",
                        "skinny_wgmma.cu", "boundary_cost.cu"):  # they wait (PDL)
         assert sum("ACQBULK" in "".join(lines) for lines in functions.values()) >= 1, "no PDL wait in the SASS"
     assert violations(sass) == {}

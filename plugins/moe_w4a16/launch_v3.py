@@ -22,6 +22,7 @@ from plugins.common.cubin import CubinUnavailable, load_module
 from plugins.common.device import device_facts
 from plugins.common.driver import checked, launch, pdl_refused
 from plugins.common.pdl import USE_PDL
+from plugins.moe_w4a16 import launch_wgmma
 from plugins.moe_w4a16.fragment_layout import ROWS
 from plugins.moe_w4a16.launch import launch_combine
 from plugins.moe_w4a16.layout import GROUP, padded_k
@@ -320,23 +321,29 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
     pf = ((PF_L2 * pf_on | PF_ONE * ONE_TOKEN,), (i32,))  # the flags argument (values, ctypes) of gate_up and down
     nt = TOKEN_TILE_OVERRIDE or token_tile(t)
     n_items = max_entries(t, top_k, e_local, nt) * pairs13
+    wgmma = launch_wgmma.applies(t, x.device, pairs13, c1, pairs2, c2)  # before the route kernel (it may load)
     args = (w13.data_ptr(), w13_scale.data_ptr(), x.data_ptr(), ws.counts.data_ptr(), ws.lists.data_ptr(),
             ws.h.data_ptr(), t, top_k, e_local, d // GROUP, c1, pairs13, i, *pf[0])
     types = (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32, *pf[1])
     # counts [e_local + 1] is zero here (MoEWorkspace.allocate zeroes it, every call's combine re-zeroes it)
     launch_route(logits, bias, ws.topk_idx, ws.topk_w, ws.counts, ws.active, ws.lists, e_start, e_local,
                  scaling, top_k, n_group, topk_group, norm_topk_prob, shared_gate_up, shared_h, active_list=False)
-    name, warps = gate_up_kernel(nt, c1, n_items, sms)
-    smem = gate_up_smem(t, top_k, e_local, nt, warps)
-    # one 16-warp CTA per SM, or GATE_UP_CTAS_PER_SM[nt] of 8 warps
-    _launch(mod, name, min(n_items, sms if warps == W16 else GATE_UP_CTAS_PER_SM[nt] * sms), smem, args, types, warps)
-    nt2 = down_tile(nt)
-    n_items = max_entries(t, top_k, e_local, nt2) * pairs2
-    smem = down_smem(t, top_k, e_local, nt2)
-    _launch(mod, down_kernel(nt2), min(cdiv(n_items, WARPS), 2 * sms), smem,
-            (w2.data_ptr(), w2_scale.data_ptr(), ws.h.data_ptr(), ws.topk_w.data_ptr(), ws.counts.data_ptr(),
-             ws.lists.data_ptr(), ws.out.data_ptr(), t, e_local, i // GROUP, c2, pairs2, d, *pf[0]),
-            (ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, *pf[1]))
+    if wgmma:  # many tokens an expert: moe_wgmma.cu's two GEMMs (launch_wgmma.py), the same h and out
+        launch_wgmma.gate_up(w13, w13_scale, x, ws.counts, ws.lists, ws.h, t, top_k, e_local, i)
+        launch_wgmma.down(w2, w2_scale, ws.h, ws.topk_w, ws.counts, ws.lists, ws.out, t, top_k, e_local, i)
+    else:
+        name, warps = gate_up_kernel(nt, c1, n_items, sms)
+        smem = gate_up_smem(t, top_k, e_local, nt, warps)
+        # one 16-warp CTA per SM, or GATE_UP_CTAS_PER_SM[nt] of 8 warps
+        _launch(mod, name, min(n_items, sms if warps == W16 else GATE_UP_CTAS_PER_SM[nt] * sms), smem, args, types,
+                warps)
+        nt2 = down_tile(nt)
+        n_items = max_entries(t, top_k, e_local, nt2) * pairs2
+        smem = down_smem(t, top_k, e_local, nt2)
+        _launch(mod, down_kernel(nt2), min(cdiv(n_items, WARPS), 2 * sms), smem,
+                (w2.data_ptr(), w2_scale.data_ptr(), ws.h.data_ptr(), ws.topk_w.data_ptr(), ws.counts.data_ptr(),
+                 ws.lists.data_ptr(), ws.out.data_ptr(), t, e_local, i // GROUP, c2, pairs2, d, *pf[0]),
+                (ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, *pf[1]))
     launch_combine(ws.out, ws.topk_idx, y, ws.counts, e_start, e_local, top_k, mod.pdl and not pdl_refused(mod.index),
                    shared_h, shared_down, early=EARLY_WEIGHTS)
     return y
