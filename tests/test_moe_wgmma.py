@@ -90,7 +90,7 @@ def test_b_tiles_meet_the_fragment_layout(gate_up):
 
 
 def test_shapes_the_kernels_take():
-    """Whole blocks of 4 row pairs, k groups in fours, i's groups within the h tile (i <= 512): the K2.6 TP8 rank
+    """Whole blocks of 4 row pairs, whole 64-k blocks, i's groups within the h tile (i <= 512): the K2.6 TP8 rank
     (pairs 16 / 224, groups 224 / 8) fits; EP8's whole experts (i = 2048) and the tiny models' odd pairs do not."""
     assert launch_wgmma.shapes_fit(16, 224, 224, 8)
     assert launch_wgmma.shapes_fit(4, 8, 8, 16)
@@ -121,7 +121,9 @@ def test_shared_memory_fits_two_ctas_an_sm():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 def test_source_compiles_with_both_kernels(tmp_path):
     """sm_90 (compiled as sm_90a: wgmma) and sm_120 (compiles, traps: the launcher never takes it there); in the PTX
-    each kernel waits for its predecessor grid before any global load, and down's h loads go through L2 (.cg)."""
+    gate_up waits for its predecessor grid (the route kernel) before any global load; down builds its entries and
+    puts its first weight blocks in flight before the wait (bulk copies), and its h loads follow the wait through L2
+    (.cg, never .nc)."""
     from plugins.common.cubin import _nvcc, compile_arch, source_text
     src = launch_wgmma.SOURCE
     names = (b"kdtree_moe_wg_gate_up", b"kdtree_moe_wg_down")
@@ -134,7 +136,10 @@ def test_source_compiles_with_both_kernels(tmp_path):
     bodies = {b.split("(")[0].strip(): b for b in ptx.read_text().split(".entry ")[1:]}
     assert sorted(bodies) == sorted(n.decode() for n in names)
     for name, b in bodies.items():
-        assert b.find("griddepcontrol.wait") < b.find("ld.global"), name
         assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in b, name
-    assert "ld.global.cg.v4.u32" in bodies["kdtree_moe_wg_down"]
-    assert "ld.global.nc.v4.u32" not in bodies["kdtree_moe_wg_down"]
+        assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in b, name
+    gate_up, down = bodies["kdtree_moe_wg_gate_up"], bodies["kdtree_moe_wg_down"]
+    assert gate_up.find("griddepcontrol.wait") < min(gate_up.find("ld.global"), gate_up.find("cp.async.bulk"))
+    wait = down.find("griddepcontrol.wait")
+    assert -1 < down.find("cp.async.bulk") < wait < down.find("ld.global.cg.v4.u32")
+    assert "ld.global.nc.v4.u32" not in down

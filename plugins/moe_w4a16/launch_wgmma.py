@@ -29,7 +29,9 @@ SOURCE = Path(__file__).with_name("moe_wgmma.cu")
 THREADS = 128  # one warpgroup (the .cu's WG)
 TILE = 64  # token slots an entry (the .cu's TILE: wgmma N up to 64)
 RB = 4  # row pairs an item (the .cu's RB)
-P_GROUPS = 4  # the weight ring's depth (the .cu's P_GROUPS): k groups per row pair a multiple of it
+W_STAGES = 8  # the weight ring's stages in shared memory (the .cu's W_STAGES): a 64-k block of 4 row pairs each
+W_STAGE_BYTES = RB * 2 * (512 + 64)  # their fragment words and scales
+W_RING_BYTES = W_STAGES * (W_STAGE_BYTES + 8)  # the stages and their mbarriers
 X_STAGES = 3  # gate_up's 64-k token blocks in shared memory
 BLOCK_BYTES = TILE * 128  # one 64-row x 64-k bf16 block
 H_BLOCKS_MAX = 8  # down's h tile: kp_i / 64 blocks at most (i <= 512)
@@ -66,9 +68,10 @@ _KERNELS: PerDevice[_Kernels] = PerDevice("moe_w4a16 wgmma", MoEWgmmaWarning, "t
 
 
 def shapes_fit(pairs13: int, groups13: int, pairs2: int, groups2: int) -> bool:
-    """Whether the experts' fragment shapes suit the kernels: whole blocks of RB row pairs, k groups in multiples of
-    the ring's depth, and i's groups (down's k) within the h tile's H_BLOCKS_MAX 64-k blocks."""
-    return (pairs13 % RB == 0 and pairs2 % RB == 0 and groups13 % P_GROUPS == 0 and groups2 % P_GROUPS == 0
+    """Whether the experts' fragment shapes suit the kernels: whole blocks of RB row pairs, whole 64-k blocks (k
+    groups in pairs: padded k is a multiple of 256, so always), and i's groups (down's k) within the h tile's
+    H_BLOCKS_MAX 64-k blocks."""
+    return (pairs13 % RB == 0 and pairs2 % RB == 0 and groups13 % 2 == 0 and groups2 % 2 == 0
             and groups2 // 2 <= H_BLOCKS_MAX)
 
 
@@ -85,13 +88,16 @@ def max_entries(t: int, top_k: int, e_local: int) -> int:
 
 
 def gate_up_smem(t: int, top_k: int, e_local: int) -> int:
-    """The .cu's layout: alignment slack, X_STAGES token blocks, h staged [64][64] bf16, slots, the entry list."""
-    return 1024 + X_STAGES * BLOCK_BYTES + TILE * 64 * 2 + (TILE + 4 + e_local + max_entries(t, top_k, e_local)) * 4
+    """The .cu's layout: alignment slack, X_STAGES token blocks, the weight ring, h staged [64][64] bf16, slots, the
+    entry list."""
+    return (1024 + X_STAGES * BLOCK_BYTES + W_RING_BYTES + TILE * 64 * 2
+            + (TILE + 4 + e_local + max_entries(t, top_k, e_local)) * 4)
 
 
 def down_smem(t: int, top_k: int, e_local: int, groups2: int) -> int:
-    """alignment slack, the h tile (groups2 / 2 blocks), out staged [64][128] bf16, slots and weights, entries."""
-    return (1024 + groups2 // 2 * BLOCK_BYTES + TILE * 128 * 2
+    """alignment slack, the h tile (groups2 / 2 blocks), the weight ring, out staged [64][128] bf16, slots and
+    their weights, entries."""
+    return (1024 + groups2 // 2 * BLOCK_BYTES + W_RING_BYTES + TILE * 128 * 2
             + (2 * TILE + 4 + e_local + max_entries(t, top_k, e_local)) * 4)
 
 
