@@ -32,7 +32,7 @@ RB = 4  # row pairs an item (the .cu's RB)
 W_STAGES = 8  # the weight ring's stages in shared memory (the .cu's W_STAGES): a 64-k block of 4 row pairs each
 W_STAGE_BYTES = RB * 2 * (512 + 64)  # their fragment words and scales
 W_RING_BYTES = W_STAGES * (W_STAGE_BYTES + 8)  # the stages and their mbarriers
-X_STAGES = 3  # gate_up's 64-k token blocks in shared memory
+X_STAGES = 6  # gate_up's 64-k token blocks in shared memory
 BLOCK_BYTES = TILE * 128  # one 64-row x 64-k bf16 block
 H_BLOCKS_MAX = 8  # down's h tile: kp_i / 64 blocks at most (i <= 512)
 CTAS_PER_SM = 2  # __launch_bounds__(128, 2)

@@ -30,8 +30,9 @@
 // {0, 1} and 8u + 4s + {2, 3} of k step s), so B must hold the token rows' k in that order: a thread loads 16 bytes
 // (k 8v .. 8v + 7 of a 64-k block) and stores its four words to the k steps' places (put_piece).  B tiles are
 // K-major rows of 128 bytes (64 k) with the 128-byte swizzle, 8-row atoms 1024 bytes apart (as tree_verify_wgmma.cu).
-// gate_up stages its tokens' x a 64-k block at a time (3 stages, the loads one block ahead in registers); down
-// stages its entry's whole h tile (i <= 512) once per entry.
+// gate_up copies its tokens' x a 64-k block at a time (4-byte cp.async, X_AHEAD blocks ahead of the MMAs: one block
+// ahead through registers left each block waiting on the loads' latency, H100 2026-12-07); down stages its entry's
+// whole h tile (i <= 512) once per entry.
 //
 // bf16 through PTX on raw 32-bit registers; hopper.cuh (PDL, wgmma fence / commit) and fragment_ops.cuh are its
 // headers (cubin.py inlines them for NVRTC).
@@ -44,7 +45,8 @@
 #define WG 128                          // threads: one warpgroup
 #define TILE 64                         // token slots an entry holds at most (wgmma's N up to 64)
 #define RB 4                            // row pairs an item (4 warps x 16 rows: wgmma's M of 64)
-#define X_STAGES 3                      // gate_up's token blocks in shared memory
+#define X_STAGES 6                      // gate_up's token blocks in shared memory ...
+#define X_AHEAD (X_STAGES - 2)          // ... of which this many are in flight ahead of the MMAs
 #define BLOCK_BYTES (TILE * 128)        // 64 token rows x 64 k of bf16 (one 128-byte swizzle row each)
 #define H_BLOCKS_MAX 8                  // down's h tile: i <= 512 (launch_v3.wgmma_applies)
 #define W_STAGES 8                      // the weight ring's stages: one 64-k block (2 groups) of 4 row pairs each
@@ -173,17 +175,37 @@ __device__ __forceinline__ uint2 ld_shared_v2(u32 addr) {
     return r;
 }
 
-// 16 bytes of a token row, k 8 v .. 8 v + 7 of a 64-k block (group v / 4, its lanes' u = v % 4), into row `row` of
-// the B block at `block`, where the fragment layout's k order puts them: word 0 (k 8u + 0, 1) at k step 0's columns
-// 2u, 2u + 1, word 1 (8u + 2, 3) at step 0's 2u + 8, + 9, words 2 and 3 likewise in step 1.  In bytes of the row:
-// 64 (v / 4) + 16 j + 4 u for word j, i.e. 16-byte chunk 4 (v / 4) + j, swizzled with the row's phase.
+// Where word j (0..3) of a 16-byte token piece goes: the piece holds k 8 v .. 8 v + 7 of a 64-k block (group v / 4,
+// its lanes' u = v % 4), and the fragment layout's k order puts word 0 (k 8u + 0, 1) at k step 0's columns 2u, 2u + 1,
+// word 1 (8u + 2, 3) at step 0's 2u + 8, + 9, words 2 and 3 likewise in step 1: in bytes of the row 64 (v / 4) +
+// 16 j + 4 u, i.e. 16-byte chunk 4 (v / 4) + j, swizzled with the row's phase, in row `row` of the B block at `block`.
+__device__ __forceinline__ u32 piece_word(u32 block, int row, int v, int j) {
+    return block + row * 128 + (((4 * (v >> 2) + j) ^ (row & 7)) << 4) + 4 * (v & 3);
+}
+
+// a piece already in registers (down's h tile)
 __device__ __forceinline__ void put_piece(u32 block, int row, int v, const uint4& x) {
-    const u32 base = block + row * 128 + 4 * (v & 3);
-    const int c0 = 4 * (v >> 2), sw = row & 7;
-    st_shared_u32(base + (((c0 + 0) ^ sw) << 4), x.x);
-    st_shared_u32(base + (((c0 + 1) ^ sw) << 4), x.y);
-    st_shared_u32(base + (((c0 + 2) ^ sw) << 4), x.z);
-    st_shared_u32(base + (((c0 + 3) ^ sw) << 4), x.w);
+    st_shared_u32(piece_word(block, row, v, 0), x.x);
+    st_shared_u32(piece_word(block, row, v, 1), x.y);
+    st_shared_u32(piece_word(block, row, v, 2), x.z);
+    st_shared_u32(piece_word(block, row, v, 3), x.w);
+}
+
+// 4 bytes global -> shared, asynchronously (zeros where src_bytes is 0)
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src, u32 src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory"); }
+
+// a piece copied asynchronously from global memory (gate_up's token rows: no registers held across the blocks)
+__device__ __forceinline__ void copy_piece(u32 block, int row, int v, const uint4* src, bool on) {
+    const unsigned* w = reinterpret_cast<const unsigned*>(src);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) cp_async4(piece_word(block, row, v, j), w + j, on ? 4u : 0u);
 }
 
 // The CTA's weight stream: its items' 64-k blocks in sequence (block q = item first + q / bpi, block q % bpi of it),
@@ -267,7 +289,7 @@ __device__ __forceinline__ void cta_items(int n, int& first, int& last) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// gate_up: item = (entry, block rb of 4 row pairs); K = d in 64-k blocks of the tokens' x through 3 stages
+// gate_up: item = (entry, block rb of 4 row pairs); K = d in 64-k blocks of the tokens' x through X_STAGES stages
 // ---------------------------------------------------------------------------------------------------------
 template <int N>
 __device__ __forceinline__ void gate_up_item(const Stream& st, int& q, const uint4* __restrict__ x, u16* __restrict__ h,
@@ -282,29 +304,29 @@ __device__ __forceinline__ void gate_up_item(const Stream& st, int& q, const uin
         const int row = (tid >> 3) + 16 * r, slot = row < n_e ? s_slot[row] : -1;
         xp[r] = slot >= 0 ? x + (long)(slot / top_k) * (c_real * 4) + v : nullptr;
     }
-    uint4 xr[NQ];
-    auto gather = [&](int c) {  // block c's 16 bytes of each of the thread's rows (zeros past the rows or the k)
+    // block c's pieces of the thread's rows into stage c % X_STAGES (zeros past the rows or the k), one commit group
+    auto copy = [&](int c) {
+        if (c < blocks) {
 #pragma unroll
-        for (int r = 0; r < NQ; ++r)
-            xr[r] = ld_tokens_or_zero<false>(xp[r] + 8 * c, xp[r] != nullptr && 2 * c + (v >> 2) < c_real);
-    };
-    auto put = [&](int c) {
-#pragma unroll
-        for (int r = 0; r < NQ; ++r) put_piece(stages + (c % X_STAGES) * BLOCK_BYTES, (tid >> 3) + 16 * r, v, xr[r]);
+            for (int r = 0; r < NQ; ++r) {
+                const bool on = xp[r] != nullptr && 2 * c + (v >> 2) < c_real;
+                copy_piece(stages + (c % X_STAGES) * BLOCK_BYTES, (tid >> 3) + 16 * r, v, on ? xp[r] + 8 * c : x, on);
+            }
+        }
+        cp_async_commit();  // (empty past the last block: the group count stays one a block)
     };
     float gacc[32], uacc[32];
     zero(gacc);
     zero(uacc);
     u32 a[2][16];
-    gather(0);
-    put(0);
-    if (blocks > 1) gather(1);
+#pragma unroll
+    for (int c = 0; c < X_AHEAD; ++c) copy(c);
     for (int c = 0; c < blocks; ++c, ++q) {
-        if (c + 1 < blocks) put(c + 1);  // block c + 1 into its stage (free: block c - 2's MMAs are done),
-        if (c + 2 < blocks) gather(c + 2);  // block c + 2's loads in flight, block c visible to wgmma
+        cp_async_wait<X_AHEAD - 1>();  // this thread's copies of block c have landed
         fence_async_smem();
-        __syncthreads();
-        if (tid == 0 && q > 0) st.issue(q - 1 + W_STAGES);  // every thread is past block q - 1's weights
+        __syncthreads();  // everyone's, visible to wgmma; every thread is past block q - 1's weights
+        copy(c + X_AHEAD);  // into block c - 2's stage: its MMAs are done (wait_one after block c - 1's first group)
+        if (tid == 0 && q > 0) st.issue(q - 1 + W_STAGES);
         st.wait(q);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {  // the block's two groups
