@@ -120,7 +120,8 @@ def test_shared_memory_fits_two_ctas_an_sm():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 def test_source_compiles_with_both_kernels(tmp_path):
-    """sm_90 (compiled as sm_90a: wgmma) and sm_120 (compiles, traps: the launcher never takes it there); in the PTX
+    """sm_90 (compiled as sm_90a: wgmma; ptxas neither serialises the MMAs nor spills) and sm_120 (compiles, traps:
+    the launcher never takes it there); in the PTX
     gate_up waits for its predecessor grid (the route kernel) before any global load; down builds its entries and
     puts its first weight blocks in flight before the wait (bulk copies), and its h loads follow the wait through L2
     (.cg, never .nc)."""
@@ -130,6 +131,13 @@ def test_source_compiles_with_both_kernels(tmp_path):
     for arch in ("sm_90", "sm_120"):
         data = _nvcc(source_text(src), src.name, arch)
         assert data[:4] == b"\x7fELF" and all(n in data for n in names), arch
+    # ptxas keeps the MMAs asynchronous (it says C7513 where it serialises them: with 3 or 4 register sets it did)
+    cubin = tmp_path / "moe_wgmma.cubin"
+    done = subprocess.run([shutil.which("nvcc"), "-cubin", f"-arch={compile_arch(src.read_bytes(), 'sm_90')}",
+                           "-std=c++17", "-Xptxas", "-v", "-o", str(cubin), str(src)], check=True, capture_output=True,
+                          text=True)
+    assert "C7513" not in done.stdout + done.stderr and "spill stores" in done.stdout + done.stderr
+    assert all("0 bytes spill stores" in ln for ln in (done.stdout + done.stderr).splitlines() if "spill stores" in ln)
     ptx = tmp_path / "moe_wgmma.ptx"
     subprocess.run([shutil.which("nvcc"), "-ptx", f"-arch={compile_arch(src.read_bytes(), 'sm_90')}", "-std=c++17",
                     "-o", str(ptx), str(src)], check=True)

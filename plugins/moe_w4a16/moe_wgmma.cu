@@ -46,7 +46,7 @@
 #define TILE 64                         // token slots an entry holds at most (wgmma's N up to 64)
 #define RB 4                            // row pairs an item (4 warps x 16 rows: wgmma's M of 64)
 #define X_STAGES 6                      // gate_up's token blocks in shared memory ...
-#define X_AHEAD (X_STAGES - 2)          // ... of which this many are in flight ahead of the MMAs
+#define X_AHEAD (X_STAGES - 2)          // ... of which this many in flight ahead of the MMAs (2 still being read)
 #define BLOCK_BYTES (TILE * 128)        // 64 token rows x 64 k of bf16 (one 128-byte swizzle row each)
 #define H_BLOCKS_MAX 8                  // down's h tile: i <= 512 (launch_v3.wgmma_applies)
 #define W_STAGES 8                      // the weight ring's stages: one 64-k block (2 groups) of 4 row pairs each
@@ -138,9 +138,10 @@ __device__ __forceinline__ u32 scaled(u32 q, u32 s) {
     return r;
 }
 
-// A registers of one group: a[8 m + 4 st + r] = A register r of tile m, k step st (word 2 m + st of the fragment
-// word), times its row's scale (s.x: tile 0 rows g | g + 8, s.y: tile 1; registers 0, 2 hold row g, 1, 3 row g + 8).
-__device__ __forceinline__ void group_a(u32 (&a)[16], const uint4& w, const uint2& s) {
+// A registers of one group into a[o + 8 m + 4 st + r]: A register r of tile m, k step st (word 2 m + st of the
+// fragment word), times its row's scale (s.x: tile 0 rows g | g + 8, s.y: tile 1; registers 0, 2 hold row g, 1, 3
+// row g + 8).
+__device__ __forceinline__ void group_a(u32 (&a)[32], const uint4& w, const uint2& s, int o) {
     const u32 lo[2] = {__byte_perm(s.x, 0, 0x1010), __byte_perm(s.y, 0, 0x1010)};
     const u32 hi[2] = {__byte_perm(s.x, 0, 0x3232), __byte_perm(s.y, 0, 0x3232)};
     const u32 q[4] = {w.x, w.y, w.z, w.w};
@@ -150,7 +151,7 @@ __device__ __forceinline__ void group_a(u32 (&a)[16], const uint4& w, const uint
         for (int st = 0; st < 2; ++st)
 #pragma unroll
             for (int r = 0; r < 4; ++r)
-                a[8 * m + 4 * st + r] = scaled(dequant_pair(q[2 * m + st] >> (4 * r)), (r & 1) ? hi[m] : lo[m]);
+                a[o + 8 * m + 4 * st + r] = scaled(dequant_pair(q[2 * m + st] >> (4 * r)), (r & 1) ? hi[m] : lo[m]);
 }
 
 __device__ __forceinline__ void st_shared_u32(u32 addr, u32 v) {
@@ -257,17 +258,23 @@ struct Stream {
     }
 };
 
-// One group's MMAs: acc_a += tile 0's A (both k steps) . B, acc_b += tile 1's, B the k steps at desc and desc + 32
-// bytes; then wait until the previous group's are done (its A registers free).
+// One 64-k block's MMAs (its two groups): acc_a += tile 0's A . B, acc_b += tile 1's, for both groups' two k steps
+// (B at desc + 64 bytes per group, + 32 per k step), committed as one wgmma group; then wait until the block before
+// it is done (its A registers, the other set, free).  ptxas keeps the MMAs asynchronous with one group pending at the
+// wait (wgmma.wait_group 1); with more (3 or 4 register sets) it serialised them (C7513), so a block's 8 MMAs share a
+// commit group instead: twice the work in flight per wait.
 template <int N>
-__device__ __forceinline__ void group_mma(float (&acc_a)[32], float (&acc_b)[32], const u32 (&a)[16], u64 desc) {
+__device__ __forceinline__ void block_mma(float (&acc_a)[32], float (&acc_b)[32], const u32 (&a)[32], u64 desc) {
     pin(acc_a);
     pin(acc_b);
     wgmma_fence();
-    wgmma_n<N>(acc_a, &a[0], desc);
-    wgmma_n<N>(acc_a, &a[4], desc + 2);
-    wgmma_n<N>(acc_b, &a[8], desc);
-    wgmma_n<N>(acc_b, &a[12], desc + 2);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        wgmma_n<N>(acc_a, &a[16 * hh + 0], desc + 4 * hh);
+        wgmma_n<N>(acc_a, &a[16 * hh + 4], desc + 4 * hh + 2);
+        wgmma_n<N>(acc_b, &a[16 * hh + 8], desc + 4 * hh);
+        wgmma_n<N>(acc_b, &a[16 * hh + 12], desc + 4 * hh + 2);
+    }
     wgmma_commit();
     wgmma_wait_one();
     pin(acc_a);
@@ -318,20 +325,22 @@ __device__ __forceinline__ void gate_up_item(const Stream& st, int& q, const uin
     float gacc[32], uacc[32];
     zero(gacc);
     zero(uacc);
-    u32 a[2][16];
+    u32 a[2][32];  // a block's A registers (both groups), two sets: block c's MMAs run while block c + 1's are formed
 #pragma unroll
     for (int c = 0; c < X_AHEAD; ++c) copy(c);
-    for (int c = 0; c < blocks; ++c, ++q) {
-        cp_async_wait<X_AHEAD - 1>();  // this thread's copies of block c have landed
-        fence_async_smem();
-        __syncthreads();  // everyone's, visible to wgmma; every thread is past block q - 1's weights
-        copy(c + X_AHEAD);  // into block c - 2's stage: its MMAs are done (wait_one after block c - 1's first group)
-        if (tid == 0 && q > 0) st.issue(q - 1 + W_STAGES);
-        st.wait(q);
+    for (int c0 = 0; c0 < blocks; c0 += 2) {  // (blocks is even: k groups come in multiples of 8)
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {  // the block's two groups
-            group_a(a[hh], st.word(q, hh), st.scale(q, hh));
-            group_mma<N>(gacc, uacc, a[hh], b_desc(stages + (c % X_STAGES) * BLOCK_BYTES + 64 * hh));
+        for (int b = 0; b < 2; ++b, ++q) {
+            const int c = c0 + b;
+            cp_async_wait<X_AHEAD - 1>();  // this thread's copies of block c have landed
+            fence_async_smem();
+            __syncthreads();  // everyone's, visible to wgmma; every thread is past block q - 1's weights
+            copy(c + X_AHEAD);  // into block c - 2's stage: its MMAs are done (one block pending at most)
+            if (tid == 0 && q > 0) st.issue(q - 1 + W_STAGES);
+            st.wait(q);
+            group_a(a[b], st.word(q, 0), st.scale(q, 0), 0);
+            group_a(a[b], st.word(q, 1), st.scale(q, 1), 16);
+            block_mma<N>(gacc, uacc, a[b], b_desc(stages + (c % X_STAGES) * BLOCK_BYTES));
         }
     }
     wgmma_wait_all();
@@ -406,15 +415,16 @@ __device__ __forceinline__ void down_item(const Stream& st, int& q, u16* __restr
     float acc0[32], acc1[32];  // tile m = 0 (rows 32 p + ..), m = 1 (rows 32 p + 16 + ..)
     zero(acc0);
     zero(acc1);
-    u32 a[2][16];
-    for (int c = 0; c < st.bpi; ++c, ++q) {
-        __syncthreads();
-        if (tid == 0 && q > 0) st.issue(q - 1 + W_STAGES);  // every thread is past block q - 1's weights
-        st.wait(q);
+    u32 a[2][32];
+    for (int c0 = 0; c0 < st.bpi; c0 += 2) {
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            group_a(a[hh], st.word(q, hh), st.scale(q, hh));
-            group_mma<N>(acc0, acc1, a[hh], b_desc(h_tile + c * BLOCK_BYTES + 64 * hh));
+        for (int b = 0; b < 2; ++b, ++q) {
+            __syncthreads();
+            if (tid == 0 && q > 0) st.issue(q - 1 + W_STAGES);  // every thread is past block q - 1's weights
+            st.wait(q);
+            group_a(a[b], st.word(q, 0), st.scale(q, 0), 0);
+            group_a(a[b], st.word(q, 1), st.scale(q, 1), 16);
+            block_mma<N>(acc0, acc1, a[b], b_desc(h_tile + (c0 + b) * BLOCK_BYTES));
         }
     }
     wgmma_wait_all();
