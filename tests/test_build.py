@@ -298,21 +298,22 @@ def test_kernels_compile_to_cubin_without_a_gpu(tmp_path):
     cubin = (tmp_path / "out" / rec["cubin"]).read_bytes()
     assert cubin[:4] == b"\x7fELF" and b".version" in (tmp_path / "out" / rec["ptx"]).read_bytes()
     recs = compile_all(tmp_path / "tri", ("sm_90",), (16,), progress=False, modules=["tests.aot_demo_kernels"])
-    # the plugins' CUDA C (budget auto's setter kernel, the L2 prefetch, moe_w4a16 v3, the skinny GEMMs (mma.sync and
-    # wgmma) and the wgmma attention, where the runtime looks for them), then the Triton kernel
+    # the plugins' CUDA C (budget auto's setter kernel, the L2 prefetch, moe_w4a16 v3 and its wgmma GEMMs, the skinny
+    # GEMMs (mma.sync and wgmma) and the wgmma attention, where the runtime looks for them), then the Triton kernel
     assert [(r["kind"], r["name"]) for r in recs] == [("cuda", "set_conditionals"), ("cuda", "l2_prefetch"),
-                                                     ("cuda", "moe_v3"), ("cuda", "skinny_gemm"),
+                                                     ("cuda", "moe_v3"), ("cuda", "moe_wgmma"), ("cuda", "skinny_gemm"),
                                                      ("cuda", "skinny_wgmma"), ("cuda", "tree_verify_wgmma"),
                                                      ("triton", "add_one_b16")]
     assert recs[0]["cubin"] == "kernels/sm_90/graph_conditional/set_conditionals.cubin"
     assert recs[2]["cubin"] == "kernels/sm_90/moe_w4a16/moe_v3.cubin"
-    assert recs[4]["cubin"] == "kernels/sm_90/skinny_gemm/skinny_wgmma.cubin"  # compiled for sm_90a
-    assert recs[5]["cubin"] == "kernels/sm_90/tree_verify_mla/tree_verify_wgmma.cubin"  # compiled for sm_90a
+    assert recs[3]["cubin"] == "kernels/sm_90/moe_w4a16/moe_wgmma.cubin"  # compiled for sm_90a
+    assert recs[5]["cubin"] == "kernels/sm_90/skinny_gemm/skinny_wgmma.cubin"  # compiled for sm_90a
+    assert recs[6]["cubin"] == "kernels/sm_90/tree_verify_mla/tree_verify_wgmma.cubin"  # compiled for sm_90a
     from plugins.common.cubin import PLUGINS as SOURCES
     from plugins.common.cubin import source_sha256
-    for r in recs[:6]:  # the source version the runtime checks before it registers a cubin
+    for r in recs[:7]:  # the source version the runtime checks before it registers a cubin
         assert r["source_sha256"] == source_sha256(SOURCES / r["op"] / f"{r['name']}.cu"), r["name"]
-    tri = recs[6]
+    tri = recs[7]
     meta = json.loads((tmp_path / "tri" / tri["meta"]).read_text())
     assert meta["target"][1] == 90 and (tmp_path / "tri" / tri["cubin"]).read_bytes()[:4] == b"\x7fELF"
 

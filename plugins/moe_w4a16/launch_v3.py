@@ -22,7 +22,7 @@ from plugins.common.cubin import CubinUnavailable, load_module
 from plugins.common.device import device_facts
 from plugins.common.driver import checked, launch, pdl_refused
 from plugins.common.pdl import USE_PDL
-from plugins.moe_w4a16 import launch_wgmma
+import plugins.moe_w4a16.launch_wgmma as launch_wgmma
 from plugins.moe_w4a16.fragment_layout import ROWS
 from plugins.moe_w4a16.launch import launch_combine
 from plugins.moe_w4a16.layout import GROUP, padded_k

@@ -6,7 +6,8 @@ Why (moe_wgmma.cu's header): v3's mma.sync kernels dequantise an expert's weight
 here once per up to 64 (wgmma N = 16, 32 or 64, weights as A from registers).  sm_90 only (sm_90a's wgmma); shapes
 of whole 4-pair row blocks, k groups in fours and i <= 512 (an entry's whole h tile in shared memory).
 
-KDTREE_MOE_WGMMA=0 turns it off (v3's kernels at every t).
+Off by default (ENABLED): measured slower than v3's kernels below t = 512 (NOTES.md); KDTREE_MOE_WGMMA=1 takes it
+from MIN_TOKENS tokens.
 """
 
 from __future__ import annotations
@@ -29,13 +30,13 @@ SOURCE = Path(__file__).with_name("moe_wgmma.cu")
 THREADS = 128  # one warpgroup (the .cu's WG)
 TILE = 64  # token slots an entry (the .cu's TILE: wgmma N up to 64)
 RB = 4  # row pairs an item (the .cu's RB)
-W_STAGES = 8  # the weight ring's stages in shared memory (the .cu's W_STAGES): a 64-k block of 4 row pairs each
-W_STAGE_BYTES = RB * 2 * (512 + 64)  # their fragment words and scales
-W_RING_BYTES = W_STAGES * (W_STAGE_BYTES + 8)  # the stages and their mbarriers
-X_STAGES = 6  # gate_up's 64-k token blocks in shared memory
+P_GROUPS = 4  # the weight ring's depth (the .cu's P_GROUPS): k groups per row pair a multiple of it
+X_STAGES = 3  # gate_up's 64-k token blocks in shared memory
 BLOCK_BYTES = TILE * 128  # one 64-row x 64-k bf16 block
 H_BLOCKS_MAX = 8  # down's h tile: kp_i / 64 blocks at most (i <= 512)
 CTAS_PER_SM = 2  # __launch_bounds__(128, 2)
+# Off (KDTREE_MOE_WGMMA=1 turns it on): slower than v3's mma.sync kernels below t = 512 and 2-5 % faster at 512
+# (H100, 2026-12-07: results/moe_w4a16_v3-h100.json, NOTES.md "The expert GEMMs on wgmma ...")
 ENABLED = env_flag("KDTREE_MOE_WGMMA", False)
 MIN_TOKENS = 64  # t from which launch_v3 takes these kernels (below, most experts see <= 16 tokens: v3's tiles)
 FORCE: bool | None = None  # tests and benchmarks: True / False overrides ENABLED and MIN_TOKENS
@@ -68,10 +69,9 @@ _KERNELS: PerDevice[_Kernels] = PerDevice("moe_w4a16 wgmma", MoEWgmmaWarning, "t
 
 
 def shapes_fit(pairs13: int, groups13: int, pairs2: int, groups2: int) -> bool:
-    """Whether the experts' fragment shapes suit the kernels: whole blocks of RB row pairs, whole 64-k blocks (k
-    groups in pairs: padded k is a multiple of 256, so always), and i's groups (down's k) within the h tile's
-    H_BLOCKS_MAX 64-k blocks."""
-    return (pairs13 % RB == 0 and pairs2 % RB == 0 and groups13 % 2 == 0 and groups2 % 2 == 0
+    """Whether the experts' fragment shapes suit the kernels: whole blocks of RB row pairs, k groups in multiples of
+    the ring's depth, and i's groups (down's k) within the h tile's H_BLOCKS_MAX 64-k blocks."""
+    return (pairs13 % RB == 0 and pairs2 % RB == 0 and groups13 % P_GROUPS == 0 and groups2 % P_GROUPS == 0
             and groups2 // 2 <= H_BLOCKS_MAX)
 
 
@@ -88,16 +88,13 @@ def max_entries(t: int, top_k: int, e_local: int) -> int:
 
 
 def gate_up_smem(t: int, top_k: int, e_local: int) -> int:
-    """The .cu's layout: alignment slack, X_STAGES token blocks, the weight ring, h staged [64][64] bf16, slots, the
-    entry list."""
-    return (1024 + X_STAGES * BLOCK_BYTES + W_RING_BYTES + TILE * 64 * 2
-            + (TILE + 4 + e_local + max_entries(t, top_k, e_local)) * 4)
+    """The .cu's layout: alignment slack, X_STAGES token blocks, h staged [64][64] bf16, slots, the entry list."""
+    return 1024 + X_STAGES * BLOCK_BYTES + TILE * 64 * 2 + (TILE + 4 + e_local + max_entries(t, top_k, e_local)) * 4
 
 
 def down_smem(t: int, top_k: int, e_local: int, groups2: int) -> int:
-    """alignment slack, the h tile (groups2 / 2 blocks), the weight ring, out staged [64][128] bf16, slots and
-    their weights, entries."""
-    return (1024 + groups2 // 2 * BLOCK_BYTES + W_RING_BYTES + TILE * 128 * 2
+    """alignment slack, the h tile (groups2 / 2 blocks), out staged [64][128] bf16, slots and weights, entries."""
+    return (1024 + groups2 // 2 * BLOCK_BYTES + TILE * 128 * 2
             + (2 * TILE + 4 + e_local + max_entries(t, top_k, e_local)) * 4)
 
 

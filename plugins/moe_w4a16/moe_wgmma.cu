@@ -15,10 +15,8 @@
 // an item is (entry, block of 4 row pairs): warp w of the CTA's one warpgroup holds row pair 4 rb + w, so the four
 // warps' 16-row tiles make wgmma's 64 rows.  gate_up: its gate tiles and its up tiles are two wgmma row sets, so a
 // thread holds gate and up of the same (row, token) and forms silu(gate) * up in registers.  down: tile m = 0 and 1
-// of the pairs (rows 32 p .. 32 p + 15, 32 p + 16 ..).  A CTA takes a contiguous range of items; one thread streams
-// their fragment words and scales, a 64-k block of the 4 pairs at a time, by bulk copies into a shared-memory ring of
-// W_STAGES stages that runs on across items (Stream); the warps read their lanes' words from it.  down puts its first
-// blocks in flight before its PDL wait (the weights and the routing outputs are final then; h is not).
+// of the pairs (rows 32 p .. 32 p + 15, 32 p + 16 ..).  A CTA takes a contiguous range of items; its warps stream the
+// fragment words and scales of all of them through a register ring P groups deep that runs on across items.
 //
 // Weights as A.  A lane's 16-byte fragment word of a group holds, for both tiles and both k steps of the group, the
 // A registers of mma.sync's m16n8k16 fragment, which is also the per-warp layout of wgmma's register A (rows 16 w
@@ -30,9 +28,8 @@
 // {0, 1} and 8u + 4s + {2, 3} of k step s), so B must hold the token rows' k in that order: a thread loads 16 bytes
 // (k 8v .. 8v + 7 of a 64-k block) and stores its four words to the k steps' places (put_piece).  B tiles are
 // K-major rows of 128 bytes (64 k) with the 128-byte swizzle, 8-row atoms 1024 bytes apart (as tree_verify_wgmma.cu).
-// gate_up copies its tokens' x a 64-k block at a time (4-byte cp.async, X_AHEAD blocks ahead of the MMAs: one block
-// ahead through registers left each block waiting on the loads' latency, H100 2026-12-07); down stages its entry's
-// whole h tile (i <= 512) once per entry.
+// gate_up stages its tokens' x a 64-k block at a time (3 stages, the loads one block ahead in registers); down
+// stages its entry's whole h tile (i <= 512) once per entry.
 //
 // bf16 through PTX on raw 32-bit registers; hopper.cuh (PDL, wgmma fence / commit) and fragment_ops.cuh are its
 // headers (cubin.py inlines them for NVRTC).
@@ -45,12 +42,10 @@
 #define WG 128                          // threads: one warpgroup
 #define TILE 64                         // token slots an entry holds at most (wgmma's N up to 64)
 #define RB 4                            // row pairs an item (4 warps x 16 rows: wgmma's M of 64)
-#define X_STAGES 6                      // gate_up's token blocks in shared memory ...
-#define X_AHEAD (X_STAGES - 2)          // ... of which this many in flight ahead of the MMAs (2 still being read)
+#define X_STAGES 3                      // gate_up's token blocks in shared memory
 #define BLOCK_BYTES (TILE * 128)        // 64 token rows x 64 k of bf16 (one 128-byte swizzle row each)
 #define H_BLOCKS_MAX 8                  // down's h tile: i <= 512 (launch_v3.wgmma_applies)
-#define W_STAGES 8                      // the weight ring's stages: one 64-k block (2 groups) of 4 row pairs each
-#define W_STAGE_BYTES (RB * 2 * 512 + RB * 2 * 64)  // 4608: the 4 pairs' fragment words, then their scales
+#define P_GROUPS 4                      // the weight ring's depth in groups (even: gate_up's blocks are 2 groups)
 
 // Shared-memory matrix descriptor of a K-major B tile with the 128-byte swizzle (layout type 1, bits 62-63): start
 // address >> 4, leading byte offset 16 (unused), the next 8 rows 1024 bytes on.  A k step of 16 moves the start by
@@ -138,10 +133,9 @@ __device__ __forceinline__ u32 scaled(u32 q, u32 s) {
     return r;
 }
 
-// A registers of one group into a[o + 8 m + 4 st + r]: A register r of tile m, k step st (word 2 m + st of the
-// fragment word), times its row's scale (s.x: tile 0 rows g | g + 8, s.y: tile 1; registers 0, 2 hold row g, 1, 3
-// row g + 8).
-__device__ __forceinline__ void group_a(u32 (&a)[32], const uint4& w, const uint2& s, int o) {
+// A registers of one group: a[8 m + 4 st + r] = A register r of tile m, k step st (word 2 m + st of the fragment
+// word), times its row's scale (s.x: tile 0 rows g | g + 8, s.y: tile 1; registers 0, 2 hold row g, 1, 3 row g + 8).
+__device__ __forceinline__ void group_a(u32 (&a)[16], const uint4& w, const uint2& s) {
     const u32 lo[2] = {__byte_perm(s.x, 0, 0x1010), __byte_perm(s.y, 0, 0x1010)};
     const u32 hi[2] = {__byte_perm(s.x, 0, 0x3232), __byte_perm(s.y, 0, 0x3232)};
     const u32 q[4] = {w.x, w.y, w.z, w.w};
@@ -151,130 +145,84 @@ __device__ __forceinline__ void group_a(u32 (&a)[32], const uint4& w, const uint
         for (int st = 0; st < 2; ++st)
 #pragma unroll
             for (int r = 0; r < 4; ++r)
-                a[o + 8 * m + 4 * st + r] = scaled(dequant_pair(q[2 * m + st] >> (4 * r)), (r & 1) ? hi[m] : lo[m]);
+                a[8 * m + 4 * st + r] = scaled(dequant_pair(q[2 * m + st] >> (4 * r)), (r & 1) ? hi[m] : lo[m]);
 }
 
 __device__ __forceinline__ void st_shared_u32(u32 addr, u32 v) {
     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
 }
 
-// [src, src + bytes) global -> shared at dst (bytes and addresses multiples of 16), completing on the mbarrier
-__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-
-__device__ __forceinline__ uint4 ld_shared_v4(u32 addr) {
-    uint4 r;
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr));
-    return r;
-}
-
-__device__ __forceinline__ uint2 ld_shared_v2(u32 addr) {
-    uint2 r;
-    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(r.x), "=r"(r.y) : "r"(addr));
-    return r;
-}
-
-// Where word j (0..3) of a 16-byte token piece goes: the piece holds k 8 v .. 8 v + 7 of a 64-k block (group v / 4,
-// its lanes' u = v % 4), and the fragment layout's k order puts word 0 (k 8u + 0, 1) at k step 0's columns 2u, 2u + 1,
-// word 1 (8u + 2, 3) at step 0's 2u + 8, + 9, words 2 and 3 likewise in step 1: in bytes of the row 64 (v / 4) +
-// 16 j + 4 u, i.e. 16-byte chunk 4 (v / 4) + j, swizzled with the row's phase, in row `row` of the B block at `block`.
-__device__ __forceinline__ u32 piece_word(u32 block, int row, int v, int j) {
-    return block + row * 128 + (((4 * (v >> 2) + j) ^ (row & 7)) << 4) + 4 * (v & 3);
-}
-
-// a piece already in registers (down's h tile)
+// 16 bytes of a token row, k 8 v .. 8 v + 7 of a 64-k block (group v / 4, its lanes' u = v % 4), into row `row` of
+// the B block at `block`, where the fragment layout's k order puts them: word 0 (k 8u + 0, 1) at k step 0's columns
+// 2u, 2u + 1, word 1 (8u + 2, 3) at step 0's 2u + 8, + 9, words 2 and 3 likewise in step 1.  In bytes of the row:
+// 64 (v / 4) + 16 j + 4 u for word j, i.e. 16-byte chunk 4 (v / 4) + j, swizzled with the row's phase.
 __device__ __forceinline__ void put_piece(u32 block, int row, int v, const uint4& x) {
-    st_shared_u32(piece_word(block, row, v, 0), x.x);
-    st_shared_u32(piece_word(block, row, v, 1), x.y);
-    st_shared_u32(piece_word(block, row, v, 2), x.z);
-    st_shared_u32(piece_word(block, row, v, 3), x.w);
+    const u32 base = block + row * 128 + 4 * (v & 3);
+    const int c0 = 4 * (v >> 2), sw = row & 7;
+    st_shared_u32(base + (((c0 + 0) ^ sw) << 4), x.x);
+    st_shared_u32(base + (((c0 + 1) ^ sw) << 4), x.y);
+    st_shared_u32(base + (((c0 + 2) ^ sw) << 4), x.z);
+    st_shared_u32(base + (((c0 + 3) ^ sw) << 4), x.w);
 }
 
-// 4 bytes global -> shared, asynchronously (zeros where src_bytes is 0)
-__device__ __forceinline__ void cp_async4(u32 dst, const void* src, u32 src_bytes) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-
-template <int PENDING>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory"); }
-
-// a piece copied asynchronously from global memory (gate_up's token rows: no registers held across the blocks)
-__device__ __forceinline__ void copy_piece(u32 block, int row, int v, const uint4* src, bool on) {
-    const unsigned* w = reinterpret_cast<const unsigned*>(src);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) cp_async4(piece_word(block, row, v, j), w + j, on ? 4u : 0u);
-}
-
-// The CTA's weight stream: its items' 64-k blocks in sequence (block q = item first + q / bpi, block q % bpi of it),
-// each in stage q % W_STAGES of a shared-memory ring: the 4 row pairs' fragment words of the block's 2 groups (4 x
-// 1 KB, contiguous in the layout per pair), then their scales (4 x 128 B), by bulk copies one thread issues,
-// completing on the stage's mbarrier.  W_STAGES - 1 blocks (~32 KB) in flight per CTA, where a register ring of
-// 4 groups held 12 KB: one CTA streaming a 515 KB gate_up item alone was bound by that (H100, 2026-12-07: t = 1 at
-// 90 µs).  A stage is refilled once every thread has passed the barrier at the start of the next block (its words
-// were read into registers before it).
-struct Stream {
-    const unsigned char* w_all;
-    const unsigned char* s_all;
+// The warps' weight stream over the CTA's items [first, last): group grp of item `item` next, P_GROUPS in flight.
+// Each item has n_groups groups (a multiple of P_GROUPS), so an item's groups start at ring slot 0.  Item it is
+// (entry it / n_rb, block it % n_rb): this warp's row pair (it % n_rb) RB + warp of the entry's expert.
+struct Ring {
+    uint4 w[P_GROUPS];
+    uint2 s[P_GROUPS];
+    const uint4* pw;  // this lane's fragment words of the item's first group
+    const uint2* ps;  // this lane's scales
+    const uint4* w_all;
+    const uint2* s_all;
     const int* s_ent;
-    u32 ring, bars;  // shared addresses: W_STAGES stages, W_STAGES mbarriers
-    int first, n_blocks, bpi, n_groups, n_pairs, n_rb;
+    int item, grp, last, n_groups, n_pairs, n_rb;
 
-    // thread 0: block q's copies into its stage (nothing past the CTA's last block)
-    __device__ __forceinline__ void issue(int q) const {
-        if (q >= n_blocks) return;
-        const int item = first + q / bpi, c = q % bpi;
-        const int e = s_ent[item / n_rb] >> 16, p0 = (item % n_rb) * RB;
-        const u32 st = ring + (q % W_STAGES) * W_STAGE_BYTES, bar = bars + 8 * (q % W_STAGES);
-        mbar_expect_tx(bar, W_STAGE_BYTES);
+    __device__ __forceinline__ void setup() {
+        const int e = s_ent[item / n_rb] >> 16, p = (item % n_rb) * RB + (threadIdx.x >> 5);
+        const long blk = ((long)e * n_pairs + p) * n_groups;
+        pw = w_all + blk * 32 + (threadIdx.x & 31);
+        ps = s_all + blk * 8 + ((threadIdx.x & 31) >> 2);
+    }
+    // the first P_GROUPS groups of item `first` in flight
+    __device__ __forceinline__ void start(const uint4* w_, const uint2* s_, const int* ent, int pairs, int groups,
+                                          int first, int last_) {
+        w_all = w_, s_all = s_, s_ent = ent, n_pairs = pairs, n_groups = groups, n_rb = pairs / RB;
+        item = first, grp = 0, last = last_;
+        setup();
 #pragma unroll
-        for (int w = 0; w < RB; ++w) {
-            const long grp = ((long)e * n_pairs + p0 + w) * n_groups + 2 * c;
-            bulk_copy(st + w * 1024, w_all + grp * 512, 1024, bar);
-            bulk_copy(st + RB * 1024 + w * 128, s_all + grp * 64, 128, bar);
+        for (int k = 0; k < P_GROUPS; ++k) {
+            load(k);
+            next();
         }
     }
-    // every thread: until block q has landed; then this lane's word and scales of its group h (0, 1) of it
-    __device__ __forceinline__ void wait(int q) const { mbar_wait(bars + 8 * (q % W_STAGES), (q / W_STAGES) & 1); }
-    __device__ __forceinline__ uint4 word(int q, int h) const {
-        return ld_shared_v4(ring + (q % W_STAGES) * W_STAGE_BYTES + (threadIdx.x >> 5) * 1024 + h * 512 +
-                            (threadIdx.x & 31) * 16);
+    __device__ __forceinline__ void load(int k) {
+        w[k] = ld_stream(pw + (long)grp * 32);
+        s[k] = ld_scales(ps + (long)grp * 8);
     }
-    __device__ __forceinline__ uint2 scale(int q, int h) const {
-        return ld_shared_v2(ring + (q % W_STAGES) * W_STAGE_BYTES + RB * 1024 + (threadIdx.x >> 5) * 128 + h * 64 +
-                            ((threadIdx.x & 31) >> 2) * 8);
-    }
-    // the barriers initialised and the first W_STAGES blocks in flight (every thread calls it; a barrier ends it)
-    __device__ __forceinline__ void start() const {
-        if (threadIdx.x == 0) {
-            for (int j = 0; j < W_STAGES; ++j) mbar_init(bars + 8 * j, 1);
-            asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-            for (int q = 0; q < W_STAGES; ++q) issue(q);
+    // past the last item's last group the cursor stays put (the loads re-read it, harmlessly)
+    __device__ __forceinline__ void next() {
+        if (grp + 1 < n_groups) {
+            ++grp;
+        } else if (item + 1 < last) {
+            ++item;
+            grp = 0;
+            setup();
         }
-        __syncthreads();
     }
 };
 
-// One 64-k block's MMAs (its two groups): acc_a += tile 0's A . B, acc_b += tile 1's, for both groups' two k steps
-// (B at desc + 64 bytes per group, + 32 per k step), committed as one wgmma group; then wait until the block before
-// it is done (its A registers, the other set, free).  ptxas keeps the MMAs asynchronous with one group pending at the
-// wait (wgmma.wait_group 1); with more (3 or 4 register sets) it serialised them (C7513), so a block's 8 MMAs share a
-// commit group instead: twice the work in flight per wait.
+// One group's MMAs: acc_a += tile 0's A (both k steps) . B, acc_b += tile 1's, B the k steps at desc and desc + 32
+// bytes; then wait until the previous group's are done (its A registers free).
 template <int N>
-__device__ __forceinline__ void block_mma(float (&acc_a)[32], float (&acc_b)[32], const u32 (&a)[32], u64 desc) {
+__device__ __forceinline__ void group_mma(float (&acc_a)[32], float (&acc_b)[32], const u32 (&a)[16], u64 desc) {
     pin(acc_a);
     pin(acc_b);
     wgmma_fence();
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        wgmma_n<N>(acc_a, &a[16 * hh + 0], desc + 4 * hh);
-        wgmma_n<N>(acc_a, &a[16 * hh + 4], desc + 4 * hh + 2);
-        wgmma_n<N>(acc_b, &a[16 * hh + 8], desc + 4 * hh);
-        wgmma_n<N>(acc_b, &a[16 * hh + 12], desc + 4 * hh + 2);
-    }
+    wgmma_n<N>(acc_a, &a[0], desc);
+    wgmma_n<N>(acc_a, &a[4], desc + 2);
+    wgmma_n<N>(acc_b, &a[8], desc);
+    wgmma_n<N>(acc_b, &a[12], desc + 2);
     wgmma_commit();
     wgmma_wait_one();
     pin(acc_a);
@@ -296,51 +244,52 @@ __device__ __forceinline__ void cta_items(int n, int& first, int& last) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// gate_up: item = (entry, block rb of 4 row pairs); K = d in 64-k blocks of the tokens' x through X_STAGES stages
+// gate_up: item = (entry, block rb of 4 row pairs); K = d in 64-k blocks of the tokens' x through 3 stages
 // ---------------------------------------------------------------------------------------------------------
 template <int N>
-__device__ __forceinline__ void gate_up_item(const Stream& st, int& q, const uint4* __restrict__ x, u16* __restrict__ h,
+__device__ __forceinline__ void gate_up_item(Ring& ring, const uint4* __restrict__ x, u16* __restrict__ h,
                                              const int* s_slot, u16* s_h, u32 stages, int n_e, int rb, int top_k,
                                              int c_real, int inter) {
     constexpr int NQ = N / 16;  // token rows a thread stages per block (rows tid / 8 + 16 q)
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, u = lane & 3, v = tid & 7;
-    const int blocks = st.bpi;
+    const int blocks = ring.n_groups / 2;
     const uint4* xp[NQ];
 #pragma unroll
-    for (int r = 0; r < NQ; ++r) {
-        const int row = (tid >> 3) + 16 * r, slot = row < n_e ? s_slot[row] : -1;
-        xp[r] = slot >= 0 ? x + (long)(slot / top_k) * (c_real * 4) + v : nullptr;
+    for (int q = 0; q < NQ; ++q) {
+        const int row = (tid >> 3) + 16 * q, slot = row < n_e ? s_slot[row] : -1;
+        xp[q] = slot >= 0 ? x + (long)(slot / top_k) * (c_real * 4) + v : nullptr;
     }
-    // block c's pieces of the thread's rows into stage c % X_STAGES (zeros past the rows or the k), one commit group
-    auto copy = [&](int c) {
-        if (c < blocks) {
+    uint4 xr[NQ];
+    auto gather = [&](int c) {  // block c's 16 bytes of each of the thread's rows (zeros past the rows or the k)
 #pragma unroll
-            for (int r = 0; r < NQ; ++r) {
-                const bool on = xp[r] != nullptr && 2 * c + (v >> 2) < c_real;
-                copy_piece(stages + (c % X_STAGES) * BLOCK_BYTES, (tid >> 3) + 16 * r, v, on ? xp[r] + 8 * c : x, on);
-            }
-        }
-        cp_async_commit();  // (empty past the last block: the group count stays one a block)
+        for (int q = 0; q < NQ; ++q)
+            xr[q] = ld_tokens_or_zero<false>(xp[q] + 8 * c, xp[q] != nullptr && 2 * c + (v >> 2) < c_real);
+    };
+    auto put = [&](int c) {
+#pragma unroll
+        for (int q = 0; q < NQ; ++q) put_piece(stages + (c % X_STAGES) * BLOCK_BYTES, (tid >> 3) + 16 * q, v, xr[q]);
     };
     float gacc[32], uacc[32];
     zero(gacc);
     zero(uacc);
-    u32 a[2][32];  // a block's A registers (both groups), two sets: block c's MMAs run while block c + 1's are formed
+    u32 a[2][16];
+    gather(0);
+    put(0);
+    if (blocks > 1) gather(1);
+    for (int g0 = 0; g0 < ring.n_groups; g0 += P_GROUPS) {
 #pragma unroll
-    for (int c = 0; c < X_AHEAD; ++c) copy(c);
-    for (int c0 = 0; c0 < blocks; c0 += 2) {  // (blocks is even: k groups come in multiples of 8)
-#pragma unroll
-        for (int b = 0; b < 2; ++b, ++q) {
-            const int c = c0 + b;
-            cp_async_wait<X_AHEAD - 1>();  // this thread's copies of block c have landed
-            fence_async_smem();
-            __syncthreads();  // everyone's, visible to wgmma; every thread is past block q - 1's weights
-            copy(c + X_AHEAD);  // into block c - 2's stage: its MMAs are done (one block pending at most)
-            if (tid == 0 && q > 0) st.issue(q - 1 + W_STAGES);
-            st.wait(q);
-            group_a(a[b], st.word(q, 0), st.scale(q, 0), 0);
-            group_a(a[b], st.word(q, 1), st.scale(q, 1), 16);
-            block_mma<N>(gacc, uacc, a[b], b_desc(stages + (c % X_STAGES) * BLOCK_BYTES));
+        for (int k = 0; k < P_GROUPS; ++k) {
+            const int gi = g0 + k, c = gi >> 1;
+            if ((k & 1) == 0) {  // block c starts: block c + 1 into its stage (free: block c - 2's MMAs are done),
+                if (c + 1 < blocks) put(c + 1);  // block c + 2's loads in flight, block c visible to wgmma
+                if (c + 2 < blocks) gather(c + 2);
+                fence_async_smem();
+                __syncthreads();
+            }
+            group_a(a[k & 1], ring.w[k], ring.s[k]);
+            ring.load(k);
+            ring.next();
+            group_mma<N>(gacc, uacc, a[k & 1], b_desc(stages + (c % X_STAGES) * BLOCK_BYTES + 64 * (k & 1)));
         }
     }
     wgmma_wait_all();
@@ -355,8 +304,8 @@ __device__ __forceinline__ void gate_up_item(const Stream& st, int& q, const uin
             s_h[(8 * j + 2 * u + (r & 1)) * 64 + 16 * warp + g + 8 * (r >> 1)] = to_bf16(gs / (1.f + __expf(-gs)) * us);
         }
     __syncthreads();
-    for (int k = tid; k < n_e * 8; k += WG) {
-        const int n = k >> 3, piece = k & 7;
+    for (int q = tid; q < n_e * 8; q += WG) {
+        const int n = q >> 3, piece = q & 7;
         *reinterpret_cast<uint4*>(h + (long)s_slot[n] * inter + 64 * rb + 8 * piece) =
             *reinterpret_cast<const uint4*>(s_h + n * 64 + 8 * piece);
     }
@@ -370,8 +319,7 @@ extern "C" __global__ void __launch_bounds__(WG, 2) kdtree_moe_wg_gate_up(
     extern __shared__ unsigned char smem_raw[];
     u32 stages;                                                         // [X_STAGES][64 rows][128 B]
     unsigned char* smem = aligned_smem(smem_raw, stages);
-    const u32 ring = stages + X_STAGES * BLOCK_BYTES;                   // [W_STAGES][W_STAGE_BYTES] weights
-    u16* s_h = reinterpret_cast<u16*>(smem + X_STAGES * BLOCK_BYTES + W_STAGES * (W_STAGE_BYTES + 8));  // [64][64]
+    u16* s_h = reinterpret_cast<u16*>(smem + X_STAGES * BLOCK_BYTES);   // [64 tokens][64 rows] bf16
     int* s_slot = reinterpret_cast<int*>(s_h + TILE * 64);              // [64] the item's slots (-1 past its count)
     int* s_ws = s_slot + TILE;                                          // [4]
     int* s_cnt = s_ws + 4;                                              // [e_local]
@@ -385,11 +333,8 @@ extern "C" __global__ void __launch_bounds__(WG, 2) kdtree_moe_wg_gate_up(
     cta_items(n_ent * n_rb, first, last);
     if (first >= last) return;  // uniform over the CTA
 
-    const Stream st{reinterpret_cast<const unsigned char*>(w13), reinterpret_cast<const unsigned char*>(s13), s_ent,
-                    ring, ring + W_STAGES * W_STAGE_BYTES, first, (last - first) * (n_groups / 2), n_groups / 2,
-                    n_groups, n_pairs, n_rb};
-    st.start();
-    int q = 0;  // the stream's next block
+    Ring ring;
+    ring.start(w13, s13, s_ent, n_pairs, n_groups, first, last);
     for (int item = first; item < last; ++item) {
         const int ent = s_ent[item / n_rb], e = ent >> 16, tile = ent & 0xFFFF;
         const int n_e = min(TILE, s_cnt[e] - TILE * tile);
@@ -397,11 +342,11 @@ extern "C" __global__ void __launch_bounds__(WG, 2) kdtree_moe_wg_gate_up(
         __syncthreads();
         const int rb = item % n_rb;
         if (n_e <= 16)
-            gate_up_item<16>(st, q, x, h, s_slot, s_h, stages, n_e, rb, top_k, c_real, inter);
+            gate_up_item<16>(ring, x, h, s_slot, s_h, stages, n_e, rb, top_k, c_real, inter);
         else if (n_e <= 32)
-            gate_up_item<32>(st, q, x, h, s_slot, s_h, stages, n_e, rb, top_k, c_real, inter);
+            gate_up_item<32>(ring, x, h, s_slot, s_h, stages, n_e, rb, top_k, c_real, inter);
         else
-            gate_up_item<64>(st, q, x, h, s_slot, s_h, stages, n_e, rb, top_k, c_real, inter);
+            gate_up_item<64>(ring, x, h, s_slot, s_h, stages, n_e, rb, top_k, c_real, inter);
     }
 }
 
@@ -409,22 +354,21 @@ extern "C" __global__ void __launch_bounds__(WG, 2) kdtree_moe_wg_gate_up(
 // down: item = (entry, block rb of 4 row pairs = 128 output rows); K = i, the entry's whole h tile in shared memory
 // ---------------------------------------------------------------------------------------------------------
 template <int N>
-__device__ __forceinline__ void down_item(const Stream& st, int& q, u16* __restrict__ out, const int* s_slot,
+__device__ __forceinline__ void down_item(Ring& ring, u16* __restrict__ out, const int* s_slot,
                                           const float* s_wt, u16* s_o, u32 h_tile, int n_e, int rb, int d) {
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, u = lane & 3;
     float acc0[32], acc1[32];  // tile m = 0 (rows 32 p + ..), m = 1 (rows 32 p + 16 + ..)
     zero(acc0);
     zero(acc1);
-    u32 a[2][32];
-    for (int c0 = 0; c0 < st.bpi; c0 += 2) {
+    u32 a[2][16];
+    for (int g0 = 0; g0 < ring.n_groups; g0 += P_GROUPS) {
 #pragma unroll
-        for (int b = 0; b < 2; ++b, ++q) {
-            __syncthreads();
-            if (tid == 0 && q > 0) st.issue(q - 1 + W_STAGES);  // every thread is past block q - 1's weights
-            st.wait(q);
-            group_a(a[b], st.word(q, 0), st.scale(q, 0), 0);
-            group_a(a[b], st.word(q, 1), st.scale(q, 1), 16);
-            block_mma<N>(acc0, acc1, a[b], b_desc(h_tile + (c0 + b) * BLOCK_BYTES));
+        for (int k = 0; k < P_GROUPS; ++k) {
+            const int gi = g0 + k;
+            group_a(a[k & 1], ring.w[k], ring.s[k]);
+            ring.load(k);
+            ring.next();
+            group_mma<N>(acc0, acc1, a[k & 1], b_desc(h_tile + (gi >> 1) * BLOCK_BYTES + 64 * (gi & 1)));
         }
     }
     wgmma_wait_all();
@@ -441,8 +385,8 @@ __device__ __forceinline__ void down_item(const Stream& st, int& q, u16* __restr
             s_o[n * 128 + row + 16] = to_bf16(wt * acc1[4 * j + r]);
         }
     __syncthreads();
-    for (int k = tid; k < n_e * 16; k += WG) {
-        const int n = k >> 4, piece = k & 15;
+    for (int q = tid; q < n_e * 16; q += WG) {
+        const int n = q >> 4, piece = q & 15;
         *reinterpret_cast<uint4*>(out + (long)s_slot[n] * d + 128 * rb + 8 * piece) =
             *reinterpret_cast<const uint4*>(s_o + n * 128 + 8 * piece);
     }
@@ -456,29 +400,23 @@ extern "C" __global__ void __launch_bounds__(WG, 2) kdtree_moe_wg_down(
     extern __shared__ unsigned char smem_raw[];
     u32 h_tile;                                                           // [n_groups / 2][64 rows][128 B]
     unsigned char* smem = aligned_smem(smem_raw, h_tile);
-    const u32 ring = h_tile + (n_groups / 2) * BLOCK_BYTES;                 // [W_STAGES][W_STAGE_BYTES] weights
-    u16* s_o = reinterpret_cast<u16*>(smem + (n_groups / 2) * BLOCK_BYTES + W_STAGES * (W_STAGE_BYTES + 8));
+    u16* s_o = reinterpret_cast<u16*>(smem + (n_groups / 2) * BLOCK_BYTES);  // [64 tokens][128 rows] bf16
     int* s_slot = reinterpret_cast<int*>(s_o + TILE * 128);               // [64]
     float* s_wt = reinterpret_cast<float*>(s_slot + TILE);                // [64] their routing weights
     int* s_ws = reinterpret_cast<int*>(s_wt + TILE);                      // [4]
     int* s_cnt = s_ws + 4;                                                // [e_local]
     int* s_ent = s_cnt + e_local;                                         // [entries]
     const int tid = threadIdx.x;
-    // Before the wait: the entries and the first weight blocks in flight.  down's predecessor is gate_up, whose h only
-    // the h tiles read; counts, lists and topk_w come from the route kernel before it, complete before gate_up's wait
-    // returned, and gate_up lets this grid launch only after that wait, so they are final here (read through L2).
+    pdl_wait();  // h comes from gate_up, this grid's predecessor (counts, lists, topk_w from the route kernel)
+    pdl_trigger();
     const int n_ent = build_entries<4>(counts, e_local, TILE, s_cnt, s_ent, s_ws);
     const int n_rb = n_pairs / RB;
     int first, last;
     cta_items(n_ent * n_rb, first, last);
-    const Stream st{reinterpret_cast<const unsigned char*>(w2), reinterpret_cast<const unsigned char*>(s2), s_ent,
-                    ring, ring + W_STAGES * W_STAGE_BYTES, first, max(0, last - first) * (n_groups / 2),
-                    n_groups / 2, n_groups, n_pairs, n_rb};
-    if (first < last) st.start();
-    pdl_wait();  // gate_up's h is complete and visible from here
-    pdl_trigger();
     if (first >= last) return;
-    int q = 0;
+
+    Ring ring;
+    ring.start(w2, s2, s_ent, n_pairs, n_groups, first, last);
     const int h_row = c_real * 4, pieces = n_groups * 4;  // uint4 per h row (i / 8); 16-byte pieces a tile row
     int cur = -1;
     int n_e = 0;
@@ -515,10 +453,10 @@ extern "C" __global__ void __launch_bounds__(WG, 2) kdtree_moe_wg_down(
         }
         const int rb = item % n_rb;
         if (n_e <= 16)
-            down_item<16>(st, q, out, s_slot, s_wt, s_o, h_tile, n_e, rb, d);
+            down_item<16>(ring, out, s_slot, s_wt, s_o, h_tile, n_e, rb, d);
         else if (n_e <= 32)
-            down_item<32>(st, q, out, s_slot, s_wt, s_o, h_tile, n_e, rb, d);
+            down_item<32>(ring, out, s_slot, s_wt, s_o, h_tile, n_e, rb, d);
         else
-            down_item<64>(st, q, out, s_slot, s_wt, s_o, h_tile, n_e, rb, d);
+            down_item<64>(ring, out, s_slot, s_wt, s_o, h_tile, n_e, rb, d);
     }
 }
