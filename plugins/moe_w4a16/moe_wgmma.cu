@@ -1,4 +1,5 @@
-// moe_w4a16 wgmma: the expert GEMMs of the routed MoE where experts see many tokens (launch_v3.WGMMA_MIN_TOKENS),
+// moe_w4a16 wgmma: the expert GEMMs of the routed MoE where experts see many tokens (launch_wgmma.MIN_TOKENS; off by
+// default: slower than moe_v3.cu below 512 tokens, NOTES.md),
 // on the same fragment-order INT4 experts as moe_v3.cu, with Hopper's warpgroup MMA (sm_90a).
 //
 //   gate_up:  h[slot, :] = silu(W1_e x[tok]) * (W3_e x[tok])        h [t * top_k, i] bf16
@@ -44,7 +45,7 @@
 #define RB 4                            // row pairs an item (4 warps x 16 rows: wgmma's M of 64)
 #define X_STAGES 3                      // gate_up's token blocks in shared memory
 #define BLOCK_BYTES (TILE * 128)        // 64 token rows x 64 k of bf16 (one 128-byte swizzle row each)
-#define H_BLOCKS_MAX 8                  // down's h tile: i <= 512 (launch_v3.wgmma_applies)
+#define H_BLOCKS_MAX 8                  // down's h tile: i <= 512 (launch_wgmma.shapes_fit)
 #define P_GROUPS 4                      // the weight ring's depth in groups (even: gate_up's blocks are 2 groups)
 
 // Shared-memory matrix descriptor of a K-major B tile with the 128-byte swizzle (layout type 1, bits 62-63): start
@@ -81,7 +82,7 @@ __device__ __forceinline__ void wgmma16(float (&d)[32], const u32* a, u64 desc) 
     WG_MMA(16, "%0, %1, %2, %3, %4, %5, %6, %7", "%8, %9, %10, %11", "12")
         : WG_ACC8(0) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 #else
-    __trap();  // wgmma needs sm_90a (launch_v3 takes these kernels on sm_90 only)
+    __trap();  // wgmma needs sm_90a (launch_wgmma loads these kernels on sm_90 only)
 #endif
 }
 
