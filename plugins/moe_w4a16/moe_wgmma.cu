@@ -37,7 +37,7 @@
 
 #define KDTREE_ARCH_FEATURES  // plugins/common/cubin.py: compiled for sm_90a where the arch is sm_90 (wgmma)
 
-#include "../common/cuda/hopper.cuh"  // smem_u32, pdl_wait, pdl_trigger, ld_stream, wgmma_fence / commit / wait_all
+#include "../common/cuda/hopper.cuh"  // smem_u32, pdl_*, ld_stream, fence_async_smem, smem_desc, wgmma_*
 #include "fragment_ops.cuh"            // dequant_pair, ld_scales, ld_tokens_or_zero, to_bf16, ld_count, build_entries
 
 #define WG 128                          // threads: one warpgroup
@@ -47,24 +47,6 @@
 #define BLOCK_BYTES (TILE * 128)        // 64 token rows x 64 k of bf16 (one 128-byte swizzle row each)
 #define H_BLOCKS_MAX 8                  // down's h tile: i <= 512 (launch_wgmma.shapes_fit)
 #define P_GROUPS 4                      // the weight ring's depth in groups (even: gate_up's blocks are 2 groups)
-
-// Shared-memory matrix descriptor of a K-major B tile with the 128-byte swizzle (layout type 1, bits 62-63): start
-// address >> 4, leading byte offset 16 (unused), the next 8 rows 1024 bytes on.  A k step of 16 moves the start by
-// 32 bytes (+2 in the descriptor; addresses stay below 2^18, so no carry out of the 14-bit field).
-__device__ __forceinline__ u64 b_desc(u32 addr) {
-    return (u64)((addr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
-}
-
-// Writes by the generic proxy (st.shared) become visible to wgmma (the async proxy) after this + a barrier.
-__device__ __forceinline__ void fence_async_smem() {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
-__device__ __forceinline__ void wgmma_wait_one() {  // all but the last committed group done
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-#endif
-}
 
 // d [64 x N] += A [64 x 16] . B [16 x N]: A from registers (this thread's a[0..3], mma.sync's m16n8k16 A fragment of
 // its warp's 16 rows), B the K-major tile at desc.  d: the first N / 2 of 32 floats (wgmma's D layout: warp w rows
@@ -290,7 +272,8 @@ __device__ __forceinline__ void gate_up_item(Ring& ring, const uint4* __restrict
             group_a(a[k & 1], ring.w[k], ring.s[k]);
             ring.load(k);
             ring.next();
-            group_mma<N>(gacc, uacc, a[k & 1], b_desc(stages + (c % X_STAGES) * BLOCK_BYTES + 64 * (k & 1)));
+            const u32 b_tile = stages + (c % X_STAGES) * BLOCK_BYTES + 64 * (k & 1);  // the group's 32 k of the block
+            group_mma<N>(gacc, uacc, a[k & 1], smem_desc(b_tile, 16, 1024));
         }
     }
     wgmma_wait_all();
@@ -369,7 +352,7 @@ __device__ __forceinline__ void down_item(Ring& ring, u16* __restrict__ out, con
             group_a(a[k & 1], ring.w[k], ring.s[k]);
             ring.load(k);
             ring.next();
-            group_mma<N>(acc0, acc1, a[k & 1], b_desc(h_tile + (gi >> 1) * BLOCK_BYTES + 64 * (gi & 1)));
+            group_mma<N>(acc0, acc1, a[k & 1], smem_desc(h_tile + (gi >> 1) * BLOCK_BYTES + 64 * (gi & 1), 16, 1024));
         }
     }
     wgmma_wait_all();

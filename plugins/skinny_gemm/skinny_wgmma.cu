@@ -20,7 +20,7 @@
 
 #define KDTREE_ARCH_FEATURES  // plugins/common/cubin.py: compiled for sm_90a where the arch is sm_90 (wgmma)
 
-#include "../common/cuda/hopper.cuh"  // smem_u32, pdl_*, mbar_*, wgmma_fence / commit / wait_all
+#include "../common/cuda/hopper.cuh"  // smem_u32, pdl_*, mbar_*, smem_desc, wgmma_fence / commit / wait_all
 
 typedef unsigned short u16;
 
@@ -38,12 +38,6 @@ __device__ __forceinline__ void tma_2d(u32 dst, const TensorMap* map, int c0, in
     asm volatile(
         "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
         ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar) : "memory");
-}
-
-// K-major operand in shared memory, 128-byte swizzle: 8 rows of 128 bytes an atom, the next 8 rows 1024 bytes on; a
-// k step of 16 columns moves the start by 32 bytes.
-__device__ __forceinline__ u64 smem_desc(u32 addr) {
-    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | (1ull << 62);
 }
 
 // D [64 x NT] += A [64 x 16] . B [NT x 16]^T, fp32 accumulators: NT / 2 a thread.
@@ -176,7 +170,8 @@ __device__ __forceinline__ void skinny_wgmma(const TensorMap& w_map, const Tenso
             if (b < nb) {
 #pragma unroll
                 for (int kk = 0; kk < BK / 16; ++kk)
-                    wgmma_tile<NT>(acc, smem_desc(wa + b * BOX_W_BYTES + kk * 32), smem_desc(xa + b * X_BOX + kk * 32));
+                    wgmma_tile<NT>(acc, smem_desc(wa + b * BOX_W_BYTES + kk * 32, 16, 1024),
+                                   smem_desc(xa + b * X_BOX + kk * 32, 16, 1024));
             }
         }
         wgmma_commit();

@@ -35,7 +35,7 @@
 
 #define KDTREE_ARCH_FEATURES  // plugins/common/cubin.py: compiled for sm_90a where the arch is sm_90 (wgmma)
 
-#include "../common/cuda/hopper.cuh"  // smem_u32, pdl_*, mbar_*, wgmma_fence / commit / wait_all, ld_cg_s32
+#include "../common/cuda/hopper.cuh"  // smem_u32, pdl_*, mbar_*, fence_async_smem, smem_desc, wgmma_*, ld_cg_s32
 
 typedef unsigned short u16;
 
@@ -65,23 +65,6 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 src_byt
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-
-// Writes by the generic proxy (st.shared, cp.async) become visible to wgmma (the async proxy) after this + a barrier.
-__device__ __forceinline__ void fence_async_smem() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
-}
-
-// Shared-memory matrix descriptor, 128-byte swizzle (layout type 1 in bits 62-63): start address, leading and stride
-// byte offsets, each >> 4.  K-major operands (Q, P, the keys as S's B): 8 rows of 128 bytes a swizzle atom, the next 8
-// rows 1024 bytes on (stride), leading offset unused (1); a k step of 16 columns moves the start by 32 bytes.
-// N-major (V as O's B): 64 value columns x 8 keys an atom, the next 8 keys 1024 bytes on (stride), the next 64 value
-// columns one block (BLK_BYTES) on (leading).
-__device__ __forceinline__ u64 smem_desc(u32 addr, u32 lead_bytes, u32 stride_bytes) {
-    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(lead_bytes >> 4) << 16) | ((u64)(stride_bytes >> 4) << 32)
-           | (1ull << 62);
-}
 
 __device__ __forceinline__ void wgmma_m64n32k16(float* d, u64 desc_a, u64 desc_b, int accumulate) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)

@@ -1,6 +1,7 @@
 // Hopper (sm_90) primitives shared by the CUDA C kernels: programmatic dependent launch, shared-memory addresses, the
 // weights' streaming load, the 32-bit L2 load, the L2 bulk prefetch, mbarriers (the tensor memory accelerator's
-// completion) and the warpgroup MMA's fence / commit / wait, and the split-K kernels' last-CTA ticket.  Each but the
+// completion), the async-proxy fence, the wgmma operand descriptor and the warpgroup MMA's fence / commit / wait,
+// and the split-K kernels' last-CTA ticket.  Each but the
 // ticket wraps one PTX instruction; where an arch lacks it (PDL and the prefetch below sm_90, wgmma outside
 // sm_90a) it compiles to nothing, so the same source builds for sm_120 (whose kernels never take those paths).
 //
@@ -89,6 +90,23 @@ __device__ __forceinline__ bool last_arrival(int* ticket, int count, int* s_flag
     return true;
 }
 
+// Writes by the generic proxy (st.shared, cp.async) become visible to wgmma (the async proxy) after this + a barrier.
+__device__ __forceinline__ void fence_async_smem() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// Shared-memory matrix descriptor of a wgmma operand with the 128-byte swizzle (layout type 1 in bits 62-63): start
+// address, leading and stride byte offsets, each >> 4.  K-major operands: 8 rows of 128 bytes a swizzle atom, the next
+// 8 rows 1024 bytes on (stride), leading offset unused (16); a k step of 16 columns moves the start by 32 bytes (+2:
+// addresses stay below 2^18, so no carry out of the 14-bit field).  N-major ones (tree_verify_wgmma.cu's V): 64
+// columns x 8 k an atom, the next 8 k 1024 bytes on (stride), the next 64 columns `lead` bytes on.
+__device__ __forceinline__ u64 smem_desc(u32 addr, u32 lead_bytes, u32 stride_bytes) {
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(lead_bytes >> 4) << 16) | ((u64)(stride_bytes >> 4) << 32)
+           | (1ull << 62);
+}
+
 __device__ __forceinline__ void wgmma_fence() {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
@@ -104,5 +122,11 @@ __device__ __forceinline__ void wgmma_commit() {
 __device__ __forceinline__ void wgmma_wait_all() {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wgmma_wait_one() {  // all but the last committed group done
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
 #endif
 }
