@@ -315,16 +315,8 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
     ws = MoEWorkspace.carve(workspace, t, top_k, e_local, d, i, x.dtype,
                             launch_plan(t, top_k, e_local, d, i, x.device).splits)
     mod = kernels(x.device)  # before the route kernel: a failure here leaves counts zero
-    pf_on = prefetch_on()
-    sms = device_facts(x.device).sms
-    i32, ptr = ctypes.c_int, ctypes.c_void_p
-    pf = ((PF_L2 * pf_on | PF_ONE * ONE_TOKEN,), (i32,))  # the flags argument (values, ctypes) of gate_up and down
-    nt = TOKEN_TILE_OVERRIDE or token_tile(t)
-    n_items = max_entries(t, top_k, e_local, nt) * pairs13
+    pf_on = prefetch_on()  # before the route kernel too (a bad KDTREE_MOE_PREFETCH raises with counts zero)
     wgmma = launch_wgmma.applies(t, x.device, pairs13, c1, pairs2, c2)  # before the route kernel (it may load)
-    args = (w13.data_ptr(), w13_scale.data_ptr(), x.data_ptr(), ws.counts.data_ptr(), ws.lists.data_ptr(),
-            ws.h.data_ptr(), t, top_k, e_local, d // GROUP, c1, pairs13, i, *pf[0])
-    types = (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32, *pf[1])
     # counts [e_local + 1] is zero here (MoEWorkspace.allocate zeroes it, every call's combine re-zeroes it)
     launch_route(logits, bias, ws.topk_idx, ws.topk_w, ws.counts, ws.active, ws.lists, e_start, e_local,
                  scaling, top_k, n_group, topk_group, norm_topk_prob, shared_gate_up, shared_h, active_list=False)
@@ -332,6 +324,14 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
         launch_wgmma.gate_up(w13, w13_scale, x, ws.counts, ws.lists, ws.h, t, top_k, e_local, i)
         launch_wgmma.down(w2, w2_scale, ws.h, ws.topk_w, ws.counts, ws.lists, ws.out, t, top_k, e_local, i)
     else:
+        sms = device_facts(x.device).sms
+        i32, ptr = ctypes.c_int, ctypes.c_void_p
+        pf = ((PF_L2 * pf_on | PF_ONE * ONE_TOKEN,), (i32,))  # the flags argument (values, ctypes) of both
+        nt = TOKEN_TILE_OVERRIDE or token_tile(t)
+        n_items = max_entries(t, top_k, e_local, nt) * pairs13
+        args = (w13.data_ptr(), w13_scale.data_ptr(), x.data_ptr(), ws.counts.data_ptr(), ws.lists.data_ptr(),
+                ws.h.data_ptr(), t, top_k, e_local, d // GROUP, c1, pairs13, i, *pf[0])
+        types = (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32, *pf[1])
         name, warps = gate_up_kernel(nt, c1, n_items, sms)
         smem = gate_up_smem(t, top_k, e_local, nt, warps)
         # one 16-warp CTA per SM, or GATE_UP_CTAS_PER_SM[nt] of 8 warps
