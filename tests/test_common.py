@@ -53,7 +53,7 @@ class _FakeDriver:
     """The few cuda.bindings.driver names plugins/common/driver.launch uses; cuLaunchKernelEx refuses when told to."""
 
     class CUresult:
-        CUDA_SUCCESS, CUDA_ERROR_NOT_SUPPORTED = 0, 801
+        CUDA_SUCCESS, CUDA_ERROR_NOT_FOUND, CUDA_ERROR_NOT_SUPPORTED = 0, 500, 801
 
     class CUlaunchAttributeID:
         CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
@@ -82,6 +82,18 @@ class _FakeDriver:
         self.calls.append("plain")
         return (self.CUresult.CUDA_SUCCESS,)
 
+    class CUfunction_attribute:
+        CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+    def cuModuleGetFunction(self, module, name):
+        self.calls.append(("get", name.decode()))
+        found = name.decode() in module
+        return (self.CUresult.CUDA_SUCCESS if found else self.CUresult.CUDA_ERROR_NOT_FOUND, "f_" + name.decode())
+
+    def cuFuncSetAttribute(self, func, attr, value):
+        self.calls.append(("smem", func, value))
+        return (self.CUresult.CUDA_ERROR_NOT_SUPPORTED if value > 227 * 1024 else self.CUresult.CUDA_SUCCESS,)
+
 
 def test_a_cooperative_launch_carries_its_attribute_and_a_refusal_raises(monkeypatch):
     """driver.launch(cooperative=True): cuLaunchKernelEx with the cooperative attribute (and PDL's where asked); it has
@@ -108,3 +120,22 @@ def test_a_refused_pdl_launch_goes_plain_and_is_remembered_per_device(monkeypatc
     assert refuses.calls == ["ex", "plain", "plain"]
     assert driver.launch(ok, None, 4, 128, 0, None, (), (), True, "test", 0)  # device 0 keeps it
     assert not driver.launch(ok, None, 4, 128, 0, None, (), (), False, "test", 0) and ok.calls[-1] == "plain"
+
+
+def test_a_module_s_functions_are_looked_up_once_and_get_the_shared_memory_they_ask_above_48_kb():
+    """driver.Functions: one cuModuleGetFunction a kernel; the dynamic shared-memory ceiling set only above the 48 KB
+    default and only when a launch asks for more than was granted; errors name the module, the kernel and the size."""
+    cu = _FakeDriver(refuse=False)
+    fns = driver.Functions(cu, {"k1", "k2"}, "mod (cache)")
+    assert fns.get("k1") == "f_k1" and fns.get("k1", 48 * 1024) == "f_k1"
+    assert cu.calls == [("get", "k1")]
+    fns.get("k1", 100_000)
+    fns.get("k1", 60_000)  # below what was granted: no call
+    fns.get("k1", 120_000)
+    fns.get("k2", 100_000)
+    assert cu.calls == [("get", "k1"), ("smem", "f_k1", 100_000), ("smem", "f_k1", 120_000), ("get", "k2"),
+                        ("smem", "f_k2", 100_000)]
+    with pytest.raises(RuntimeError, match=r"mod \(cache\): cuModuleGetFunction k3 failed"):
+        fns.get("k3")
+    with pytest.raises(RuntimeError, match=r"cuFuncSetAttribute k2 \(dynamic shared memory 300000 B\) failed"):
+        fns.get("k2", 300_000)

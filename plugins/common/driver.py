@@ -17,6 +17,31 @@ def checked(cu, res, what: str, error: type[Exception] = RuntimeError):
     return rest[0] if len(rest) == 1 else tuple(rest) if rest else None
 
 
+class Functions:
+    """The kernels of one loaded module (cu: cuda.bindings.driver, module: a CUmodule) by name, each looked up once,
+    with its dynamic shared-memory ceiling raised where a launch asks for more than the 48 KB every kernel has.
+    what names the module in errors."""
+
+    def __init__(self, cu, module, what: str):
+        self.cu, self.module, self.what = cu, module, what
+        self._funcs: dict[str, object] = {}  # kernel name -> CUfunction
+        self._smem: dict[str, int] = {}  # kernel name -> the dynamic shared memory granted above the default
+
+    def get(self, name: str, smem: int = 0):
+        """The CUfunction of kernel `name`, allowed `smem` bytes of dynamic shared memory; RuntimeError naming the
+        module and the kernel where it is not in the module or the driver refuses the size."""
+        func = self._funcs.get(name)
+        if func is None:
+            func = self._funcs[name] = checked(self.cu, self.cu.cuModuleGetFunction(self.module, name.encode()),
+                                               f"{self.what}: cuModuleGetFunction {name}")
+        if smem > 48 * 1024 and self._smem.get(name, 0) < smem:
+            attr = self.cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            checked(self.cu, self.cu.cuFuncSetAttribute(func, attr, smem),
+                    f"{self.what}: cuFuncSetAttribute {name} (dynamic shared memory {smem} B)")
+            self._smem[name] = smem
+        return func
+
+
 def pdl_refused(device_index: int) -> bool:
     """Whether a PDL launch on CUDA device `device_index` was refused before (launch goes plain there from then on)."""
     return device_index in _PDL_REFUSED

@@ -20,7 +20,7 @@ import torch
 from core.env_flags import env_flag
 from plugins.common.cubin import CubinUnavailable, load_module
 from plugins.common.device import device_facts
-from plugins.common.driver import checked, launch, pdl_refused
+from plugins.common.driver import Functions, launch, pdl_refused
 from plugins.common.pdl import USE_PDL
 import plugins.moe_w4a16.launch_wgmma as launch_wgmma
 from plugins.moe_w4a16.fragment_layout import ROWS
@@ -166,10 +166,7 @@ def down_smem(t: int, top_k: int, e_local: int, nt: int) -> int:
 @dataclass
 class _Module:
     cu: object
-    module: object
-    funcs: dict
-    smem_set: dict
-    where: str
+    funcs: Functions  # the loaded cubin's kernels
     index: int  # the CUDA device's
     pdl: bool = False  # ask for programmatic dependent launch (sm_90+; plugins/common/driver.launch remembers a refusal)
 
@@ -178,10 +175,6 @@ _MODULES: dict[int, _Module] = {}
 
 
 PF_L2, PF_ONE = 1, 2  # moe_v3.cu's bits of `pf`
-
-
-def _ok(cu, res, what: str):
-    return checked(cu, res, f"moe_w4a16 v3: {what}")
 
 
 def kernels(device: torch.device) -> _Module:
@@ -194,7 +187,7 @@ def kernels(device: torch.device) -> _Module:
         from cuda.bindings import driver as cu
         module, where = load_module(SOURCE, torch.device("cuda", index), "moe_w4a16 v3")
         pdl = USE_PDL and device_facts(device).capability[0] >= 9
-        mod = _MODULES[index] = _Module(cu, module, {}, {}, where, index, pdl)
+        mod = _MODULES[index] = _Module(cu, Functions(cu, module, f"moe_w4a16 v3 ({where})"), index, pdl)
     return mod
 
 
@@ -214,35 +207,13 @@ def unavailable(device: torch.device) -> str | None:
     return _UNAVAILABLE.get(index)
 
 
-def _func(mod: _Module, name: str, smem: int):
-    cu = mod.cu
-    if not _has(mod, name):
-        raise RuntimeError(f"moe_w4a16 v3: cuModuleGetFunction {name} failed: not in the loaded cubin ({mod.where})")
-    func = mod.funcs[name]
-    if smem > 48 * 1024 and mod.smem_set.get(name, 0) < smem:
-        _ok(cu, cu.cuFuncSetAttribute(func, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                      smem), f"cuFuncSetAttribute {name}")
-        mod.smem_set[name] = smem
-    return func
-
-
-def _has(mod: _Module, name: str) -> bool:
-    """Whether the loaded cubin holds kernel `name` (the function looked up once)."""
-    if name not in mod.funcs:
-        res = mod.cu.cuModuleGetFunction(mod.module, name.encode())
-        if res[0] != mod.cu.CUresult.CUDA_SUCCESS:
-            return False
-        mod.funcs[name] = res[1]
-    return True
-
-
 def _launch(mod: _Module, name: str, grid: int, smem: int, args: tuple, types: tuple, warps: int = WARPS) -> None:
     """One launch on torch's current stream; with mod.pdl through cuLaunchKernelEx with programmatic stream
     serialization (the kernels wait for their predecessor grid first: moe_v3.cu's pdl_prologue).  A refused
     attribute turns PDL off for the device (plain launches from then on, this one included)."""
     cu = mod.cu
     stream = cu.CUstream(torch.cuda.current_stream().cuda_stream)
-    launch(cu, _func(mod, name, smem), grid, 32 * warps, smem, stream, args, types, mod.pdl,
+    launch(cu, mod.funcs.get(name, smem), grid, 32 * warps, smem, stream, args, types, mod.pdl,
            f"moe_w4a16 v3: launch {name}", mod.index)
 
 

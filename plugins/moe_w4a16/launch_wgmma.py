@@ -13,7 +13,7 @@ from MIN_TOKENS tokens.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,7 +22,7 @@ from core.env_flags import env_flag
 from plugins.common.cubin import load_module
 from plugins.common.device import device_facts
 from plugins.common.device_modules import NotForThisDevice, PerDevice
-from plugins.common.driver import checked, launch
+from plugins.common.driver import Functions, launch
 from plugins.common.pdl import USE_PDL
 from plugins.moe_w4a16.plan import cdiv
 
@@ -49,10 +49,8 @@ class MoEWgmmaWarning(UserWarning):
 @dataclass
 class _Kernels:
     cu: object
-    module: object
+    funcs: Functions  # the loaded cubin's kernels
     pdl: bool
-    funcs: dict = field(default_factory=dict)  # kernel name -> CUfunction
-    smem_set: dict = field(default_factory=dict)  # kernel name -> dynamic shared memory granted
 
 
 def _load(dev: torch.device) -> _Kernels:
@@ -62,7 +60,7 @@ def _load(dev: torch.device) -> _Kernels:
     from cuda.bindings import driver as cu
     torch.empty(1, device=dev)  # the primary context, current before the driver loads the module
     module, _ = load_module(SOURCE, dev, "moe_w4a16 wgmma")
-    return _Kernels(cu, module, USE_PDL)
+    return _Kernels(cu, Functions(cu, module, "moe_w4a16 wgmma"), USE_PDL)
 
 
 _KERNELS: PerDevice[_Kernels] = PerDevice("moe_w4a16 wgmma", MoEWgmmaWarning, "the MoE's GEMMs stay v3's mma.sync")
@@ -98,24 +96,11 @@ def down_smem(t: int, top_k: int, e_local: int, groups2: int) -> int:
             + (2 * TILE + 4 + e_local + max_entries(t, top_k, e_local)) * 4)
 
 
-def _func(mod: _Kernels, name: str, smem: int):
-    cu = mod.cu
-    func = mod.funcs.get(name)
-    if func is None:
-        func = mod.funcs[name] = checked(cu, cu.cuModuleGetFunction(mod.module, name.encode()),
-                                         f"moe_w4a16 wgmma: cuModuleGetFunction {name}")
-    if smem > 48 * 1024 and mod.smem_set.get(name, 0) < smem:
-        checked(cu, cu.cuFuncSetAttribute(func, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                          smem), f"moe_w4a16 wgmma: cuFuncSetAttribute {name}")
-        mod.smem_set[name] = smem
-    return func
-
-
 def _launch(dev: torch.device, name: str, items: int, smem: int, args: tuple, types: tuple) -> None:
     mod = _KERNELS[dev]
     grid = max(1, min(items, CTAS_PER_SM * device_facts(dev).sms))
     stream = mod.cu.CUstream(torch.cuda.current_stream(dev).cuda_stream)
-    launch(mod.cu, _func(mod, name, smem), grid, THREADS, smem, stream, args, types, mod.pdl,
+    launch(mod.cu, mod.funcs.get(name, smem), grid, THREADS, smem, stream, args, types, mod.pdl,
            f"moe_w4a16 wgmma: launch {name}", _KERNELS.index(dev))
 
 

@@ -18,7 +18,7 @@ import torch
 from plugins.common.cubin import load_module
 from plugins.common.device import device_facts
 from plugins.common.device_modules import PerDevice
-from plugins.common.driver import checked, launch
+from plugins.common.driver import Functions, launch
 from plugins.common.pdl import USE_PDL
 
 SOURCE = Path(__file__).with_name("skinny_gemm.cu")
@@ -152,8 +152,7 @@ class KernelModule:
     wgmma_launch.py).  The workspace serves the calls of one stream at a time (each call's last CTAs leave its tickets
     zero for the next): the decode round's, eager or replayed."""
     cu: object
-    module: object
-    funcs: dict  # kernel name -> CUfunction
+    funcs: Functions  # the loaded cubin's kernels
     pdl: bool  # ask for PDL (sm_90+ and KDTREE_PDL; plugins/common/driver.launch remembers a refusal)
     parts: torch.Tensor  # [parts floats] fp32
     tickets: torch.Tensor  # [tickets] int32, zero between calls
@@ -164,7 +163,7 @@ class KernelModule:
         from cuda.bindings import driver as cu
         torch.empty(1, device=dev)  # the primary context, current before the driver loads the module
         module, _ = load_module(source, dev, what)
-        return cls(cu, module, {}, pdl, torch.empty(parts, dtype=torch.float32, device=dev),
+        return cls(cu, Functions(cu, module, what), pdl, torch.empty(parts, dtype=torch.float32, device=dev),
                    torch.zeros(tickets, dtype=torch.int32, device=dev))
 
 
@@ -224,18 +223,9 @@ def _run(x: torch.Tensor, w: torch.Tensor, n: int, c: torch.Tensor | None, out_f
     y = torch.empty(t, n, dtype=torch.float32 if out_f32 else torch.bfloat16, device=x.device)
     mod = _module(x.device)
     cu = mod.cu
-    func = mod.funcs.get(kernel)
-    if func is None:
-        func = checked(cu, cu.cuModuleGetFunction(mod.module, kernel.encode()),
-                       f"skinny_gemm: cuModuleGetFunction {kernel}")
-        # a plan's dynamic shared memory reaches 64 KB (W = 16, RG = 2, TT = 4: forced, the default pairs groups
-        # only at W <= 8): set the kernel's ceiling once to the most any plan of it asks
-        most = (MAX_WARPS * p.row_groups * token_tiles(t) * 128 + 1) * 4
-        if most > 48 << 10:
-            checked(cu, cu.cuFuncSetAttribute(
-                func, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, most),
-                f"skinny_gemm: cuFuncSetAttribute {kernel}")
-        mod.funcs[kernel] = func
+    # a plan's dynamic shared memory reaches 64 KB (W = 16, RG = 2, TT = 4: forced, the default pairs groups only at
+    # W <= 8): the kernel's ceiling set to the most any plan of it asks
+    func = mod.funcs.get(kernel, (MAX_WARPS * p.row_groups * token_tiles(t) * 128 + 1) * 4)
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     args = (x.data_ptr(), w.data_ptr(), y.data_ptr(), c.data_ptr() if c is not None else 0, mod.parts.data_ptr(),
             mod.tickets.data_ptr(), t, n, k, x.stride(0), y.stride(0), c.stride(0) if c is not None else 0, p.splits,

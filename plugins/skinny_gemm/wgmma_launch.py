@@ -16,7 +16,7 @@ import torch
 from core.env_flags import env_flag
 from plugins.common.device import device_facts
 from plugins.common.device_modules import NotForThisDevice, PerDevice
-from plugins.common.driver import checked, launch
+from plugins.common.driver import launch
 from plugins.common.pdl import USE_PDL
 from plugins.common.tensor_maps import bf16_tensor_map
 from plugins.skinny_gemm.launch import KernelModule
@@ -112,17 +112,6 @@ def available(device: torch.device) -> bool:
     return _KERNELS.get(device, _load) is not None
 
 
-def _func(mod: KernelModule, p: Plan):
-    func = mod.funcs.get(p.kernel)
-    if func is None:
-        cu = mod.cu
-        func = checked(cu, cu.cuModuleGetFunction(mod.module, p.kernel.encode()), f"{p.kernel}: cuModuleGetFunction")
-        checked(cu, cu.cuFuncSetAttribute(func, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                          smem_bytes(32, p.boxes)), f"{p.kernel}: cuFuncSetAttribute")
-        mod.funcs[p.kernel] = func
-    return func
-
-
 def tensor_map(cu, t: torch.Tensor, box_rows: int) -> object:
     """The CUtensorMap of a [rows, k] bf16 matrix (unit stride along k) as the .cu reads it: boxes of 64 columns x
     box_rows rows, 128-byte swizzle, rows past the end read as zeros (plugins/common/tensor_maps)."""
@@ -147,6 +136,7 @@ def skinny_wgmma(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None
             p.splits)
     types = (None, None, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32)
     stream = cu.CUstream(torch.cuda.current_stream(dev).cuda_stream)
-    launch(cu, _func(mod, p), p.grid, THREADS, p.smem, stream, args, types, mod.pdl if pdl is None else pdl,
+    func = mod.funcs.get(p.kernel, smem_bytes(32, p.boxes))  # the ceiling: the most any token count asks
+    launch(cu, func, p.grid, THREADS, p.smem, stream, args, types, mod.pdl if pdl is None else pdl,
            f"{p.kernel}: launch", dev.index)
     return y

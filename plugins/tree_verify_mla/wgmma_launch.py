@@ -15,7 +15,7 @@ from core.env_flags import env_flag
 from plugins.common.cubin import load_module
 from plugins.common.device import device_facts
 from plugins.common.device_modules import NotForThisDevice, PerDevice
-from plugins.common.driver import checked, launch
+from plugins.common.driver import Functions, launch
 from plugins.common.tensor_maps import bf16_tensor_map
 
 SOURCE = Path(__file__).with_name("tree_verify_wgmma.cu")
@@ -46,10 +46,7 @@ def _load(dev: torch.device) -> tuple[object, object]:
     from cuda.bindings import driver as cu
     torch.empty(1, device=dev)  # the device's primary context, current before the driver loads the module
     module, _ = load_module(SOURCE, dev, "tree_verify_wgmma")
-    func = checked(cu, cu.cuModuleGetFunction(module, KERNEL.encode()), f"{KERNEL}: cuModuleGetFunction")
-    checked(cu, cu.cuFuncSetAttribute(func, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                      SMEM), f"{KERNEL}: cuFuncSetAttribute (shared memory {SMEM} B)")
-    return cu, func
+    return cu, Functions(cu, module, "tree_verify_wgmma").get(KERNEL, SMEM)
 
 
 _FUNCS: PerDevice[tuple[object, object]] = PerDevice("tree_verify_wgmma", WgmmaAttentionWarning,
