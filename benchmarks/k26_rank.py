@@ -32,7 +32,7 @@ def plot(json_path: Path) -> Path:
         n = [r["tokens"] for r in rows]
         line = ax.plot(n, [r["verify_us"] for r in rows], "o-", label=f"T(N) measured, L={ctx}")[0]
         ax.plot(n, [r["verify_roofline_us"] for r in rows], "--", color=line.get_color(),
-                label=f"T(N) roofline, L={ctx}")
+                label=f"T(N) roofline (bytes or flops a class), L={ctx}")
         ax.plot(n, [r["step_us"] for r in rows], "s:", color=line.get_color(), alpha=0.6,
                 label=f"whole round (AR step at N=1), L={ctx}")
     ax.set_xscale("log", base=2)

@@ -19,6 +19,10 @@ per layer when sharded) at a stated latency per call, giving a TP8 tokens/s per 
 tau.  Roofline bytes: every weight the forward reads once (the distinct routed experts counted from the
 run's own routing), the committed cache rows, the lm_head; at this GPU's device-copy rate, measured at the start
 of the run (an H100's rooflines at the H100's rate; before 2026-12-06 every sm_90 run used the H200's 4.25 TB/s).
+Roofline flops (since 2026-12-07): every weight matrix times each token, each token's top_k expert slots, the
+attention over the committed rows; at the dense bf16 tensor rate (plugins/common/device.RATES).  Each class's
+roofline is the longer of its bytes' and its flops' times (the attention over a long cache and the dense GEMMs of
+the large budgets are compute-bound), a forward's the sum over the classes.
 """
 
 from __future__ import annotations
@@ -34,8 +38,9 @@ import torch
 from build_pipeline.synthetic import PRESETS, drafter_config
 from core.plan import ParallelPlan
 from core.provenance import git_commit
-from plugins.common.device import copy_bytes_per_s
+from plugins.common.device import copy_bytes_per_s, tensor_flops_per_s
 from plugins.kv_commit import kv_commit
+from plugins.moe_w4a16 import expert_dims
 from plugins.moe_w4a16.reference import route_reference
 from plugins.tree_accept import tree_accept
 from plugins.tree_build import tree_build
@@ -162,7 +167,9 @@ def measure_mode(target, drafter, replicated, spec: SpecConfig, ctx: int, iters:
     row["verify_us"] = _time(CapturedStep(verify, pool, name="verify").launch, iters, rewind)
     row["experts_touched_per_layer"] = _experts_touched(target, s, spec.mode == "none")
     row["roofline_bytes"] = _forward_bytes(target, ctx, row["experts_touched_per_layer"])
-    row["verify_roofline_us"] = round(1e6 * sum(row["roofline_bytes"].values()) / copy_bytes_per_s(target.device), 1)
+    row["roofline_flops"] = _forward_flops(target, ctx, s.n)
+    row["verify_roofline_us"] = round(sum(_roofline_us(target.device, row["roofline_bytes"][k],
+                                                       row["roofline_flops"][k]) for k in row["roofline_bytes"]), 1)
     row["verify_roofline_frac"] = round(row["verify_roofline_us"] / row["verify_us"], 3)
     if spec.mode != "none":
         rewind()
@@ -250,20 +257,27 @@ def _time(launch: Callable[[], None], iters: int, reset: Callable[[], None]) -> 
     return round(time_launches(launch, iters), 1)
 
 
-def _step_bytes_by_class(row: dict) -> dict[str, int]:
-    """The roofline bytes of a whole step's kernel classes (target and drafter)."""
-    return {"moe_experts": row["roofline_bytes"]["experts"],
-            "gemm": sum(v for k, v in row["roofline_bytes"].items() if k in ("dense", "router", "lm_head"))
-            + row.get("drafter_bytes", 0),
-            "attention": row["roofline_bytes"]["cache"]}
+def _step_bytes_by_class(row: dict) -> dict[str, tuple[int, int]]:
+    """The roofline (bytes, flops) of a whole step's kernel classes (target; the drafter's bytes in gemm)."""
+    b, f = row["roofline_bytes"], row["roofline_flops"]
+    gemm = ("dense", "router", "lm_head")
+    return {"moe_experts": (b["experts"], f["experts"]),
+            "gemm": (sum(b[k] for k in gemm) + row.get("drafter_bytes", 0), sum(f[k] for k in gemm)),
+            "attention": (b["cache"], f["cache"])}
 
 
-def _profile(launch: Callable[[], None], reset: Callable[[], None], target, bytes_by_class: dict[str, int],
-             layers: int) -> dict:
+def _roofline_us(device, nbytes: float, flops: float) -> float:
+    """The floor of one class of work in µs: its bytes at the device's copy rate or its flops at the dense bf16
+    tensor rate, whichever takes longer."""
+    return 1e6 * max(nbytes / copy_bytes_per_s(device), flops / tensor_flops_per_s(device))
+
+
+def _profile(launch: Callable[[], None], reset: Callable[[], None], target,
+             bytes_by_class: dict[str, int | tuple[int, int]], layers: int) -> dict:
     """Kernels of one replay of a captured graph, by class: count, µs (the kernels' profiled durations, which
     under PDL include waiting for the predecessor), step_us (what they add to the step: runtime/kernel_timeline;
-    these sum to span_us), idle_us (launch gaps inside step_us), and the roofline of the class's bytes
-    (bytes_by_class) against step_us; per layer over `layers`."""
+    these sum to span_us), idle_us (launch gaps inside step_us), and the roofline of the class's bytes or
+    (bytes, flops) (bytes_by_class) against step_us; per layer over `layers`."""
     from torch.profiler import ProfilerActivity, profile
 
     reset()
@@ -294,12 +308,12 @@ def _profile(launch: Callable[[], None], reset: Callable[[], None], target, byte
         t[0] += 1
         t[1] += us
         t[2] += step
-    bw = copy_bytes_per_s(target.device)
     for cls, c in classes.items():
         for key in ("us", "step_us", "idle_us"):
             c[key] = round(c[key], 1)
         if cls in bytes_by_class:
-            c["roofline_us"] = round(1e6 * bytes_by_class[cls] / bw, 1)
+            work = bytes_by_class[cls]
+            c["roofline_us"] = round(_roofline_us(target.device, *(work if isinstance(work, tuple) else (work, 0))), 1)
             c["roofline_frac"] = round(c["roofline_us"] / c["step_us"], 3) if c["step_us"] else None
     total = sum(c["kernels"] for c in classes.values())
     return {"classes": classes, "kernels": total, "kernels_per_layer": round(total / layers, 1),
@@ -367,6 +381,29 @@ def _forward_bytes(target, ctx: int, touched: float) -> dict[str, int]:
         else:
             out["dense"] += _nbytes(lw.mlp.gate_up) + _nbytes(lw.mlp.down)
     out["cache"] = ctx * cfg.d_qk * 2 * cfg.num_layers  # bf16 latent rows of every layer
+    return out
+
+
+def _forward_flops(target, ctx: int, n: int) -> dict[str, int]:
+    """Flops (2 a multiply-add) one verify forward of n tokens must do at least, in _forward_bytes' classes: every
+    weight matrix times each token (the routed experts: each token's top_k slots, those of this rank's experts),
+    and each token's attention over the ctx committed rows in the absorbed form (scores over d_qk, values over
+    kv_lora_rank; the tree's own rows left out)."""
+    cfg, w = target.cfg, target.w
+    heads = target.plan.local_heads(cfg)
+    out = {"dense": 0, "router": 0, "experts": 0, "cache": 0, "lm_head": 2 * n * w.lm_head.numel()}
+    for lw in w.layers:
+        out["dense"] += 2 * n * sum(t.numel() for t in vars(lw.attn).values() if t is not None and t.dim() >= 2)
+        if isinstance(lw.mlp, MoEWeights):
+            e_local, i = expert_dims(lw.mlp.experts.w13)
+            slots = n * cfg.num_experts_per_tok * e_local / cfg.n_routed_experts  # of this rank's experts
+            out["experts"] += int(2 * slots * 3 * cfg.hidden_size * i)
+            out["router"] += 2 * n * lw.mlp.gate.numel()
+            if lw.mlp.shared is not None:
+                out["dense"] += 2 * n * (lw.mlp.shared.gate_up.numel() + lw.mlp.shared.down.numel())
+        else:
+            out["dense"] += 2 * n * (lw.mlp.gate_up.numel() + lw.mlp.down.numel())
+    out["cache"] = 2 * n * heads * ctx * (cfg.d_qk + cfg.kv_lora_rank) * cfg.num_layers
     return out
 
 

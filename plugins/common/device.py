@@ -67,6 +67,12 @@ def facts_for(sms: int, capability: tuple[int, int], l2_bytes: int = DEFAULT_L2_
     return DeviceFacts(sms, capability, bandwidth / flops, l2_bytes)
 
 
+def tensor_flops_per_s(device: torch.device | str | None) -> float:
+    """The dense bf16 tensor rate rooflines divide flops by: the table's (RATES) for the device's arch (the H200's
+    measured GEMM rate for sm_90, the H100 included: the same SMs at about the same clock)."""
+    return RATES.get(device_facts(device).capability, RATES[DEFAULT_CAPABILITY])[1]
+
+
 def copy_bytes_per_s(device: torch.device | str | None) -> float:
     """The memory rate rooflines divide by: bytes read + written per second by a device-to-device copy, measured
     once per CUDA device (how DESIGN.md measured the H200's 4.25 TB/s), so that a run on an H100 divides by the
