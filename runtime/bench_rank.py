@@ -197,7 +197,7 @@ def measure_mode(target, drafter, replicated, spec: SpecConfig, ctx: int, iters:
     row["cache_gb"] = _gb(s.cache.kv.numel() * s.cache.kv.element_size())
     row["session_gb"] = _gb(torch.cuda.memory_allocated() - base)  # caches, buffers, workspaces; graphs' pool apart
     if profile:
-        row["profile"] = _profile(step.launch, rewind, target, _step_bytes_by_class(row), target.cfg.num_layers)
+        row["profile"] = _profile(step.launch, rewind, target, _step_work_by_class(row), target.cfg.num_layers)
         if spec.mode != "none":  # the (sharded) drafter alone: its share of the round, kernel by kernel
             run = lambda: drafter.draft(s.dcache, buf.ctx_feats, buf.accept_len, buf.bonus, buf.ctx_tokens)
             row["drafter_profile"] = _profile(CapturedStep(run, pool, name="drafter_profile").launch,
@@ -257,7 +257,7 @@ def _time(launch: Callable[[], None], iters: int, reset: Callable[[], None]) -> 
     return round(time_launches(launch, iters), 1)
 
 
-def _step_bytes_by_class(row: dict) -> dict[str, tuple[int, int]]:
+def _step_work_by_class(row: dict) -> dict[str, tuple[int, int]]:
     """The roofline (bytes, flops) of a whole step's kernel classes (target; the drafter's bytes in gemm)."""
     b, f = row["roofline_bytes"], row["roofline_flops"]
     gemm = ("dense", "router", "lm_head")
@@ -273,11 +273,11 @@ def _roofline_us(device, nbytes: float, flops: float) -> float:
 
 
 def _profile(launch: Callable[[], None], reset: Callable[[], None], target,
-             bytes_by_class: dict[str, int | tuple[int, int]], layers: int) -> dict:
+             work_by_class: dict[str, int | tuple[int, int]], layers: int) -> dict:
     """Kernels of one replay of a captured graph, by class: count, µs (the kernels' profiled durations, which
     under PDL include waiting for the predecessor), step_us (what they add to the step: runtime/kernel_timeline;
     these sum to span_us), idle_us (launch gaps inside step_us), and the roofline of the class's bytes or
-    (bytes, flops) (bytes_by_class) against step_us; per layer over `layers`."""
+    (bytes, flops) (work_by_class) against step_us; per layer over `layers`."""
     from torch.profiler import ProfilerActivity, profile
 
     reset()
@@ -311,8 +311,8 @@ def _profile(launch: Callable[[], None], reset: Callable[[], None], target,
     for cls, c in classes.items():
         for key in ("us", "step_us", "idle_us"):
             c[key] = round(c[key], 1)
-        if cls in bytes_by_class:
-            work = bytes_by_class[cls]
+        if cls in work_by_class:
+            work = work_by_class[cls]
             c["roofline_us"] = round(_roofline_us(target.device, *(work if isinstance(work, tuple) else (work, 0))), 1)
             c["roofline_frac"] = round(c["roofline_us"] / c["step_us"], 3) if c["step_us"] else None
     total = sum(c["kernels"] for c in classes.values())
