@@ -202,7 +202,7 @@ def measure_mode(target, drafter, replicated, spec: SpecConfig, ctx: int, iters:
             run = lambda: drafter.draft(s.dcache, buf.ctx_feats, buf.accept_len, buf.bonus, buf.ctx_tokens)
             row["drafter_profile"] = _profile(CapturedStep(run, pool, name="drafter_profile").launch,
                                               lambda: s.dcache.lens.fill_(ctx - 1), target,
-                                              {"gemm": row["drafter_bytes"]}, drafter.cfg.num_layers)
+                                              {"gemm": (row["drafter_bytes"], 0)}, drafter.cfg.num_layers)
     return row
 
 
@@ -273,11 +273,11 @@ def _roofline_us(device, nbytes: float, flops: float) -> float:
 
 
 def _profile(launch: Callable[[], None], reset: Callable[[], None], target,
-             work_by_class: dict[str, int | tuple[int, int]], layers: int) -> dict:
+             work_by_class: dict[str, tuple[int, int]], layers: int) -> dict:
     """Kernels of one replay of a captured graph, by class: count, µs (the kernels' profiled durations, which
     under PDL include waiting for the predecessor), step_us (what they add to the step: runtime/kernel_timeline;
-    these sum to span_us), idle_us (launch gaps inside step_us), and the roofline of the class's bytes or
-    (bytes, flops) (work_by_class) against step_us; per layer over `layers`."""
+    these sum to span_us), idle_us (launch gaps inside step_us), and the roofline of the class's (bytes, flops)
+    (work_by_class) against step_us; per layer over `layers`."""
     from torch.profiler import ProfilerActivity, profile
 
     reset()
@@ -312,8 +312,7 @@ def _profile(launch: Callable[[], None], reset: Callable[[], None], target,
         for key in ("us", "step_us", "idle_us"):
             c[key] = round(c[key], 1)
         if cls in work_by_class:
-            work = work_by_class[cls]
-            c["roofline_us"] = round(_roofline_us(target.device, *(work if isinstance(work, tuple) else (work, 0))), 1)
+            c["roofline_us"] = round(_roofline_us(target.device, *work_by_class[cls]), 1)
             c["roofline_frac"] = round(c["roofline_us"] / c["step_us"], 3) if c["step_us"] else None
     total = sum(c["kernels"] for c in classes.values())
     return {"classes": classes, "kernels": total, "kernels_per_layer": round(total / layers, 1),

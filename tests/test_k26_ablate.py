@@ -34,4 +34,3 @@ def test_each_stand_in_runs_the_tiny_forward_and_is_restored():
         assert all(getattr(m, a) is f for (m, a), f in real.items()), names
     again, _ = model.forward(tokens, positions, cache, mask)
     assert torch.equal(again, full)
-
