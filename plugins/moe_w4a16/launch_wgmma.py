@@ -35,6 +35,14 @@ X_STAGES = 3  # gate_up's 64-k token blocks in shared memory
 BLOCK_BYTES = TILE * 128  # one 64-row x 64-k bf16 block
 H_BLOCKS_MAX = 8  # down's h tile: kp_i / 64 blocks at most (i <= 512)
 CTAS_PER_SM = 2  # __launch_bounds__(128, 2)
+WS_THREADS = 416  # the warp-specialised kernels: a consumer warpgroup, two dequantising ones, a loader warp
+A_STAGES = 4  # their dequantised A blocks in shared memory, 2 tiles x 64 rows x 64 k bf16 each
+RAW_STAGES = 12  # their raw weight ring: a block's 4 row pairs' words (4 KB) and scales (512 B) each
+RAW_STAGE_BYTES = RB * 2 * (512 + 64)
+WS_BARS = 2 * (A_STAGES + RAW_STAGES)  # mbarriers of 8 bytes
+# Both GEMMs on the warp-specialised kernels (kdtree_moe_ws_*: producer warps dequantise into shared memory, the
+# consumer warpgroup's wgmmas read A from there) where KDTREE_MOE_WS=1; else the register-A kernels
+WS = env_flag("KDTREE_MOE_WS", False)
 # Off (KDTREE_MOE_WGMMA=1 turns it on): slower than v3's mma.sync kernels below t = 512 and 2-5 % faster at 512
 # (H100, 2026-12-07: results/moe_w4a16_v3-h100.json, NOTES.md "The expert GEMMs on wgmma ...")
 ENABLED = env_flag("KDTREE_MOE_WGMMA", False)
@@ -90,17 +98,33 @@ def gate_up_smem(t: int, top_k: int, e_local: int) -> int:
     return 1024 + X_STAGES * BLOCK_BYTES + TILE * 64 * 2 + (TILE + 4 + e_local + max_entries(t, top_k, e_local)) * 4
 
 
+def ws_gate_up_smem(t: int, top_k: int, e_local: int) -> int:
+    """alignment slack, A_STAGES A blocks (gate and up tiles), X_STAGES token blocks, the raw ring, h staged
+    [64][64] bf16, the mbarriers, slots, the 13 warps' scan words, the entry list."""
+    return (1024 + A_STAGES * 2 * BLOCK_BYTES + X_STAGES * BLOCK_BYTES + RAW_STAGES * RAW_STAGE_BYTES
+            + TILE * 64 * 2 + WS_BARS * 8 + (TILE + WS_THREADS // 32 + e_local + max_entries(t, top_k, e_local)) * 4)
+
+
+def ws_down_smem(t: int, top_k: int, e_local: int, groups2: int) -> int:
+    """alignment slack, A_STAGES A blocks, the h tile, the raw ring, out staged [64][128] bf16, the mbarriers,
+    slots and weights, the 13 warps' scan words, the entry list."""
+    return (1024 + A_STAGES * 2 * BLOCK_BYTES + groups2 // 2 * BLOCK_BYTES + RAW_STAGES * RAW_STAGE_BYTES
+            + TILE * 128 * 2 + WS_BARS * 8
+            + (2 * TILE + WS_THREADS // 32 + e_local + max_entries(t, top_k, e_local)) * 4)
+
+
 def down_smem(t: int, top_k: int, e_local: int, groups2: int) -> int:
     """alignment slack, the h tile (groups2 / 2 blocks), out staged [64][128] bf16, slots and weights, entries."""
     return (1024 + groups2 // 2 * BLOCK_BYTES + TILE * 128 * 2
             + (2 * TILE + 4 + e_local + max_entries(t, top_k, e_local)) * 4)
 
 
-def _launch(dev: torch.device, name: str, items: int, smem: int, args: tuple, types: tuple) -> None:
+def _launch(dev: torch.device, name: str, items: int, smem: int, args: tuple, types: tuple,
+            threads: int = THREADS, ctas_per_sm: int = CTAS_PER_SM) -> None:
     mod = _KERNELS[dev]
-    grid = max(1, min(items, CTAS_PER_SM * device_facts(dev).sms))
+    grid = max(1, min(items, ctas_per_sm * device_facts(dev).sms))
     stream = mod.cu.CUstream(torch.cuda.current_stream(dev).cuda_stream)
-    launch(mod.cu, mod.funcs.get(name, smem), grid, THREADS, smem, stream, args, types, mod.pdl,
+    launch(mod.cu, mod.funcs.get(name, smem), grid, threads, smem, stream, args, types, mod.pdl,
            f"moe_w4a16 wgmma: launch {name}", _KERNELS.index(dev))
 
 
@@ -110,11 +134,15 @@ def gate_up(w13: torch.Tensor, w13_scale: torch.Tensor, x: torch.Tensor, counts:
     x [t, d] bf16, counts / lists the route kernel's."""
     pairs13, groups13 = w13.shape[1:3]
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
-    _launch(x.device, "kdtree_moe_wg_gate_up", max_entries(t, top_k, e_local) * (pairs13 // RB),
-            gate_up_smem(t, top_k, e_local),
-            (w13.data_ptr(), w13_scale.data_ptr(), x.data_ptr(), counts.data_ptr(), lists.data_ptr(), h.data_ptr(),
-             t, top_k, e_local, x.shape[1] // 32, groups13, pairs13, i),
-            (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32))
+    args = (w13.data_ptr(), w13_scale.data_ptr(), x.data_ptr(), counts.data_ptr(), lists.data_ptr(), h.data_ptr(),
+            t, top_k, e_local, x.shape[1] // 32, groups13, pairs13, i)
+    types = (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32)
+    items = max_entries(t, top_k, e_local) * (pairs13 // RB)
+    if WS:
+        _launch(x.device, "kdtree_moe_ws_gate_up", items, ws_gate_up_smem(t, top_k, e_local), args, types,
+                WS_THREADS, 1)
+    else:
+        _launch(x.device, "kdtree_moe_wg_gate_up", items, gate_up_smem(t, top_k, e_local), args, types)
 
 
 def down(w2: torch.Tensor, w2_scale: torch.Tensor, h: torch.Tensor, topk_w: torch.Tensor, counts: torch.Tensor,
@@ -122,8 +150,12 @@ def down(w2: torch.Tensor, w2_scale: torch.Tensor, h: torch.Tensor, topk_w: torc
     """out [t * top_k, d] = topk_w[slot] * (W2_e h[slot]) of each routed slot.  w2 [e_l, d/32, kp_i/32, 32, 4]."""
     pairs2, groups2 = w2.shape[1:3]
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
-    _launch(h.device, "kdtree_moe_wg_down", max_entries(t, top_k, e_local) * (pairs2 // RB),
-            down_smem(t, top_k, e_local, groups2),
-            (w2.data_ptr(), w2_scale.data_ptr(), h.data_ptr(), topk_w.data_ptr(), counts.data_ptr(), lists.data_ptr(),
-             out.data_ptr(), t, e_local, i // 32, groups2, pairs2, out.shape[1]),
-            (ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32))
+    args = (w2.data_ptr(), w2_scale.data_ptr(), h.data_ptr(), topk_w.data_ptr(), counts.data_ptr(), lists.data_ptr(),
+            out.data_ptr(), t, e_local, i // 32, groups2, pairs2, out.shape[1])
+    types = (ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32)
+    items = max_entries(t, top_k, e_local) * (pairs2 // RB)
+    if WS:
+        _launch(h.device, "kdtree_moe_ws_down", items, ws_down_smem(t, top_k, e_local, groups2), args, types,
+                WS_THREADS, 1)
+    else:
+        _launch(h.device, "kdtree_moe_wg_down", items, down_smem(t, top_k, e_local, groups2), args, types)

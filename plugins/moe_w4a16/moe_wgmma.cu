@@ -226,6 +226,67 @@ __device__ __forceinline__ void cta_items(int n, int& first, int& last) {
     last = (int)((long)(blockIdx.x + 1) * n / gridDim.x);
 }
 
+// The 128 threads of the warpgroup that runs an item's MMAs meet: barrier 0 is the whole CTA of the RS kernels (one
+// warpgroup), barrier 1 the consumer warpgroup of the warp-specialised gate_up (its producers never wait on it)
+template <int BAR>
+__device__ __forceinline__ void wg_sync() {
+    asm volatile("bar.sync %0, 128;\n" ::"n"(BAR) : "memory");
+}
+
+// gate_up's token rows of an item, a 64-k block at a time: thread tid stages rows tid / 8 + 16 q (q < N / 16), the
+// 16-byte piece tid % 8 of each (zeros past the entry's rows or d), loads one block ahead of the stores.
+template <int N>
+struct TokenBlocks {
+    const uint4* xp[N / 16];
+    uint4 xr[N / 16];
+    int c_real;
+
+    __device__ __forceinline__ void init(const uint4* __restrict__ x, const int* s_slot, int n_e, int top_k,
+                                         int c_real_) {
+        c_real = c_real_;
+        const int tid = threadIdx.x & (WG - 1), v = tid & 7;
+#pragma unroll
+        for (int q = 0; q < N / 16; ++q) {
+            const int row = (tid >> 3) + 16 * q, slot = row < n_e ? s_slot[row] : -1;
+            xp[q] = slot >= 0 ? x + (long)(slot / top_k) * (c_real * 4) + v : nullptr;
+        }
+    }
+    __device__ __forceinline__ void gather(int c) {  // block c's pieces into registers
+        const int v = threadIdx.x & 7;
+#pragma unroll
+        for (int q = 0; q < N / 16; ++q)
+            xr[q] = ld_tokens_or_zero<false>(xp[q] + 8 * c, xp[q] != nullptr && 2 * c + (v >> 2) < c_real);
+    }
+    __device__ __forceinline__ void put(u32 stages, int c) {  // ... into block c's stage (put_piece)
+        const int tid = threadIdx.x & (WG - 1);
+#pragma unroll
+        for (int q = 0; q < N / 16; ++q) put_piece(stages + (c % X_STAGES) * BLOCK_BYTES, (tid >> 3) + 16 * q, tid & 7,
+                                                   xr[q]);
+    }
+};
+
+// silu(gate) * up of an item -> s_h [token][64 rows of the block] (rows 16 w + g, + 8), then 16-byte stores of its
+// h rows; the warpgroup meets at barrier BAR before the stores and after (s_h and s_slot are rewritten next item)
+template <int N, int BAR>
+__device__ __forceinline__ void store_h(const float (&gacc)[32], const float (&uacc)[32], u16* s_h,
+                                        u16* __restrict__ h, const int* s_slot, int n_e, int rb, int inter) {
+    const int tid = threadIdx.x & (WG - 1), warp = tid >> 5, lane = tid & 31, g = lane >> 2, u = lane & 3;
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const float gs = gacc[4 * j + r], us = uacc[4 * j + r];
+            s_h[(8 * j + 2 * u + (r & 1)) * 64 + 16 * warp + g + 8 * (r >> 1)] = to_bf16(gs / (1.f + __expf(-gs)) * us);
+        }
+    wg_sync<BAR>();
+    for (int q = tid; q < n_e * 8; q += WG) {
+        const int n = q >> 3, piece = q & 7;
+        *reinterpret_cast<uint4*>(h + (long)s_slot[n] * inter + 64 * rb + 8 * piece) =
+            *reinterpret_cast<const uint4*>(s_h + n * 64 + 8 * piece);
+    }
+    wg_sync<BAR>();
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // gate_up: item = (entry, block rb of 4 row pairs); K = d in 64-k blocks of the tokens' x through 3 stages
 // ---------------------------------------------------------------------------------------------------------
@@ -233,39 +294,23 @@ template <int N>
 __device__ __forceinline__ void gate_up_item(Ring& ring, const uint4* __restrict__ x, u16* __restrict__ h,
                                              const int* s_slot, u16* s_h, u32 stages, int n_e, int rb, int top_k,
                                              int c_real, int inter) {
-    constexpr int NQ = N / 16;  // token rows a thread stages per block (rows tid / 8 + 16 q)
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, u = lane & 3, v = tid & 7;
     const int blocks = ring.n_groups / 2;
-    const uint4* xp[NQ];
-#pragma unroll
-    for (int q = 0; q < NQ; ++q) {
-        const int row = (tid >> 3) + 16 * q, slot = row < n_e ? s_slot[row] : -1;
-        xp[q] = slot >= 0 ? x + (long)(slot / top_k) * (c_real * 4) + v : nullptr;
-    }
-    uint4 xr[NQ];
-    auto gather = [&](int c) {  // block c's 16 bytes of each of the thread's rows (zeros past the rows or the k)
-#pragma unroll
-        for (int q = 0; q < NQ; ++q)
-            xr[q] = ld_tokens_or_zero<false>(xp[q] + 8 * c, xp[q] != nullptr && 2 * c + (v >> 2) < c_real);
-    };
-    auto put = [&](int c) {
-#pragma unroll
-        for (int q = 0; q < NQ; ++q) put_piece(stages + (c % X_STAGES) * BLOCK_BYTES, (tid >> 3) + 16 * q, v, xr[q]);
-    };
+    TokenBlocks<N> tok;
+    tok.init(x, s_slot, n_e, top_k, c_real);
     float gacc[32], uacc[32];
     zero(gacc);
     zero(uacc);
     u32 a[2][16];
-    gather(0);
-    put(0);
-    if (blocks > 1) gather(1);
+    tok.gather(0);
+    tok.put(stages, 0);
+    if (blocks > 1) tok.gather(1);
     for (int g0 = 0; g0 < ring.n_groups; g0 += P_GROUPS) {
 #pragma unroll
         for (int k = 0; k < P_GROUPS; ++k) {
             const int gi = g0 + k, c = gi >> 1;
             if ((k & 1) == 0) {  // block c starts: block c + 1 into its stage (free: block c - 2's MMAs are done),
-                if (c + 1 < blocks) put(c + 1);  // block c + 2's loads in flight, block c visible to wgmma
-                if (c + 2 < blocks) gather(c + 2);
+                if (c + 1 < blocks) tok.put(stages, c + 1);  // block c + 2's loads in flight, block c visible
+                if (c + 2 < blocks) tok.gather(c + 2);
                 fence_async_smem();
                 __syncthreads();
             }
@@ -279,21 +324,7 @@ __device__ __forceinline__ void gate_up_item(Ring& ring, const uint4* __restrict
     wgmma_wait_all();
     pin(gacc);
     pin(uacc);
-    // silu(gate) * up -> s_h [token][64 rows of the block] (rows 16 w + g, + 8), then 16-byte stores of h rows
-#pragma unroll
-    for (int j = 0; j < N / 8; ++j)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            const float gs = gacc[4 * j + r], us = uacc[4 * j + r];
-            s_h[(8 * j + 2 * u + (r & 1)) * 64 + 16 * warp + g + 8 * (r >> 1)] = to_bf16(gs / (1.f + __expf(-gs)) * us);
-        }
-    __syncthreads();
-    for (int q = tid; q < n_e * 8; q += WG) {
-        const int n = q >> 3, piece = q & 7;
-        *reinterpret_cast<uint4*>(h + (long)s_slot[n] * inter + 64 * rb + 8 * piece) =
-            *reinterpret_cast<const uint4*>(s_h + n * 64 + 8 * piece);
-    }
-    __syncthreads();  // s_h and s_slot are rewritten by the next item
+    store_h<N, 0>(gacc, uacc, s_h, h, s_slot, n_e, rb, inter);
 }
 
 extern "C" __global__ void __launch_bounds__(WG, 2) kdtree_moe_wg_gate_up(
@@ -335,12 +366,334 @@ extern "C" __global__ void __launch_bounds__(WG, 2) kdtree_moe_wg_gate_up(
 }
 
 // ---------------------------------------------------------------------------------------------------------
+// gate_up, warp-specialised (`ws`): producer warps dequantise the weights into shared memory, one consumer warpgroup
+// stages the tokens and issues SS wgmma (A and B from shared memory).  Why (NOTES.md, "What fits every form
+// instead"): the RS kernel above is bound by its warps' instruction issue, ~140 instructions a 512-byte group
+// (dequantisation, token staging, MMA issue, ring bookkeeping) on 8 warps an SM; here 8 producer warps issue only the
+// dequantisation and 4 stmatrix a group, the consumer the rest once per 64-k block for all 64 rows.
+//
+// Same items as kdtree_moe_wg_gate_up: (entry, block rb of 4 row pairs), K in 64-k blocks.  A CTA is one consumer
+// warpgroup (warps 0-3) and two producer warpgroups (warps 4-11): producer warpgroup j fills the blocks of parity j
+// of the CTA's block sequence (B = item's place in the CTA's range x blocks an item + block), its warp w the 16 gate
+// and 16 up rows of row pair 4 rb + w, through A_STAGES stages of [gate tile, up tile], each [64 rows][128 B] with
+// the 128-byte swizzle (the B tiles' layout).  stmatrix writes a warp's A registers (group_a: mma.sync's m16n8k16
+// fragment, 4 registers a 16-row x 16-k step) as four 8 x 8 matrices: rows 16 w + (lane & 7) + 8 ((lane >> 3) & 1),
+// 16-byte chunk 4 (group in block) + 2 (k step) + (lane >> 4).  Hand-off: full[stage] (4 producer warps arrive after
+// fence.proxy.async), empty[stage] (4 consumer warps arrive once the wgmmas that read it are done).
+#define WS_PRODUCERS 8                    // dequantising warps: two warpgroups, one a block parity
+#define WS_THREADS (WG + 32 * WS_PRODUCERS + 32)  // + the loader warp
+#define A_STAGES 4                        // dequantised A blocks in shared memory (two a producer warpgroup)
+#define A_TILE_BYTES (64 * 128)           // 64 rows x 64 k bf16
+#define A_STAGE_BYTES (2 * A_TILE_BYTES)  // gate tile, up tile
+// The raw weight ring: stage rs of block B (B % RAW_STAGES) holds the block's fragment words of the item's 4 row
+// pairs ([4][2 groups][32 lanes][16 B]) and their scales ([4][2][8][8 B]), brought by the loader's bulk copies.
+#define RAW_STAGES 12
+#define RAW_W_BYTES (RB * 2 * 512)
+#define RAW_STAGE_BYTES (RAW_W_BYTES + RB * 2 * 64)
+#define WS_BARS (2 * A_STAGES + 2 * RAW_STAGES)  // full, empty, raw_full, raw_empty
+
+// d [64 x N] += A [64 x 16] . B [16 x N], both K-major tiles in shared memory at descriptors da, db
+template <int N>
+__device__ __forceinline__ void wgmma_ss(float (&d)[32], u64 da, u64 db) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if (N == 16)
+        asm volatile("{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
+                     "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
+                     : WG_ACC8(0) : "l"(da), "l"(db));
+    else if (N == 32)
+        asm volatile("{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
+                     "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, "
+                     "p, 1, 1, 0, 0;\n}\n"
+                     : WG_ACC8(0), WG_ACC8(8) : "l"(da), "l"(db));
+    else
+        asm volatile("{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, "
+                     "p, 1, 1, 0, 0;\n}\n"
+                     : WG_ACC8(0), WG_ACC8(8), WG_ACC8(16), WG_ACC8(24) : "l"(da), "l"(db));
+#else
+    __trap();
+#endif
+}
+
+__device__ __forceinline__ void stmatrix4(u32 addr, const u32* r) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]),
+                 "r"(r[1]), "r"(r[2]), "r"(r[3])
+                 : "memory");
+#endif
+}
+
+// The loader (lane 0 of warp 12): every block of the CTA's items in order, once its raw stage is free (the 4 producer
+// warps of the block's parity have read it): 4 row pairs' 1 KB of words and 128 B of scales, 8 bulk copies.
+__device__ __forceinline__ void ws_load(const uint4* w, const uint2* sc, const int* s_ent, int n_pairs, int n_groups,
+                                        int first, int last, u32 raw, u32 raw_full, u32 raw_empty) {
+    const int blocks = n_groups / 2, n_rb = n_pairs / RB, total = (last - first) * blocks;
+    for (int b = 0; b < total; ++b) {
+        const int rs = b % RAW_STAGES, item = first + b / blocks, c = b % blocks;
+        mbar_wait(raw_empty + 8 * rs, ((b / RAW_STAGES) & 1) ^ 1);
+        const int e = s_ent[item / n_rb] >> 16, p0 = (item % n_rb) * RB;
+        const u32 dst = raw + rs * RAW_STAGE_BYTES, bar = raw_full + 8 * rs;
+        mbar_expect_tx(bar, RAW_STAGE_BYTES);
+#pragma unroll
+        for (int slot = 0; slot < RB; ++slot) {
+            const long grp = ((long)e * n_pairs + p0 + slot) * n_groups + 2 * c;  // the pair's group 2c
+            bulk_copy(dst + slot * 1024, w + grp * 32, 1024, bar);
+            bulk_copy(dst + RAW_W_BYTES + slot * 128, sc + grp * 8, 128, bar);
+        }
+    }
+}
+
+// A producer warp (warps 4-11: block parity pw / 4, row-pair slot pw % 4) over its blocks B = 2 b + parity of the
+// CTA's sequence: its pair's words and scales of the block from the raw stage (then released), the A stage once
+// free, the two groups dequantised into it (4 stmatrix a group), published to the async proxy, arrival on full.
+// No global load is in flight at the proxy fence (ptxas makes it MEMBAR.ALL.CTA, which waits for them).
+__device__ __forceinline__ void ws_produce(int total, u32 raw, u32 raw_full, u32 raw_empty, u32 a_stages, u32 full,
+                                           u32 empty) {
+    const int pw = (threadIdx.x - WG) >> 5, par = pw >> 2, slot = pw & 3;
+    const int lane = threadIdx.x & 31, sw = lane & 7, hi = lane >> 4;
+    const u32 row_off = (16 * slot + (lane & 7) + 8 * ((lane >> 3) & 1)) * 128;
+    u32 a[16];
+    for (int b = 0; b < total; ++b) {
+        const int blk = 2 * b + par, rs = blk % RAW_STAGES, stage = blk % A_STAGES;
+        mbar_wait(raw_full + 8 * rs, (blk / RAW_STAGES) & 1);
+        uint4 wv[2];
+        uint2 sv[2];
+        const u32 rw = raw + rs * RAW_STAGE_BYTES + slot * 1024 + lane * 16;
+        const u32 rsc = raw + rs * RAW_STAGE_BYTES + RAW_W_BYTES + slot * 128 + (lane >> 2) * 8;
+#pragma unroll
+        for (int gg = 0; gg < 2; ++gg) {
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=r"(wv[gg].x), "=r"(wv[gg].y), "=r"(wv[gg].z), "=r"(wv[gg].w) : "r"(rw + gg * 512));
+            asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(sv[gg].x), "=r"(sv[gg].y) : "r"(rsc + gg * 64));
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(raw_empty + 8 * rs);
+        mbar_wait(empty + 8 * stage, ((blk / A_STAGES) & 1) ^ 1);
+        const u32 tile = a_stages + stage * A_STAGE_BYTES + row_off;
+#pragma unroll
+        for (int gg = 0; gg < 2; ++gg) {
+            group_a(a, wv[gg], sv[gg]);
+#pragma unroll
+            for (int m = 0; m < 2; ++m)
+#pragma unroll
+                for (int st = 0; st < 2; ++st)
+                    stmatrix4(tile + m * A_TILE_BYTES + (((4 * gg + 2 * st + hi) ^ sw) << 4), &a[8 * m + 4 * st]);
+        }
+        fence_async_smem();
+        __syncwarp();
+        if (lane == 0) mbar_arrive(full + 8 * stage);
+    }
+}
+
+// The mbarriers at bars: full [A_STAGES] (the 4 producer warps of the stage's parity arrive), empty [A_STAGES] (the 4
+// consumer warps), raw_full [RAW_STAGES] (the loader's expect_tx arrival and the copies' bytes), raw_empty
+// [RAW_STAGES] (the block parity's 4 producer warps)
+__device__ __forceinline__ void ws_init_barriers(u32 bars) {
+    const u32 full = bars, empty = full + 8 * A_STAGES, raw_full = empty + 8 * A_STAGES;
+    const u32 raw_empty = raw_full + 8 * RAW_STAGES;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < A_STAGES; ++s) {
+            mbar_init(full + 8 * s, 4);
+            mbar_init(empty + 8 * s, 4);
+        }
+        for (int s = 0; s < RAW_STAGES; ++s) {
+            mbar_init(raw_full + 8 * s, 1);
+            mbar_init(raw_empty + 8 * s, 4);
+        }
+    }
+}
+
+// The non-consumer warps' part of a CTA over its items [first, last): warp 12's lane 0 loads, warps 4-11 dequantise
+__device__ __forceinline__ void ws_feed(const uint4* w, const uint2* sc, const int* s_ent, int n_pairs, int n_groups,
+                                        int first, int last, u32 raw, u32 a_stages, u32 bars) {
+    const u32 full = bars, empty = full + 8 * A_STAGES, raw_full = empty + 8 * A_STAGES;
+    const u32 raw_empty = raw_full + 8 * RAW_STAGES;
+    if (threadIdx.x >= WG + 32 * WS_PRODUCERS) {
+        if ((threadIdx.x & 31) == 0) ws_load(w, sc, s_ent, n_pairs, n_groups, first, last, raw, raw_full, raw_empty);
+    } else {
+        ws_produce((last - first) * (n_groups / 4), raw, raw_full, raw_empty, a_stages, full, empty);
+    }
+}
+
+// The consumer's block blk (the CTA's count): once its A stage is full, its 8 SS wgmmas (acc_a += tile 0 . B,
+// acc_b += tile 1 . B over the 4 k steps of 16, B the 64-k block at bt); then, block blk - 1's MMAs done, that
+// block's stage back to the producers (release_prev: not at an item's first block, whose predecessor was drained).
+template <int N>
+__device__ __forceinline__ void ws_block(float (&acc_a)[32], float (&acc_b)[32], u32 a_stages, u32 bt, u32 full,
+                                         u32 empty, int blk, bool release_prev) {
+    const int stage = blk % A_STAGES;
+    mbar_wait(full + 8 * stage, (blk / A_STAGES) & 1);
+    const u32 at = a_stages + stage * A_STAGE_BYTES;
+    pin(acc_a);
+    pin(acc_b);
+    wgmma_fence();
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {  // k steps of 16: 32 bytes on in the swizzled rows
+        const u64 db = smem_desc(bt + 32 * s, 16, 1024);
+        wgmma_ss<N>(acc_a, smem_desc(at + 32 * s, 16, 1024), db);
+        wgmma_ss<N>(acc_b, smem_desc(at + A_TILE_BYTES + 32 * s, 16, 1024), db);
+    }
+    wgmma_commit();
+    wgmma_wait_one();
+    pin(acc_a);
+    pin(acc_b);
+    if (release_prev && (threadIdx.x & 31) == 0) mbar_arrive(empty + 8 * ((blk - 1) % A_STAGES));
+}
+
+// An item's end: all its MMAs done, its last block's stage (blk - 1, blk counted past it) released
+__device__ __forceinline__ void ws_drain(float (&acc_a)[32], float (&acc_b)[32], u32 empty, int blk) {
+    wgmma_wait_all();
+    pin(acc_a);
+    pin(acc_b);
+    if ((threadIdx.x & 31) == 0) mbar_arrive(empty + 8 * ((blk - 1) % A_STAGES));
+}
+
+// The consumer warpgroup's item: x staged as kdtree_moe_wg_gate_up stages it, each 64-k block's 8 SS wgmmas once
+// its A stage is full, the stage released once they are done; blk counts the CTA's blocks.
+template <int N>
+__device__ __forceinline__ void ws_consume_item(const uint4* __restrict__ x, u16* __restrict__ h, const int* s_slot,
+                                                u16* s_h, u32 xstages, u32 a_stages, u32 full, u32 empty, int n_e,
+                                                int rb, int top_k, int c_real, int inter, int blocks, int& blk) {
+    TokenBlocks<N> tok;
+    tok.init(x, s_slot, n_e, top_k, c_real);
+    float gacc[32], uacc[32];
+    zero(gacc);
+    zero(uacc);
+    tok.gather(0);
+    tok.put(xstages, 0);
+    if (blocks > 1) tok.gather(1);
+    for (int c = 0; c < blocks; ++c, ++blk) {
+        if (c + 1 < blocks) tok.put(xstages, c + 1);  // its stage was read by block c - 2's MMAs, done
+        fence_async_smem();  // (MEMBAR.ALL.CTA: it waits for this thread's loads in flight, so none are)
+        wg_sync<1>();
+        if (c + 2 < blocks) tok.gather(c + 2);
+        ws_block<N>(gacc, uacc, a_stages, xstages + (c % X_STAGES) * BLOCK_BYTES, full, empty, blk, c > 0);
+    }
+    ws_drain(gacc, uacc, empty, blk);
+    store_h<N, 1>(gacc, uacc, s_h, h, s_slot, n_e, rb, inter);
+}
+
+extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) kdtree_moe_ws_gate_up(
+    const uint4* __restrict__ w13, const uint2* __restrict__ s13, const uint4* __restrict__ x,
+    const int* __restrict__ counts, const int* __restrict__ lists, u16* __restrict__ h, int t, int top_k,
+    int e_local, int c_real, int n_groups, int n_pairs, int inter) {
+    extern __shared__ unsigned char smem_raw[];
+    u32 a_stages;                                                         // [A_STAGES][gate, up][64 rows][128 B]
+    unsigned char* smem = aligned_smem(smem_raw, a_stages);
+    const u32 xstages = a_stages + A_STAGES * A_STAGE_BYTES;             // [X_STAGES][64 rows][128 B]
+    const u32 raw = xstages + X_STAGES * BLOCK_BYTES;                    // [RAW_STAGES][RAW_STAGE_BYTES]
+    u16* s_h = reinterpret_cast<u16*>(smem + (raw + RAW_STAGES * RAW_STAGE_BYTES - a_stages));  // [64][64] bf16
+    u64* s_bar = reinterpret_cast<u64*>(s_h + TILE * 64);                // [WS_BARS]
+    int* s_slot = reinterpret_cast<int*>(s_bar + WS_BARS);               // [64]
+    int* s_ws = s_slot + TILE;                                           // [WS_THREADS / 32]
+    int* s_cnt = s_ws + WS_THREADS / 32;                                 // [e_local]
+    int* s_ent = s_cnt + e_local;                                        // [entries]
+    const u32 full = smem_u32(s_bar), empty = full + 8 * A_STAGES;
+    const int tid = threadIdx.x;
+    ws_init_barriers(full);
+    pdl_wait();  // counts and lists come from the route kernel
+    pdl_trigger();
+    const int n_ent = build_entries<WS_THREADS / 32>(counts, e_local, TILE, s_cnt, s_ent, s_ws);  // (barriers too)
+    const int n_rb = n_pairs / RB, blocks = n_groups / 2;
+    int first, last;
+    cta_items(n_ent * n_rb, first, last);
+    if (first >= last) return;  // uniform over the CTA
+
+    if (tid >= WG) {
+        ws_feed(w13, s13, s_ent, n_pairs, n_groups, first, last, raw, a_stages, full);
+        return;
+    }
+    int blk = 0;
+    for (int item = first; item < last; ++item) {
+        const int ent = s_ent[item / n_rb], e = ent >> 16, tile = ent & 0xFFFF;
+        const int n_e = min(TILE, s_cnt[e] - TILE * tile);
+        if (tid < TILE) s_slot[tid] = tid < n_e ? ld_count(lists + (long)e * t + TILE * tile + tid) : -1;
+        wg_sync<1>();
+        const int rb = item % n_rb;
+        if (n_e <= 16)
+            ws_consume_item<16>(x, h, s_slot, s_h, xstages, a_stages, full, empty, n_e, rb, top_k, c_real, inter,
+                                blocks, blk);
+        else if (n_e <= 32)
+            ws_consume_item<32>(x, h, s_slot, s_h, xstages, a_stages, full, empty, n_e, rb, top_k, c_real, inter,
+                                blocks, blk);
+        else
+            ws_consume_item<64>(x, h, s_slot, s_h, xstages, a_stages, full, empty, n_e, rb, top_k, c_real, inter,
+                                blocks, blk);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
 // down: item = (entry, block rb of 4 row pairs = 128 output rows); K = i, the entry's whole h tile in shared memory
 // ---------------------------------------------------------------------------------------------------------
+// A down entry (ent: expert << 16 | its tile of TILE slots) into shared memory: its slots, their routing weights and
+// its whole h tile (k in the fragments' order, rows rounded up to 16 / 32 / 64, zeros past the slots); the warpgroup
+// meets at barrier BAR.  Returns the entry's slot count.
+template <int BAR>
+__device__ __forceinline__ int stage_down_entry(int ent, const int* s_cnt, const int* __restrict__ lists,
+                                                const float* __restrict__ topk_w, const uint4* __restrict__ h, int t,
+                                                int c_real, int n_groups, int* s_slot, float* s_wt, u32 h_tile) {
+    const int tid = threadIdx.x & (WG - 1), e = ent >> 16, tile = ent & 0xFFFF;
+    const int n_e = min(TILE, s_cnt[e] - TILE * tile);
+    if (tid < TILE) {
+        const int slot = tid < n_e ? ld_count(lists + (long)e * t + TILE * tile + tid) : -1;
+        s_slot[tid] = slot;
+        s_wt[tid] = slot >= 0 ? ld_cg_f32(topk_w + slot) : 0.f;
+    }
+    wg_sync<BAR>();
+    const int h_row = c_real * 4, pieces = n_groups * 4;  // uint4 per h row (i / 8); 16-byte pieces a tile row
+    const int rows = n_e <= 16 ? 16 : n_e <= 32 ? 32 : 64;
+    for (int q0 = tid; q0 < rows * pieces; q0 += 8 * WG) {  // 8 loads in flight, then their stores
+        uint4 r[8];
+#pragma unroll
+        for (int b = 0; b < 8; ++b) {
+            const int q = q0 + b * WG, row = q / pieces, pc = q % pieces;
+            const int slot = q < rows * pieces ? s_slot[row] : -1;
+            r[b] = ld_tokens_or_zero<true>(h + (long)(slot < 0 ? 0 : slot) * h_row + pc, slot >= 0 && pc < h_row);
+        }
+#pragma unroll
+        for (int b = 0; b < 8; ++b) {
+            const int q = q0 + b * WG, row = q / pieces, pc = q % pieces;
+            if (q < rows * pieces) put_piece(h_tile + (pc >> 3) * BLOCK_BYTES, row, pc & 7, r[b]);
+        }
+    }
+    fence_async_smem();
+    wg_sync<BAR>();
+    return n_e;
+}
+
+// topk_w[slot] * acc -> s_o [token][128 rows of the block] (rows 32 w + 16 m + g, + 8), then 16-byte stores of the
+// item's out rows; the warpgroup meets at BAR before the stores and after (s_o is rewritten by the next item,
+// s_slot / s_wt / the h tile by the next entry)
+template <int N, int BAR>
+__device__ __forceinline__ void store_out(const float (&acc0)[32], const float (&acc1)[32], u16* s_o,
+                                          u16* __restrict__ out, const int* s_slot, const float* s_wt, int n_e, int rb,
+                                          int d) {
+    const int tid = threadIdx.x & (WG - 1), warp = tid >> 5, lane = tid & 31, g = lane >> 2, u = lane & 3;
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int n = 8 * j + 2 * u + (r & 1), row = 32 * warp + g + 8 * (r >> 1);
+            const float wt = s_wt[n];
+            s_o[n * 128 + row] = to_bf16(wt * acc0[4 * j + r]);
+            s_o[n * 128 + row + 16] = to_bf16(wt * acc1[4 * j + r]);
+        }
+    wg_sync<BAR>();
+    for (int q = tid; q < n_e * 16; q += WG) {
+        const int n = q >> 4, piece = q & 15;
+        *reinterpret_cast<uint4*>(out + (long)s_slot[n] * d + 128 * rb + 8 * piece) =
+            *reinterpret_cast<const uint4*>(s_o + n * 128 + 8 * piece);
+    }
+    wg_sync<BAR>();
+}
+
 template <int N>
 __device__ __forceinline__ void down_item(Ring& ring, u16* __restrict__ out, const int* s_slot,
                                           const float* s_wt, u16* s_o, u32 h_tile, int n_e, int rb, int d) {
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, u = lane & 3;
     float acc0[32], acc1[32];  // tile m = 0 (rows 32 p + ..), m = 1 (rows 32 p + 16 + ..)
     zero(acc0);
     zero(acc1);
@@ -358,23 +711,7 @@ __device__ __forceinline__ void down_item(Ring& ring, u16* __restrict__ out, con
     wgmma_wait_all();
     pin(acc0);
     pin(acc1);
-    // topk_w[slot] * acc -> s_o [token][128 rows of the block] (rows 32 w + 16 m + g, + 8), then 16-byte stores
-#pragma unroll
-    for (int j = 0; j < N / 8; ++j)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            const int n = 8 * j + 2 * u + (r & 1), row = 32 * warp + g + 8 * (r >> 1);
-            const float wt = s_wt[n];
-            s_o[n * 128 + row] = to_bf16(wt * acc0[4 * j + r]);
-            s_o[n * 128 + row + 16] = to_bf16(wt * acc1[4 * j + r]);
-        }
-    __syncthreads();
-    for (int q = tid; q < n_e * 16; q += WG) {
-        const int n = q >> 4, piece = q & 15;
-        *reinterpret_cast<uint4*>(out + (long)s_slot[n] * d + 128 * rb + 8 * piece) =
-            *reinterpret_cast<const uint4*>(s_o + n * 128 + 8 * piece);
-    }
-    __syncthreads();  // s_o is rewritten by the next item, s_slot / s_wt / the h tile by the next entry
+    store_out<N, 0>(acc0, acc1, s_o, out, s_slot, s_wt, n_e, rb, d);
 }
 
 extern "C" __global__ void __launch_bounds__(WG, 2) kdtree_moe_wg_down(
@@ -390,7 +727,6 @@ extern "C" __global__ void __launch_bounds__(WG, 2) kdtree_moe_wg_down(
     int* s_ws = reinterpret_cast<int*>(s_wt + TILE);                      // [4]
     int* s_cnt = s_ws + 4;                                                // [e_local]
     int* s_ent = s_cnt + e_local;                                         // [entries]
-    const int tid = threadIdx.x;
     pdl_wait();  // h comes from gate_up, this grid's predecessor (counts, lists, topk_w from the route kernel)
     pdl_trigger();
     const int n_ent = build_entries<4>(counts, e_local, TILE, s_cnt, s_ent, s_ws);
@@ -401,39 +737,13 @@ extern "C" __global__ void __launch_bounds__(WG, 2) kdtree_moe_wg_down(
 
     Ring ring;
     ring.start(w2, s2, s_ent, n_pairs, n_groups, first, last);
-    const int h_row = c_real * 4, pieces = n_groups * 4;  // uint4 per h row (i / 8); 16-byte pieces a tile row
     int cur = -1;
     int n_e = 0;
     for (int item = first; item < last; ++item) {
         const int ei = item / n_rb;
-        if (ei != cur) {  // a new entry: its slots, their routing weights and its h tile (k in the fragments' order)
+        if (ei != cur) {
             cur = ei;
-            const int ent = s_ent[ei], e = ent >> 16, tile = ent & 0xFFFF;
-            n_e = min(TILE, s_cnt[e] - TILE * tile);
-            if (tid < TILE) {
-                const int slot = tid < n_e ? ld_count(lists + (long)e * t + TILE * tile + tid) : -1;
-                s_slot[tid] = slot;
-                s_wt[tid] = slot >= 0 ? ld_cg_f32(topk_w + slot) : 0.f;
-            }
-            __syncthreads();
-            const int rows = n_e <= 16 ? 16 : n_e <= 32 ? 32 : 64;
-            for (int q0 = tid; q0 < rows * pieces; q0 += 8 * WG) {  // 8 loads in flight, then their stores
-                uint4 r[8];
-#pragma unroll
-                for (int b = 0; b < 8; ++b) {
-                    const int q = q0 + b * WG, row = q / pieces, pc = q % pieces;
-                    const int slot = q < rows * pieces ? s_slot[row] : -1;
-                    r[b] = ld_tokens_or_zero<true>(h + (long)(slot < 0 ? 0 : slot) * h_row + pc,
-                                                   slot >= 0 && pc < h_row);
-                }
-#pragma unroll
-                for (int b = 0; b < 8; ++b) {
-                    const int q = q0 + b * WG, row = q / pieces, pc = q % pieces;
-                    if (q < rows * pieces) put_piece(h_tile + (pc >> 3) * BLOCK_BYTES, row, pc & 7, r[b]);
-                }
-            }
-            fence_async_smem();
-            __syncthreads();
+            n_e = stage_down_entry<0>(s_ent[ei], s_cnt, lists, topk_w, h, t, c_real, n_groups, s_slot, s_wt, h_tile);
         }
         const int rb = item % n_rb;
         if (n_e <= 16)
@@ -442,5 +752,67 @@ extern "C" __global__ void __launch_bounds__(WG, 2) kdtree_moe_wg_down(
             down_item<32>(ring, out, s_slot, s_wt, s_o, h_tile, n_e, rb, d);
         else
             down_item<64>(ring, out, s_slot, s_wt, s_o, h_tile, n_e, rb, d);
+    }
+}
+
+// down, warp-specialised: the producers as in kdtree_moe_ws_gate_up (stage tile 0 = rows 32 p .., tile 1 = rows
+// 32 p + 16 ..), the consumer stages each entry's h tile and issues 8 SS wgmmas a 64-k block of it.
+template <int N>
+__device__ __forceinline__ void ws_down_item(u16* __restrict__ out, const int* s_slot, const float* s_wt, u16* s_o,
+                                             u32 h_tile, u32 a_stages, u32 full, u32 empty, int n_e, int rb, int d,
+                                             int blocks, int& blk) {
+    float acc0[32], acc1[32];
+    zero(acc0);
+    zero(acc1);
+    for (int c = 0; c < blocks; ++c, ++blk)
+        ws_block<N>(acc0, acc1, a_stages, h_tile + c * BLOCK_BYTES, full, empty, blk, c > 0);
+    ws_drain(acc0, acc1, empty, blk);
+    store_out<N, 1>(acc0, acc1, s_o, out, s_slot, s_wt, n_e, rb, d);
+}
+
+extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) kdtree_moe_ws_down(
+    const uint4* __restrict__ w2, const uint2* __restrict__ s2, const uint4* __restrict__ h,
+    const float* __restrict__ topk_w, const int* __restrict__ counts, const int* __restrict__ lists,
+    u16* __restrict__ out, int t, int e_local, int c_real, int n_groups, int n_pairs, int d) {
+    extern __shared__ unsigned char smem_raw[];
+    u32 a_stages;                                                          // [A_STAGES][tile 0, 1][64 rows][128 B]
+    unsigned char* smem = aligned_smem(smem_raw, a_stages);
+    const u32 h_tile = a_stages + A_STAGES * A_STAGE_BYTES;               // [n_groups / 2][64 rows][128 B]
+    const u32 raw = h_tile + (n_groups / 2) * BLOCK_BYTES;                // [RAW_STAGES][RAW_STAGE_BYTES]
+    u16* s_o = reinterpret_cast<u16*>(smem + (raw + RAW_STAGES * RAW_STAGE_BYTES - a_stages));  // [64][128] bf16
+    u64* s_bar = reinterpret_cast<u64*>(s_o + TILE * 128);                // [WS_BARS]
+    int* s_slot = reinterpret_cast<int*>(s_bar + WS_BARS);                // [64]
+    float* s_wt = reinterpret_cast<float*>(s_slot + TILE);                // [64]
+    int* s_ws = reinterpret_cast<int*>(s_wt + TILE);                      // [WS_THREADS / 32]
+    int* s_cnt = s_ws + WS_THREADS / 32;                                  // [e_local]
+    int* s_ent = s_cnt + e_local;                                         // [entries]
+    const u32 full = smem_u32(s_bar), empty = full + 8 * A_STAGES;
+    ws_init_barriers(full);
+    pdl_wait();  // h comes from gate_up, this grid's predecessor (counts, lists, topk_w from the route kernel)
+    pdl_trigger();
+    const int n_ent = build_entries<WS_THREADS / 32>(counts, e_local, TILE, s_cnt, s_ent, s_ws);
+    const int n_rb = n_pairs / RB, blocks = n_groups / 2;
+    int first, last;
+    cta_items(n_ent * n_rb, first, last);
+    if (first >= last) return;
+
+    if (threadIdx.x >= WG) {
+        ws_feed(w2, s2, s_ent, n_pairs, n_groups, first, last, raw, a_stages, full);
+        return;
+    }
+    int blk = 0, cur = -1, n_e = 0;
+    for (int item = first; item < last; ++item) {
+        const int ei = item / n_rb;
+        if (ei != cur) {
+            cur = ei;
+            n_e = stage_down_entry<1>(s_ent[ei], s_cnt, lists, topk_w, h, t, c_real, n_groups, s_slot, s_wt, h_tile);
+        }
+        const int rb = item % n_rb;
+        if (n_e <= 16)
+            ws_down_item<16>(out, s_slot, s_wt, s_o, h_tile, a_stages, full, empty, n_e, rb, d, blocks, blk);
+        else if (n_e <= 32)
+            ws_down_item<32>(out, s_slot, s_wt, s_o, h_tile, a_stages, full, empty, n_e, rb, d, blocks, blk);
+        else
+            ws_down_item<64>(out, s_slot, s_wt, s_o, h_tile, a_stages, full, empty, n_e, rb, d, blocks, blk);
     }
 }
