@@ -35,11 +35,13 @@ X_STAGES = 3  # gate_up's 64-k token blocks in shared memory
 BLOCK_BYTES = TILE * 128  # one 64-row x 64-k bf16 block
 H_BLOCKS_MAX = 8  # down's h tile: kp_i / 64 blocks at most (i <= 512)
 CTAS_PER_SM = 2  # __launch_bounds__(128, 2)
-WS_THREADS = 416  # the warp-specialised kernels: a consumer warpgroup, two dequantising ones, a loader warp
+WS_THREADS = 448  # the warp-specialised kernels: a consumer warpgroup, two dequantising ones, two loader warps
 A_STAGES = 4  # their dequantised A blocks in shared memory, 2 tiles x 64 rows x 64 k bf16 each
-RAW_STAGES = 12  # their raw weight ring: a block's 4 row pairs' words (4 KB) and scales (512 B) each
-RAW_STAGE_BYTES = RB * 2 * (512 + 64)
-WS_BARS = 2 * (A_STAGES + RAW_STAGES)  # mbarriers of 8 bytes
+RAW_STAGES = 16  # their raw weight ring: a block's 4 row pairs' words (4 KB) and scales (512 B) each
+RAW_WS_BYTES = RB * 2 * (512 + 64)
+XR_STAGES = 4  # gate_up's token ring: a block's token rows (64 rows x 64 k bf16) each
+RAW_X_BYTES = TILE * 128
+WS_BARS = 2 * (A_STAGES + RAW_STAGES + XR_STAGES)  # mbarriers of 8 bytes
 # Both GEMMs on the warp-specialised kernels (kdtree_moe_ws_*: producer warps dequantise into shared memory, the
 # consumer warpgroup's wgmmas read A from there) where KDTREE_MOE_WS=1; else the register-A kernels
 WS = env_flag("KDTREE_MOE_WS", False)
@@ -99,16 +101,16 @@ def gate_up_smem(t: int, top_k: int, e_local: int) -> int:
 
 
 def ws_gate_up_smem(t: int, top_k: int, e_local: int) -> int:
-    """alignment slack, A_STAGES A blocks (gate and up tiles), X_STAGES token blocks, the raw ring, h staged
-    [64][64] bf16, the mbarriers, slots, the 13 warps' scan words, the entry list."""
-    return (1024 + A_STAGES * 2 * BLOCK_BYTES + X_STAGES * BLOCK_BYTES + RAW_STAGES * RAW_STAGE_BYTES
-            + TILE * 64 * 2 + WS_BARS * 8 + (TILE + WS_THREADS // 32 + e_local + max_entries(t, top_k, e_local)) * 4)
+    """alignment slack, A_STAGES A blocks (gate and up tiles), X_STAGES token blocks, the raw rings, h
+    staged [64][64] bf16, the mbarriers, slots, the 14 warps' scan words, the entry list."""
+    return (1024 + A_STAGES * 2 * BLOCK_BYTES + X_STAGES * BLOCK_BYTES + RAW_STAGES * RAW_WS_BYTES
+            + XR_STAGES * RAW_X_BYTES + TILE * 64 * 2 + WS_BARS * 8 + (TILE + WS_THREADS // 32 + e_local + max_entries(t, top_k, e_local)) * 4)
 
 
 def ws_down_smem(t: int, top_k: int, e_local: int, groups2: int) -> int:
     """alignment slack, A_STAGES A blocks, the h tile, the raw ring, out staged [64][128] bf16, the mbarriers,
-    slots and weights, the 13 warps' scan words, the entry list."""
-    return (1024 + A_STAGES * 2 * BLOCK_BYTES + groups2 // 2 * BLOCK_BYTES + RAW_STAGES * RAW_STAGE_BYTES
+    slots and weights, the 14 warps' scan words, the entry list."""
+    return (1024 + A_STAGES * 2 * BLOCK_BYTES + groups2 // 2 * BLOCK_BYTES + RAW_STAGES * RAW_WS_BYTES
             + TILE * 128 * 2 + WS_BARS * 8
             + (2 * TILE + WS_THREADS // 32 + e_local + max_entries(t, top_k, e_local)) * 4)
 

@@ -381,16 +381,30 @@ extern "C" __global__ void __launch_bounds__(WG, 2) kdtree_moe_wg_gate_up(
 // 16-byte chunk 4 (group in block) + 2 (k step) + (lane >> 4).  Hand-off: full[stage] (4 producer warps arrive after
 // fence.proxy.async), empty[stage] (4 consumer warps arrive once the wgmmas that read it are done).
 #define WS_PRODUCERS 8                    // dequantising warps: two warpgroups, one a block parity
-#define WS_THREADS (WG + 32 * WS_PRODUCERS + 32)  // + the loader warp
+#define WS_THREADS (WG + 32 * WS_PRODUCERS + 64)  // + the weights' loader warp and the tokens' loader warp
 #define A_STAGES 4                        // dequantised A blocks in shared memory (two a producer warpgroup)
 #define A_TILE_BYTES (64 * 128)           // 64 rows x 64 k bf16
 #define A_STAGE_BYTES (2 * A_TILE_BYTES)  // gate tile, up tile
-// The raw weight ring: stage rs of block B (B % RAW_STAGES) holds the block's fragment words of the item's 4 row
-// pairs ([4][2 groups][32 lanes][16 B]) and their scales ([4][2][8][8 B]), brought by the loader's bulk copies.
-#define RAW_STAGES 12
+// The raw ring: stage rs of block B (B % RAW_STAGES) holds the block's fragment words of the item's 4 row pairs
+// ([4][2 groups][32 lanes][16 B]) and their scales ([4][2][8][8 B]); gate_up's token ring, stage B % XR_STAGES, the
+// item's token rows of the block's 64 k in their natural order ([64 rows][128 B], zeros past the rows or d).  Both
+// filled by cp.async from their loader warps.  The weights' ring is deep (16 x 4.5 KB: ~74 KB in flight an SM, what
+// ~2.5 µs of HBM latency at ~25 GB/s an SM asks); the tokens' short (they come from L2).
+#define RAW_STAGES 16
 #define RAW_W_BYTES (RB * 2 * 512)
-#define RAW_STAGE_BYTES (RAW_W_BYTES + RB * 2 * 64)
-#define WS_BARS (2 * A_STAGES + 2 * RAW_STAGES)  // full, empty, raw_full, raw_empty
+#define RAW_WS_BYTES (RAW_W_BYTES + RB * 2 * 64)
+#define XR_STAGES 4
+#define RAW_X_BYTES (TILE * 128)
+#define WS_BARS (2 * A_STAGES + 2 * RAW_STAGES + 2 * XR_STAGES)
+
+// The mbarriers from bars: full / empty [A_STAGES], raw_full / raw_empty [RAW_STAGES], xr_full / xr_empty [XR_STAGES]
+struct WsBars {
+    u32 full, empty, raw_full, raw_empty, xr_full, xr_empty;
+    __device__ __forceinline__ explicit WsBars(u32 bars)
+        : full(bars), empty(bars + 8 * A_STAGES), raw_full(empty + 8 * A_STAGES),
+          raw_empty(raw_full + 8 * RAW_STAGES), xr_full(raw_empty + 8 * RAW_STAGES),
+          xr_empty(xr_full + 8 * XR_STAGES) {}
+};
 
 // d [64 x N] += A [64 x 16] . B [16 x N], both K-major tiles in shared memory at descriptors da, db
 template <int N>
@@ -427,23 +441,73 @@ __device__ __forceinline__ void stmatrix4(u32 addr, const u32* r) {
 #endif
 }
 
-// The loader (lane 0 of warp 12): every block of the CTA's items in order, once its raw stage is free (the 4 producer
-// warps of the block's parity have read it): 4 row pairs' 1 KB of words and 128 B of scales, 8 bulk copies.
-__device__ __forceinline__ void ws_load(const uint4* w, const uint2* sc, const int* s_ent, int n_pairs, int n_groups,
-                                        int first, int last, u32 raw, u32 raw_full, u32 raw_empty) {
-    const int blocks = n_groups / 2, n_rb = n_pairs / RB, total = (last - first) * blocks;
+// 16 bytes from global src to shared dst by cp.async (L2 only), zeros where !on (src-size 0: nothing read)
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool on) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(on ? 16 : 0) : "memory");
+}
+
+// The weights' loader warp (warp 12): every block of the CTA's items in order, once its raw stage is free (the 4
+// producer warps of its parity have read it): 9 16-byte cp.async a lane (256 pieces of words, 32 of scales), then each
+// lane's cp.async arrival on raw_full (it lands when the lane's copies have).
+__device__ __forceinline__ void ws_load_weights(const uint4* w, const uint2* sc, const int* s_ent, int n_pairs,
+                                                int n_groups, int first, int last, u32 raw, const WsBars& bar) {
+    const int lane = threadIdx.x & 31, blocks = n_groups / 2, n_rb = n_pairs / RB, total = (last - first) * blocks;
     for (int b = 0; b < total; ++b) {
         const int rs = b % RAW_STAGES, item = first + b / blocks, c = b % blocks;
-        mbar_wait(raw_empty + 8 * rs, ((b / RAW_STAGES) & 1) ^ 1);
         const int e = s_ent[item / n_rb] >> 16, p0 = (item % n_rb) * RB;
-        const u32 dst = raw + rs * RAW_STAGE_BYTES, bar = raw_full + 8 * rs;
-        mbar_expect_tx(bar, RAW_STAGE_BYTES);
+        mbar_wait(bar.raw_empty + 8 * rs, ((b / RAW_STAGES) & 1) ^ 1);
+        const u32 dst = raw + rs * RAW_WS_BYTES;
 #pragma unroll
-        for (int slot = 0; slot < RB; ++slot) {
-            const long grp = ((long)e * n_pairs + p0 + slot) * n_groups + 2 * c;  // the pair's group 2c
-            bulk_copy(dst + slot * 1024, w + grp * 32, 1024, bar);
-            bulk_copy(dst + RAW_W_BYTES + slot * 128, sc + grp * 8, 128, bar);
+        for (int j = 0; j < 9; ++j) {
+            const int q = lane + 32 * j;
+            if (q < 256) {
+                const long grp = ((long)e * n_pairs + p0 + (q >> 6)) * n_groups + 2 * c;
+                cp_async16(dst + q * 16, w + grp * 32 + (q & 63), true);
+            } else {
+                const int r = q - 256;
+                const long grp = ((long)e * n_pairs + p0 + (r >> 3)) * n_groups + 2 * c;
+                cp_async16(dst + RAW_W_BYTES + r * 16, reinterpret_cast<const uint4*>(sc + grp * 8) + (r & 7), true);
+            }
         }
+        asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"(bar.raw_full + 8 * rs) : "memory");
+    }
+}
+
+// gate_up's tokens' loader warp (warp 13): each block's token rows lane and lane + 32 of its item (8 pieces each, up
+// to the item's rows rounded to the consumer's N; zeros past its slots or d), once the stage is free (the consumer
+// has put it in the fragment order)
+__device__ __forceinline__ void ws_load_tokens(const uint4* x, const int* lists, const int* s_ent, const int* s_cnt,
+                                               int t, int top_k, int c_real, int n_pairs, int n_groups, int first,
+                                               int last, u32 xraw, const WsBars& bar) {
+    const int lane = threadIdx.x & 31, blocks = n_groups / 2, n_rb = n_pairs / RB, total = (last - first) * blocks;
+    const uint4* xr[2] = {x, x};  // this lane's rows (x itself where none)
+    bool xon[2] = {false, false};
+    int rows = 0;
+    for (int b = 0; b < total; ++b) {
+        const int xs = b % XR_STAGES, item = first + b / blocks, c = b % blocks;
+        if (c == 0) {
+            const int ent = s_ent[item / n_rb], e = ent >> 16, tile = ent & 0xFFFF;
+            const int n_e = min(TILE, s_cnt[e] - TILE * tile);
+            rows = n_e <= 16 ? 16 : n_e <= 32 ? 32 : 64;
+#pragma unroll
+            for (int hlf = 0; hlf < 2; ++hlf) {
+                const int row = lane + 32 * hlf;
+                const int slot = row < n_e ? ld_count(lists + (long)e * t + TILE * tile + row) : -1;
+                xon[hlf] = slot >= 0;
+                xr[hlf] = slot >= 0 ? x + (long)(slot / top_k) * (c_real * 4) : x;
+            }
+        }
+        mbar_wait(bar.xr_empty + 8 * xs, ((b / XR_STAGES) & 1) ^ 1);
+        const u32 dst = xraw + xs * RAW_X_BYTES;
+#pragma unroll
+        for (int hlf = 0; hlf < 2; ++hlf) {
+            const int row = lane + 32 * hlf;
+            if (row < rows)
+#pragma unroll
+                for (int v = 0; v < 8; ++v)  // piece v: k 64 c + 8 v .., group 2 c + v / 4
+                    cp_async16(dst + row * 128 + v * 16, xr[hlf] + 8 * c + v, xon[hlf] && 2 * c + (v >> 2) < c_real);
+        }
+        asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"(bar.xr_full + 8 * xs) : "memory");
     }
 }
 
@@ -451,19 +515,18 @@ __device__ __forceinline__ void ws_load(const uint4* w, const uint2* sc, const i
 // CTA's sequence: its pair's words and scales of the block from the raw stage (then released), the A stage once
 // free, the two groups dequantised into it (4 stmatrix a group), published to the async proxy, arrival on full.
 // No global load is in flight at the proxy fence (ptxas makes it MEMBAR.ALL.CTA, which waits for them).
-__device__ __forceinline__ void ws_produce(int total, u32 raw, u32 raw_full, u32 raw_empty, u32 a_stages, u32 full,
-                                           u32 empty) {
+__device__ __forceinline__ void ws_produce(int total, u32 raw, u32 a_stages, const WsBars& bar) {
     const int pw = (threadIdx.x - WG) >> 5, par = pw >> 2, slot = pw & 3;
     const int lane = threadIdx.x & 31, sw = lane & 7, hi = lane >> 4;
     const u32 row_off = (16 * slot + (lane & 7) + 8 * ((lane >> 3) & 1)) * 128;
     u32 a[16];
     for (int b = 0; b < total; ++b) {
         const int blk = 2 * b + par, rs = blk % RAW_STAGES, stage = blk % A_STAGES;
-        mbar_wait(raw_full + 8 * rs, (blk / RAW_STAGES) & 1);
+        mbar_wait(bar.raw_full + 8 * rs, (blk / RAW_STAGES) & 1);
         uint4 wv[2];
         uint2 sv[2];
-        const u32 rw = raw + rs * RAW_STAGE_BYTES + slot * 1024 + lane * 16;
-        const u32 rsc = raw + rs * RAW_STAGE_BYTES + RAW_W_BYTES + slot * 128 + (lane >> 2) * 8;
+        const u32 rw = raw + rs * RAW_WS_BYTES + slot * 1024 + lane * 16;
+        const u32 rsc = raw + rs * RAW_WS_BYTES + RAW_W_BYTES + slot * 128 + (lane >> 2) * 8;
 #pragma unroll
         for (int gg = 0; gg < 2; ++gg) {
             asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
@@ -471,8 +534,8 @@ __device__ __forceinline__ void ws_produce(int total, u32 raw, u32 raw_full, u32
             asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(sv[gg].x), "=r"(sv[gg].y) : "r"(rsc + gg * 64));
         }
         __syncwarp();
-        if (lane == 0) mbar_arrive(raw_empty + 8 * rs);
-        mbar_wait(empty + 8 * stage, ((blk / A_STAGES) & 1) ^ 1);
+        if (lane == 0) mbar_arrive(bar.raw_empty + 8 * rs);
+        mbar_wait(bar.empty + 8 * stage, ((blk / A_STAGES) & 1) ^ 1);
         const u32 tile = a_stages + stage * A_STAGE_BYTES + row_off;
 #pragma unroll
         for (int gg = 0; gg < 2; ++gg) {
@@ -485,38 +548,45 @@ __device__ __forceinline__ void ws_produce(int total, u32 raw, u32 raw_full, u32
         }
         fence_async_smem();
         __syncwarp();
-        if (lane == 0) mbar_arrive(full + 8 * stage);
+        if (lane == 0) mbar_arrive(bar.full + 8 * stage);
     }
 }
 
-// The mbarriers at bars: full [A_STAGES] (the 4 producer warps of the stage's parity arrive), empty [A_STAGES] (the 4
-// consumer warps), raw_full [RAW_STAGES] (the loader's expect_tx arrival and the copies' bytes), raw_empty
-// [RAW_STAGES] (the block parity's 4 producer warps)
-__device__ __forceinline__ void ws_init_barriers(u32 bars) {
-    const u32 full = bars, empty = full + 8 * A_STAGES, raw_full = empty + 8 * A_STAGES;
-    const u32 raw_empty = raw_full + 8 * RAW_STAGES;
+// The mbarriers' counts: full (the 4 producer warps of the stage's parity), empty (the 4 consumer warps), raw_full and
+// xr_full (their loader's 32 lanes, as their copies land), raw_empty (the block parity's 4 producer warps), xr_empty
+// (the 4 consumer warps)
+__device__ __forceinline__ void ws_init_barriers(const WsBars& bar) {
     if (threadIdx.x == 0) {
         for (int s = 0; s < A_STAGES; ++s) {
-            mbar_init(full + 8 * s, 4);
-            mbar_init(empty + 8 * s, 4);
+            mbar_init(bar.full + 8 * s, 4);
+            mbar_init(bar.empty + 8 * s, 4);
         }
         for (int s = 0; s < RAW_STAGES; ++s) {
-            mbar_init(raw_full + 8 * s, 1);
-            mbar_init(raw_empty + 8 * s, 4);
+            mbar_init(bar.raw_full + 8 * s, 32);
+            mbar_init(bar.raw_empty + 8 * s, 4);
+        }
+        for (int s = 0; s < XR_STAGES; ++s) {
+            mbar_init(bar.xr_full + 8 * s, 32);
+            mbar_init(bar.xr_empty + 8 * s, 4);
         }
     }
 }
 
-// The non-consumer warps' part of a CTA over its items [first, last): warp 12's lane 0 loads, warps 4-11 dequantise
-__device__ __forceinline__ void ws_feed(const uint4* w, const uint2* sc, const int* s_ent, int n_pairs, int n_groups,
-                                        int first, int last, u32 raw, u32 a_stages, u32 bars) {
-    const u32 full = bars, empty = full + 8 * A_STAGES, raw_full = empty + 8 * A_STAGES;
-    const u32 raw_empty = raw_full + 8 * RAW_STAGES;
-    if (threadIdx.x >= WG + 32 * WS_PRODUCERS) {
-        if ((threadIdx.x & 31) == 0) ws_load(w, sc, s_ent, n_pairs, n_groups, first, last, raw, raw_full, raw_empty);
-    } else {
-        ws_produce((last - first) * (n_groups / 4), raw, raw_full, raw_empty, a_stages, full, empty);
-    }
+// The non-consumer warps' part of a CTA over its items [first, last): warps 4-11 dequantise, warp 12 loads the
+// weights, warp 13 gate_up's tokens (X; down: nothing)
+template <bool X>
+__device__ __forceinline__ void ws_feed(const uint4* w, const uint2* sc, const uint4* x, const int* lists,
+                                        const int* s_ent, const int* s_cnt, int t, int top_k, int c_real,
+                                        int n_pairs, int n_groups, int first, int last, u32 raw, u32 xraw,
+                                        u32 a_stages, const WsBars& bar) {
+    const int warp = threadIdx.x >> 5;
+    if (warp == 4 + WS_PRODUCERS)
+        ws_load_weights(w, sc, s_ent, n_pairs, n_groups, first, last, raw, bar);
+    else if (warp == 5 + WS_PRODUCERS)
+        if (X) ws_load_tokens(x, lists, s_ent, s_cnt, t, top_k, c_real, n_pairs, n_groups, first, last, xraw, bar);
+        else return;
+    else
+        ws_produce((last - first) * (n_groups / 4), raw, a_stages, bar);
 }
 
 // The consumer's block blk (the CTA's count): once its A stage is full, its 8 SS wgmmas (acc_a += tile 0 . B,
@@ -552,28 +622,36 @@ __device__ __forceinline__ void ws_drain(float (&acc_a)[32], float (&acc_b)[32],
     if ((threadIdx.x & 31) == 0) mbar_arrive(empty + 8 * ((blk - 1) % A_STAGES));
 }
 
-// The consumer warpgroup's item: x staged as kdtree_moe_wg_gate_up stages it, each 64-k block's 8 SS wgmmas once
-// its A stage is full, the stage released once they are done; blk counts the CTA's blocks.
+// The consumer warpgroup's item: per 64-k block, the tokens from the raw stage (natural k order) put in the fragment
+// order into X stage c % X_STAGES (read last by block c - 3, done), the raw stage released, then the block's MMAs;
+// blk counts the CTA's blocks.
 template <int N>
-__device__ __forceinline__ void ws_consume_item(const uint4* __restrict__ x, u16* __restrict__ h, const int* s_slot,
-                                                u16* s_h, u32 xstages, u32 a_stages, u32 full, u32 empty, int n_e,
-                                                int rb, int top_k, int c_real, int inter, int blocks, int& blk) {
-    TokenBlocks<N> tok;
-    tok.init(x, s_slot, n_e, top_k, c_real);
+__device__ __forceinline__ void ws_consume_item(u16* __restrict__ h, const int* s_slot, u16* s_h, u32 xstages,
+                                                u32 xraw, u32 a_stages, const WsBars& bar, int n_e, int rb,
+                                                int inter, int blocks, int& blk) {
+    const int tid = threadIdx.x, v = tid & 7;
     float gacc[32], uacc[32];
     zero(gacc);
     zero(uacc);
-    tok.gather(0);
-    tok.put(xstages, 0);
-    if (blocks > 1) tok.gather(1);
     for (int c = 0; c < blocks; ++c, ++blk) {
-        if (c + 1 < blocks) tok.put(xstages, c + 1);  // its stage was read by block c - 2's MMAs, done
-        fence_async_smem();  // (MEMBAR.ALL.CTA: it waits for this thread's loads in flight, so none are)
+        const int xs = blk % XR_STAGES;
+        mbar_wait(bar.xr_full + 8 * xs, (blk / XR_STAGES) & 1);
+        const u32 src = xraw + xs * RAW_X_BYTES;
+#pragma unroll
+        for (int q = 0; q < N / 16; ++q) {
+            const int row = (tid >> 3) + 16 * q;
+            uint4 piece;
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=r"(piece.x), "=r"(piece.y), "=r"(piece.z), "=r"(piece.w) : "r"(src + row * 128 + v * 16));
+            put_piece(xstages + (c % X_STAGES) * BLOCK_BYTES, row, v, piece);
+        }
+        __syncwarp();
+        if ((tid & 31) == 0) mbar_arrive(bar.xr_empty + 8 * xs);
+        fence_async_smem();
         wg_sync<1>();
-        if (c + 2 < blocks) tok.gather(c + 2);
-        ws_block<N>(gacc, uacc, a_stages, xstages + (c % X_STAGES) * BLOCK_BYTES, full, empty, blk, c > 0);
+        ws_block<N>(gacc, uacc, a_stages, xstages + (c % X_STAGES) * BLOCK_BYTES, bar.full, bar.empty, blk, c > 0);
     }
-    ws_drain(gacc, uacc, empty, blk);
+    ws_drain(gacc, uacc, bar.empty, blk);
     store_h<N, 1>(gacc, uacc, s_h, h, s_slot, n_e, rb, inter);
 }
 
@@ -585,16 +663,17 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) kdtree_moe_ws_gate_u
     u32 a_stages;                                                         // [A_STAGES][gate, up][64 rows][128 B]
     unsigned char* smem = aligned_smem(smem_raw, a_stages);
     const u32 xstages = a_stages + A_STAGES * A_STAGE_BYTES;             // [X_STAGES][64 rows][128 B]
-    const u32 raw = xstages + X_STAGES * BLOCK_BYTES;                    // [RAW_STAGES][RAW_STAGE_BYTES]
-    u16* s_h = reinterpret_cast<u16*>(smem + (raw + RAW_STAGES * RAW_STAGE_BYTES - a_stages));  // [64][64] bf16
+    const u32 raw = xstages + X_STAGES * BLOCK_BYTES;                    // [RAW_STAGES][words, scales]
+    const u32 xraw = raw + RAW_STAGES * RAW_WS_BYTES;                    // [XR_STAGES][64 rows][128 B]
+    u16* s_h = reinterpret_cast<u16*>(smem + (xraw + XR_STAGES * RAW_X_BYTES - a_stages));  // [64][64] bf16
     u64* s_bar = reinterpret_cast<u64*>(s_h + TILE * 64);                // [WS_BARS]
     int* s_slot = reinterpret_cast<int*>(s_bar + WS_BARS);               // [64]
     int* s_ws = s_slot + TILE;                                           // [WS_THREADS / 32]
     int* s_cnt = s_ws + WS_THREADS / 32;                                 // [e_local]
     int* s_ent = s_cnt + e_local;                                        // [entries]
-    const u32 full = smem_u32(s_bar), empty = full + 8 * A_STAGES;
+    const WsBars bar(smem_u32(s_bar));
     const int tid = threadIdx.x;
-    ws_init_barriers(full);
+    ws_init_barriers(bar);
     pdl_wait();  // counts and lists come from the route kernel
     pdl_trigger();
     const int n_ent = build_entries<WS_THREADS / 32>(counts, e_local, TILE, s_cnt, s_ent, s_ws);  // (barriers too)
@@ -604,7 +683,8 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) kdtree_moe_ws_gate_u
     if (first >= last) return;  // uniform over the CTA
 
     if (tid >= WG) {
-        ws_feed(w13, s13, s_ent, n_pairs, n_groups, first, last, raw, a_stages, full);
+        ws_feed<true>(w13, s13, x, lists, s_ent, s_cnt, t, top_k, c_real, n_pairs, n_groups, first, last, raw, xraw,
+                      a_stages, bar);
         return;
     }
     int blk = 0;
@@ -615,14 +695,11 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) kdtree_moe_ws_gate_u
         wg_sync<1>();
         const int rb = item % n_rb;
         if (n_e <= 16)
-            ws_consume_item<16>(x, h, s_slot, s_h, xstages, a_stages, full, empty, n_e, rb, top_k, c_real, inter,
-                                blocks, blk);
+            ws_consume_item<16>(h, s_slot, s_h, xstages, xraw, a_stages, bar, n_e, rb, inter, blocks, blk);
         else if (n_e <= 32)
-            ws_consume_item<32>(x, h, s_slot, s_h, xstages, a_stages, full, empty, n_e, rb, top_k, c_real, inter,
-                                blocks, blk);
+            ws_consume_item<32>(h, s_slot, s_h, xstages, xraw, a_stages, bar, n_e, rb, inter, blocks, blk);
         else
-            ws_consume_item<64>(x, h, s_slot, s_h, xstages, a_stages, full, empty, n_e, rb, top_k, c_real, inter,
-                                blocks, blk);
+            ws_consume_item<64>(h, s_slot, s_h, xstages, xraw, a_stages, bar, n_e, rb, inter, blocks, blk);
     }
 }
 
@@ -778,16 +855,16 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) kdtree_moe_ws_down(
     u32 a_stages;                                                          // [A_STAGES][tile 0, 1][64 rows][128 B]
     unsigned char* smem = aligned_smem(smem_raw, a_stages);
     const u32 h_tile = a_stages + A_STAGES * A_STAGE_BYTES;               // [n_groups / 2][64 rows][128 B]
-    const u32 raw = h_tile + (n_groups / 2) * BLOCK_BYTES;                // [RAW_STAGES][RAW_STAGE_BYTES]
-    u16* s_o = reinterpret_cast<u16*>(smem + (raw + RAW_STAGES * RAW_STAGE_BYTES - a_stages));  // [64][128] bf16
+    const u32 raw = h_tile + (n_groups / 2) * BLOCK_BYTES;                // [RAW_STAGES][words, scales]
+    u16* s_o = reinterpret_cast<u16*>(smem + (raw + RAW_STAGES * RAW_WS_BYTES - a_stages));  // [64][128] bf16
     u64* s_bar = reinterpret_cast<u64*>(s_o + TILE * 128);                // [WS_BARS]
     int* s_slot = reinterpret_cast<int*>(s_bar + WS_BARS);                // [64]
     float* s_wt = reinterpret_cast<float*>(s_slot + TILE);                // [64]
     int* s_ws = reinterpret_cast<int*>(s_wt + TILE);                      // [WS_THREADS / 32]
     int* s_cnt = s_ws + WS_THREADS / 32;                                  // [e_local]
     int* s_ent = s_cnt + e_local;                                         // [entries]
-    const u32 full = smem_u32(s_bar), empty = full + 8 * A_STAGES;
-    ws_init_barriers(full);
+    const WsBars bar(smem_u32(s_bar));
+    ws_init_barriers(bar);
     pdl_wait();  // h comes from gate_up, this grid's predecessor (counts, lists, topk_w from the route kernel)
     pdl_trigger();
     const int n_ent = build_entries<WS_THREADS / 32>(counts, e_local, TILE, s_cnt, s_ent, s_ws);
@@ -797,7 +874,8 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) kdtree_moe_ws_down(
     if (first >= last) return;
 
     if (threadIdx.x >= WG) {
-        ws_feed(w2, s2, s_ent, n_pairs, n_groups, first, last, raw, a_stages, full);
+        ws_feed<false>(w2, s2, nullptr, lists, s_ent, s_cnt, t, 0, 0, n_pairs, n_groups, first, last, raw, 0, a_stages,
+                       bar);
         return;
     }
     int blk = 0, cur = -1, n_e = 0;
@@ -809,10 +887,10 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) kdtree_moe_ws_down(
         }
         const int rb = item % n_rb;
         if (n_e <= 16)
-            ws_down_item<16>(out, s_slot, s_wt, s_o, h_tile, a_stages, full, empty, n_e, rb, d, blocks, blk);
+            ws_down_item<16>(out, s_slot, s_wt, s_o, h_tile, a_stages, bar.full, bar.empty, n_e, rb, d, blocks, blk);
         else if (n_e <= 32)
-            ws_down_item<32>(out, s_slot, s_wt, s_o, h_tile, a_stages, full, empty, n_e, rb, d, blocks, blk);
+            ws_down_item<32>(out, s_slot, s_wt, s_o, h_tile, a_stages, bar.full, bar.empty, n_e, rb, d, blocks, blk);
         else
-            ws_down_item<64>(out, s_slot, s_wt, s_o, h_tile, a_stages, full, empty, n_e, rb, d, blocks, blk);
+            ws_down_item<64>(out, s_slot, s_wt, s_o, h_tile, a_stages, bar.full, bar.empty, n_e, rb, d, blocks, blk);
     }
 }
