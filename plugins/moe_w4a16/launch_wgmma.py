@@ -43,7 +43,8 @@ XR_STAGES = 4  # gate_up's token ring: a block's token rows (64 rows x 64 k bf16
 RAW_X_BYTES = TILE * 128
 WS_BARS = 2 * (A_STAGES + RAW_STAGES + XR_STAGES)  # mbarriers of 8 bytes
 # Both GEMMs on the warp-specialised kernels (kdtree_moe_ws_*: producer warps dequantise into shared memory, the
-# consumer warpgroup's wgmmas read A from there) where KDTREE_MOE_WS=1; else the register-A kernels
+# consumer warpgroup's wgmmas read A from there) where KDTREE_MOE_WS=1; else the register-A kernels.  Off: 1.6x slower
+# at t = 512 on the H100, bound by shared-memory bandwidth (NOTES.md "The warp-specialised expert GEMMs")
 WS = env_flag("KDTREE_MOE_WS", False)
 # Off (KDTREE_MOE_WGMMA=1 turns it on): slower than v3's mma.sync kernels below t = 512 and 2-5 % faster at 512
 # (H100, 2026-12-07: results/moe_w4a16_v3-h100.json, NOTES.md "The expert GEMMs on wgmma ...")
@@ -104,7 +105,8 @@ def ws_gate_up_smem(t: int, top_k: int, e_local: int) -> int:
     """alignment slack, A_STAGES A blocks (gate and up tiles), X_STAGES token blocks, the raw rings, h
     staged [64][64] bf16, the mbarriers, slots, the 14 warps' scan words, the entry list."""
     return (1024 + A_STAGES * 2 * BLOCK_BYTES + X_STAGES * BLOCK_BYTES + RAW_STAGES * RAW_WS_BYTES
-            + XR_STAGES * RAW_X_BYTES + TILE * 64 * 2 + WS_BARS * 8 + (TILE + WS_THREADS // 32 + e_local + max_entries(t, top_k, e_local)) * 4)
+            + XR_STAGES * RAW_X_BYTES + TILE * 64 * 2 + WS_BARS * 8
+            + (TILE + WS_THREADS // 32 + e_local + max_entries(t, top_k, e_local)) * 4)
 
 
 def ws_down_smem(t: int, top_k: int, e_local: int, groups2: int) -> int:

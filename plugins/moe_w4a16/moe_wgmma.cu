@@ -366,20 +366,21 @@ extern "C" __global__ void __launch_bounds__(WG, 2) kdtree_moe_wg_gate_up(
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// gate_up, warp-specialised (`ws`): producer warps dequantise the weights into shared memory, one consumer warpgroup
-// stages the tokens and issues SS wgmma (A and B from shared memory).  Why (NOTES.md, "What fits every form
-// instead"): the RS kernel above is bound by its warps' instruction issue, ~140 instructions a 512-byte group
-// (dequantisation, token staging, MMA issue, ring bookkeeping) on 8 warps an SM; here 8 producer warps issue only the
-// dequantisation and 4 stmatrix a group, the consumer the rest once per 64-k block for all 64 rows.
+// The warp-specialised kernels (`ws`, launch_wgmma.WS, off by default: measured 1.6x slower than the RS kernels at
+// t = 512, bound by shared-memory bandwidth: NOTES.md "The warp-specialised expert GEMMs"): producer warps
+// dequantise the weights into shared memory, one consumer warpgroup issues SS wgmma (A and B from shared memory),
+// two loader warps feed them by cp.async.  Kept for their loader warps, rings and barriers, which the next shape
+// (RS wgmma on weights from the ring) reuses.
 //
-// Same items as kdtree_moe_wg_gate_up: (entry, block rb of 4 row pairs), K in 64-k blocks.  A CTA is one consumer
-// warpgroup (warps 0-3) and two producer warpgroups (warps 4-11): producer warpgroup j fills the blocks of parity j
-// of the CTA's block sequence (B = item's place in the CTA's range x blocks an item + block), its warp w the 16 gate
-// and 16 up rows of row pair 4 rb + w, through A_STAGES stages of [gate tile, up tile], each [64 rows][128 B] with
-// the 128-byte swizzle (the B tiles' layout).  stmatrix writes a warp's A registers (group_a: mma.sync's m16n8k16
-// fragment, 4 registers a 16-row x 16-k step) as four 8 x 8 matrices: rows 16 w + (lane & 7) + 8 ((lane >> 3) & 1),
-// 16-byte chunk 4 (group in block) + 2 (k step) + (lane >> 4).  Hand-off: full[stage] (4 producer warps arrive after
-// fence.proxy.async), empty[stage] (4 consumer warps arrive once the wgmmas that read it are done).
+// Same items as kdtree_moe_wg_gate_up / _down: (entry, block rb of 4 row pairs), K in 64-k blocks.  A CTA: the
+// consumer warpgroup (warps 0-3), two producer warpgroups (warps 4-11), the weights' loader (warp 12) and gate_up's
+// tokens' loader (warp 13).  Producer warpgroup j fills the blocks of parity j of the CTA's block sequence (B =
+// item's place in the CTA's range x blocks an item + block), its warp w the two tiles' 16 rows of row pair 4 rb + w,
+// through A_STAGES stages of [tile 0, tile 1], each [64 rows][128 B] with the 128-byte swizzle (the B tiles' layout).
+// stmatrix writes a warp's A registers (group_a: mma.sync's m16n8k16 fragment, 4 registers a 16-row x 16-k step) as
+// four 8 x 8 matrices: rows 16 w + (lane & 7) + 8 ((lane >> 3) & 1), 16-byte chunk 4 (group in block) + 2 (k step) +
+// (lane >> 4).  Hand-off: full[stage] (4 producer warps arrive after fence.proxy.async), empty[stage] (4 consumer
+// warps arrive once the wgmmas that read it are done); the rings' own barriers below.
 #define WS_PRODUCERS 8                    // dequantising warps: two warpgroups, one a block parity
 #define WS_THREADS (WG + 32 * WS_PRODUCERS + 64)  // + the weights' loader warp and the tokens' loader warp
 #define A_STAGES 4                        // dequantised A blocks in shared memory (two a producer warpgroup)
