@@ -2,12 +2,12 @@
 (launch_wgmma.FORCE), against the fp32 reference on the exactly dequantised experts: 200 random routing / size / EP
 cases whose shapes the kernels take, with routing drawn plain or hot (a few experts get most tokens: entries of 1 to
 64 slots and experts over several 64-slot tiles), plus the K2.6 TP8 rank at 64 to 1024 tokens; fresh random data
-each (never zeros), a caller's workspace poisoned on odd seeds; gate_up on both its kernels (register A, and the
-warp-specialised one).  Each case: y within the reference's tolerance
+each (never zeros), a caller's workspace poisoned on odd seeds; on each form of the kernels (register A, warp-
+specialised, register A fed by loader warps).  Each case: y within the reference's tolerance
 (||y - ref|| / ||ref|| < 2e-2, as tests/test_moe_v3_gpu.py), close to v3's mma.sync kernels on the same call (they
 round the group scales differently: moe_wgmma.cu's header), two calls equal bit for bit, other tokens through the
 same workspace right after within tolerance, the routing counts back at zero, and a CUDA graph of the op replayed on
-new tokens.  Writes $KDTREE_RESULTS_DIR/moe_wgmma-{rs,ws}-device-test.json."""
+new tokens.  Writes $KDTREE_RESULTS_DIR/moe_wgmma-{rs,ws,wr}-device-test.json."""
 
 from __future__ import annotations
 
@@ -35,11 +35,13 @@ def _hopper_only():
         pytest.skip("moe_wgmma.cu needs sm_90 (wgmma)")
 
 
-@pytest.fixture(params=[False, True], ids=["rs", "ws"])
+@pytest.fixture(params=["rs", "ws", "wr"])
 def gate_up_form(request, monkeypatch) -> str:
-    """gate_up on the register-A kernel (rs) or the warp-specialised one (ws: launch_wgmma.WS)"""
-    monkeypatch.setattr(launch_wgmma, "WS", request.param)
-    return "ws" if request.param else "rs"
+    """the expert GEMMs on the register-A kernels (rs), the warp-specialised ones (ws: launch_wgmma.WS), or gate_up
+    on register A fed by loader warps (wr: launch_wgmma.WR, where the pairs come in eights; else rs)"""
+    monkeypatch.setattr(launch_wgmma, "WS", request.param == "ws")
+    monkeypatch.setattr(launch_wgmma, "WR", request.param == "wr")
+    return request.param
 
 
 def _forced(on: bool, fn):

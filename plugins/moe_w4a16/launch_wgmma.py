@@ -46,6 +46,11 @@ WS_BARS = 2 * (A_STAGES + RAW_STAGES + XR_STAGES)  # mbarriers of 8 bytes
 # consumer warpgroup's wgmmas read A from there) where KDTREE_MOE_WS=1; else the register-A kernels.  Off: 1.6x slower
 # at t = 512 on the H100, bound by shared-memory bandwidth (NOTES.md "The warp-specialised expert GEMMs")
 WS = env_flag("KDTREE_MOE_WS", False)
+# gate_up on register-A wgmma fed by the ws kernels' loader warps (kdtree_moe_wr_gate_up: two warpgroups on 8 row
+# pairs an item) where KDTREE_MOE_WR=1 and the pairs come in eights; measured once (NOTES.md), off
+WR = env_flag("KDTREE_MOE_WR", False)
+WR_THREADS = 320  # two consumer warpgroups and the two loader warps (the .cu's WR_THREADS)
+WR_PAIRS, WR_STAGES = 8, 8  # row pairs an item; the weights ring's stages of 8 pairs' words and scales
 # Off (KDTREE_MOE_WGMMA=1 turns it on): slower than v3's mma.sync kernels below t = 512 and 2-5 % faster at 512
 # (H100, 2026-12-07: results/moe_w4a16_v3-h100.json, NOTES.md "The expert GEMMs on wgmma ...")
 ENABLED = env_flag("KDTREE_MOE_WGMMA", False)
@@ -109,6 +114,13 @@ def ws_gate_up_smem(t: int, top_k: int, e_local: int) -> int:
             + (TILE + WS_THREADS // 32 + e_local + max_entries(t, top_k, e_local)) * 4)
 
 
+def wr_gate_up_smem(t: int, top_k: int, e_local: int) -> int:
+    """alignment slack, X_STAGES token blocks, the weights ring, the token ring, h staged [2][64][64] bf16, the
+    mbarriers, slots, the 10 warps' scan words, the entry list."""
+    return (1024 + X_STAGES * BLOCK_BYTES + WR_STAGES * WR_PAIRS * 1152 + XR_STAGES * RAW_X_BYTES + 2 * TILE * 64 * 2
+            + WS_BARS * 8 + (TILE + WR_THREADS // 32 + e_local + max_entries(t, top_k, e_local)) * 4)
+
+
 def ws_down_smem(t: int, top_k: int, e_local: int, groups2: int) -> int:
     """alignment slack, A_STAGES A blocks, the h tile, the raw ring, out staged [64][128] bf16, the mbarriers,
     slots and weights, the 14 warps' scan words, the entry list."""
@@ -142,7 +154,10 @@ def gate_up(w13: torch.Tensor, w13_scale: torch.Tensor, x: torch.Tensor, counts:
             t, top_k, e_local, x.shape[1] // 32, groups13, pairs13, i)
     types = (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32)
     items = max_entries(t, top_k, e_local) * (pairs13 // RB)
-    if WS:
+    if WR and pairs13 % WR_PAIRS == 0:
+        _launch(x.device, "kdtree_moe_wr_gate_up", items // 2, wr_gate_up_smem(t, top_k, e_local), args, types,
+                WR_THREADS, 1)
+    elif WS:
         _launch(x.device, "kdtree_moe_ws_gate_up", items, ws_gate_up_smem(t, top_k, e_local), args, types,
                 WS_THREADS, 1)
     else:

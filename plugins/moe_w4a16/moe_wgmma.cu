@@ -450,24 +450,25 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool on) {
 // The weights' loader warp (warp 12): every block of the CTA's items in order, once its raw stage is free (the 4
 // producer warps of its parity have read it): 9 16-byte cp.async a lane (256 pieces of words, 32 of scales), then each
 // lane's cp.async arrival on raw_full (it lands when the lane's copies have).
+template <int PAIRS, int STAGES>
 __device__ __forceinline__ void ws_load_weights(const uint4* w, const uint2* sc, const int* s_ent, int n_pairs,
                                                 int n_groups, int first, int last, u32 raw, const WsBars& bar) {
-    const int lane = threadIdx.x & 31, blocks = n_groups / 2, n_rb = n_pairs / RB, total = (last - first) * blocks;
+    const int lane = threadIdx.x & 31, blocks = n_groups / 2, n_rb = n_pairs / PAIRS, total = (last - first) * blocks;
     for (int b = 0; b < total; ++b) {
-        const int rs = b % RAW_STAGES, item = first + b / blocks, c = b % blocks;
-        const int e = s_ent[item / n_rb] >> 16, p0 = (item % n_rb) * RB;
-        mbar_wait(bar.raw_empty + 8 * rs, ((b / RAW_STAGES) & 1) ^ 1);
-        const u32 dst = raw + rs * RAW_WS_BYTES;
+        const int rs = b % STAGES, item = first + b / blocks, c = b % blocks;
+        const int e = s_ent[item / n_rb] >> 16, p0 = (item % n_rb) * PAIRS;
+        mbar_wait(bar.raw_empty + 8 * rs, ((b / STAGES) & 1) ^ 1);
+        const u32 dst = raw + rs * PAIRS * 1152;  // [PAIRS][1 KB of words], [PAIRS][128 B of scales]
 #pragma unroll
-        for (int j = 0; j < 9; ++j) {
+        for (int j = 0; j < PAIRS * 72 / 32; ++j) {
             const int q = lane + 32 * j;
-            if (q < 256) {
+            if (q < PAIRS * 64) {
                 const long grp = ((long)e * n_pairs + p0 + (q >> 6)) * n_groups + 2 * c;
                 cp_async16(dst + q * 16, w + grp * 32 + (q & 63), true);
             } else {
-                const int r = q - 256;
+                const int r = q - PAIRS * 64;
                 const long grp = ((long)e * n_pairs + p0 + (r >> 3)) * n_groups + 2 * c;
-                cp_async16(dst + RAW_W_BYTES + r * 16, reinterpret_cast<const uint4*>(sc + grp * 8) + (r & 7), true);
+                cp_async16(dst + PAIRS * 1024 + r * 16, reinterpret_cast<const uint4*>(sc + grp * 8) + (r & 7), true);
             }
         }
         asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"(bar.raw_full + 8 * rs) : "memory");
@@ -477,10 +478,11 @@ __device__ __forceinline__ void ws_load_weights(const uint4* w, const uint2* sc,
 // gate_up's tokens' loader warp (warp 13): each block's token rows lane and lane + 32 of its item (8 pieces each, up
 // to the item's rows rounded to the consumer's N; zeros past its slots or d), once the stage is free (the consumer
 // has put it in the fragment order)
+template <int PAIRS>
 __device__ __forceinline__ void ws_load_tokens(const uint4* x, const int* lists, const int* s_ent, const int* s_cnt,
                                                int t, int top_k, int c_real, int n_pairs, int n_groups, int first,
                                                int last, u32 xraw, const WsBars& bar) {
-    const int lane = threadIdx.x & 31, blocks = n_groups / 2, n_rb = n_pairs / RB, total = (last - first) * blocks;
+    const int lane = threadIdx.x & 31, blocks = n_groups / 2, n_rb = n_pairs / PAIRS, total = (last - first) * blocks;
     const uint4* xr[2] = {x, x};  // this lane's rows (x itself where none)
     bool xon[2] = {false, false};
     int rows = 0;
@@ -556,7 +558,7 @@ __device__ __forceinline__ void ws_produce(int total, u32 raw, u32 a_stages, con
 // The mbarriers' counts: full (the 4 producer warps of the stage's parity), empty (the 4 consumer warps), raw_full and
 // xr_full (their loader's 32 lanes, as their copies land), raw_empty (the block parity's 4 producer warps), xr_empty
 // (the 4 consumer warps)
-__device__ __forceinline__ void ws_init_barriers(const WsBars& bar) {
+__device__ __forceinline__ void ws_init_barriers(const WsBars& bar, int readers = 4) {
     if (threadIdx.x == 0) {
         for (int s = 0; s < A_STAGES; ++s) {
             mbar_init(bar.full + 8 * s, 4);
@@ -564,11 +566,11 @@ __device__ __forceinline__ void ws_init_barriers(const WsBars& bar) {
         }
         for (int s = 0; s < RAW_STAGES; ++s) {
             mbar_init(bar.raw_full + 8 * s, 32);
-            mbar_init(bar.raw_empty + 8 * s, 4);
+            mbar_init(bar.raw_empty + 8 * s, readers);
         }
         for (int s = 0; s < XR_STAGES; ++s) {
             mbar_init(bar.xr_full + 8 * s, 32);
-            mbar_init(bar.xr_empty + 8 * s, 4);
+            mbar_init(bar.xr_empty + 8 * s, readers);
         }
     }
 }
@@ -582,9 +584,9 @@ __device__ __forceinline__ void ws_feed(const uint4* w, const uint2* sc, const u
                                         u32 a_stages, const WsBars& bar) {
     const int warp = threadIdx.x >> 5;
     if (warp == 4 + WS_PRODUCERS)
-        ws_load_weights(w, sc, s_ent, n_pairs, n_groups, first, last, raw, bar);
+        ws_load_weights<RB, RAW_STAGES>(w, sc, s_ent, n_pairs, n_groups, first, last, raw, bar);
     else if (warp == 5 + WS_PRODUCERS)
-        if (X) ws_load_tokens(x, lists, s_ent, s_cnt, t, top_k, c_real, n_pairs, n_groups, first, last, xraw, bar);
+        if (X) ws_load_tokens<RB>(x, lists, s_ent, s_cnt, t, top_k, c_real, n_pairs, n_groups, first, last, xraw, bar);
         else return;
     else
         ws_produce((last - first) * (n_groups / 4), raw, a_stages, bar);
@@ -893,5 +895,131 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) kdtree_moe_ws_down(
             ws_down_item<32>(out, s_slot, s_wt, s_o, h_tile, a_stages, bar.full, bar.empty, n_e, rb, d, blocks, blk);
         else
             ws_down_item<64>(out, s_slot, s_wt, s_o, h_tile, a_stages, bar.full, bar.empty, n_e, rb, d, blocks, blk);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// gate_up on register-A wgmma from the weights ring (`wr`, launch_wgmma.WR; NOTES.md "Next" of the warp-specialised
+// kernels): two warpgroups a CTA on one entry's token block, each its own 4 row pairs of an item of 8 (warp w of the
+// 8: pair 8 rb + w), each dequantising its words from the ring (ld.shared) into wgmma's register A as the RS kernel
+// does; the token block put once in the fragment order for both.  The weights' and the tokens' loader warps (8, 9)
+// as in the ws kernels; no global load in flight at the proxy fence.
+// ---------------------------------------------------------------------------------------------------------
+#define WR_PAIRS 8
+#define WR_STAGES 8                        // the weights ring: 8 pairs' words (8 KB) and scales (1 KB) a stage
+#define WR_STAGE_BYTES (WR_PAIRS * 1152)
+#define WR_THREADS (2 * WG + 64)
+
+__device__ __forceinline__ void wr_sync() { asm volatile("bar.sync 3, 256;\n" ::: "memory"); }  // both warpgroups
+
+template <int N, int J>
+__device__ __forceinline__ void wr_gate_up_item(u16* __restrict__ h, const int* s_slot, u16* s_h, u32 xstages,
+                                                u32 xraw, u32 raw, const WsBars& bar, int n_e, int rb, int inter,
+                                                int blocks, int& blk) {
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, v = tid & 7;
+    float gacc[32], uacc[32];
+    zero(gacc);
+    zero(uacc);
+    u32 a[2][16];
+    for (int c = 0; c < blocks; ++c, ++blk) {
+        const int xs = blk % XR_STAGES, rs = blk % WR_STAGES;
+        const u32 xstage = xstages + (c % X_STAGES) * BLOCK_BYTES;  // read last by block c - 3's MMAs: done
+        mbar_wait(bar.xr_full + 8 * xs, (blk / XR_STAGES) & 1);
+        for (int row = tid >> 3; row < N; row += 32) {
+            uint4 piece;
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=r"(piece.x), "=r"(piece.y), "=r"(piece.z), "=r"(piece.w)
+                         : "r"(xraw + xs * RAW_X_BYTES + row * 128 + v * 16));
+            put_piece(xstage, row, v, piece);
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(bar.xr_empty + 8 * xs);
+        fence_async_smem();
+        wr_sync();
+        mbar_wait(bar.raw_full + 8 * rs, (blk / WR_STAGES) & 1);
+        uint4 wv[2];
+        uint2 sv[2];
+        const u32 rw = raw + rs * WR_STAGE_BYTES + warp * 1024 + lane * 16;
+        const u32 rsc = raw + rs * WR_STAGE_BYTES + WR_PAIRS * 1024 + warp * 128 + (lane >> 2) * 8;
+#pragma unroll
+        for (int gg = 0; gg < 2; ++gg) {
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=r"(wv[gg].x), "=r"(wv[gg].y), "=r"(wv[gg].z), "=r"(wv[gg].w) : "r"(rw + gg * 512));
+            asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(sv[gg].x), "=r"(sv[gg].y) : "r"(rsc + gg * 64));
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(bar.raw_empty + 8 * rs);
+#pragma unroll
+        for (int gg = 0; gg < 2; ++gg) {
+            group_a(a[gg], wv[gg], sv[gg]);
+            group_mma<N>(gacc, uacc, a[gg], smem_desc(xstage + 64 * gg, 16, 1024));
+        }
+        wgmma_wait_all();  // (with a group in flight across the next block's waits, ptxas serialises the MMAs: C7512)
+        pin(gacc);
+        pin(uacc);
+    }
+    wgmma_wait_all();
+    pin(gacc);
+    pin(uacc);
+    store_h<N, 1 + J>(gacc, uacc, s_h + J * TILE * 64, h, s_slot, n_e, 2 * rb + J, inter);
+}
+
+template <int J>
+__device__ __forceinline__ void wr_gate_up_dispatch(u16* __restrict__ h, const int* s_slot, u16* s_h, u32 xstages,
+                                                    u32 xraw, u32 raw, const WsBars& bar, int n_e, int rb,
+                                                    int inter, int blocks, int& blk) {
+    if (n_e <= 16)
+        wr_gate_up_item<16, J>(h, s_slot, s_h, xstages, xraw, raw, bar, n_e, rb, inter, blocks, blk);
+    else if (n_e <= 32)
+        wr_gate_up_item<32, J>(h, s_slot, s_h, xstages, xraw, raw, bar, n_e, rb, inter, blocks, blk);
+    else
+        wr_gate_up_item<64, J>(h, s_slot, s_h, xstages, xraw, raw, bar, n_e, rb, inter, blocks, blk);
+}
+
+extern "C" __global__ void __launch_bounds__(WR_THREADS, 1) kdtree_moe_wr_gate_up(
+    const uint4* __restrict__ w13, const uint2* __restrict__ s13, const uint4* __restrict__ x,
+    const int* __restrict__ counts, const int* __restrict__ lists, u16* __restrict__ h, int t, int top_k,
+    int e_local, int c_real, int n_groups, int n_pairs, int inter) {
+    extern __shared__ unsigned char smem_raw[];
+    u32 xstages;                                                          // [X_STAGES][64 rows][128 B]
+    unsigned char* smem = aligned_smem(smem_raw, xstages);
+    const u32 raw = xstages + X_STAGES * BLOCK_BYTES;                     // [WR_STAGES][WR_STAGE_BYTES]
+    const u32 xraw = raw + WR_STAGES * WR_STAGE_BYTES;                    // [XR_STAGES][64 rows][128 B]
+    u16* s_h = reinterpret_cast<u16*>(smem + (xraw + XR_STAGES * RAW_X_BYTES - xstages));  // [2][64][64] bf16
+    u64* s_bar = reinterpret_cast<u64*>(s_h + 2 * TILE * 64);            // [WS_BARS] (the A stages' unused)
+    int* s_slot = reinterpret_cast<int*>(s_bar + WS_BARS);                // [64]
+    int* s_ws = s_slot + TILE;                                            // [WR_THREADS / 32]
+    int* s_cnt = s_ws + WR_THREADS / 32;                                  // [e_local]
+    int* s_ent = s_cnt + e_local;                                         // [entries]
+    const WsBars bar(smem_u32(s_bar));
+    const int tid = threadIdx.x;
+    ws_init_barriers(bar, 8);  // the rings' stages are read by the 8 consumer warps
+    pdl_wait();  // counts and lists come from the route kernel
+    pdl_trigger();
+    const int n_ent = build_entries<WR_THREADS / 32>(counts, e_local, TILE, s_cnt, s_ent, s_ws);
+    const int n_rb = n_pairs / WR_PAIRS, blocks = n_groups / 2;
+    int first, last;
+    cta_items(n_ent * n_rb, first, last);
+    if (first >= last) return;
+
+    if (tid >= 2 * WG) {
+        if (tid >> 5 == 8)
+            ws_load_weights<WR_PAIRS, WR_STAGES>(w13, s13, s_ent, n_pairs, n_groups, first, last, raw, bar);
+        else
+            ws_load_tokens<WR_PAIRS>(x, lists, s_ent, s_cnt, t, top_k, c_real, n_pairs, n_groups, first, last, xraw,
+                                     bar);
+        return;
+    }
+    int blk = 0;
+    for (int item = first; item < last; ++item) {
+        const int ent = s_ent[item / n_rb], e = ent >> 16, tile = ent & 0xFFFF;
+        const int n_e = min(TILE, s_cnt[e] - TILE * tile);
+        wr_sync();  // the last item's stores have read s_slot
+        if (tid < TILE) s_slot[tid] = tid < n_e ? ld_count(lists + (long)e * t + TILE * tile + tid) : -1;
+        wr_sync();
+        if (tid < WG)
+            wr_gate_up_dispatch<0>(h, s_slot, s_h, xstages, xraw, raw, bar, n_e, item % n_rb, inter, blocks, blk);
+        else
+            wr_gate_up_dispatch<1>(h, s_slot, s_h, xstages, xraw, raw, bar, n_e, item % n_rb, inter, blocks, blk);
     }
 }
