@@ -453,25 +453,38 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool on) {
 template <int PAIRS, int STAGES>
 __device__ __forceinline__ void ws_load_weights(const uint4* w, const uint2* sc, const int* s_ent, int n_pairs,
                                                 int n_groups, int first, int last, u32 raw, const WsBars& bar) {
+    // cursors stepped a block at a time (no division in the loop): block c of item (entry ei, row block rb)
     const int lane = threadIdx.x & 31, blocks = n_groups / 2, n_rb = n_pairs / PAIRS, total = (last - first) * blocks;
+    const long pstride_w = (long)n_groups * 32, pstride_s = (long)n_groups * 4;  // a pair's words / scales (uint4)
+    int c = 0, rb = first % n_rb, ei = first / n_rb, rs = 0;
+    u32 phase = 1;  // the empty barriers' phase to wait for (fresh: passes)
+    const uint4* wi = nullptr;  // the item's first pair's words, scales at its group 0
+    const uint4* si = nullptr;
     for (int b = 0; b < total; ++b) {
-        const int rs = b % STAGES, item = first + b / blocks, c = b % blocks;
-        const int e = s_ent[item / n_rb] >> 16, p0 = (item % n_rb) * PAIRS;
-        mbar_wait(bar.raw_empty + 8 * rs, ((b / STAGES) & 1) ^ 1);
+        if (c == 0) {
+            const long pair0 = (long)(s_ent[ei] >> 16) * n_pairs + rb * PAIRS;
+            wi = w + pair0 * pstride_w;
+            si = reinterpret_cast<const uint4*>(sc) + pair0 * pstride_s;
+        }
+        mbar_wait(bar.raw_empty + 8 * rs, phase);
         const u32 dst = raw + rs * PAIRS * 1152;  // [PAIRS][1 KB of words], [PAIRS][128 B of scales]
+        const uint4* wb = wi + 64 * c;
+        const uint4* sb = si + 8 * c;
 #pragma unroll
         for (int j = 0; j < PAIRS * 72 / 32; ++j) {
-            const int q = lane + 32 * j;
-            if (q < PAIRS * 64) {
-                const long grp = ((long)e * n_pairs + p0 + (q >> 6)) * n_groups + 2 * c;
-                cp_async16(dst + q * 16, w + grp * 32 + (q & 63), true);
-            } else {
-                const int r = q - PAIRS * 64;
-                const long grp = ((long)e * n_pairs + p0 + (r >> 3)) * n_groups + 2 * c;
-                cp_async16(dst + PAIRS * 1024 + r * 16, reinterpret_cast<const uint4*>(sc + grp * 8) + (r & 7), true);
+            if (j < 2 * PAIRS)  // words: pair j / 2, pieces 32 (j % 2) + lane
+                cp_async16(dst + (32 * j + lane) * 16, wb + (j >> 1) * pstride_w + 32 * (j & 1) + lane, true);
+            else {  // scales: piece r = 32 (j - 2 PAIRS) + lane, pair r / 8, piece r % 8
+                const int r = 32 * (j - 2 * PAIRS) + lane;
+                cp_async16(dst + PAIRS * 1024 + r * 16, sb + (r >> 3) * pstride_s + (r & 7), true);
             }
         }
         asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"(bar.raw_full + 8 * rs) : "memory");
+        if (++rs == STAGES) rs = 0, phase ^= 1;
+        if (++c == blocks) {
+            c = 0;
+            if (++rb == n_rb) rb = 0, ++ei;
+        }
     }
 }
 
@@ -485,11 +498,11 @@ __device__ __forceinline__ void ws_load_tokens(const uint4* x, const int* lists,
     const int lane = threadIdx.x & 31, blocks = n_groups / 2, n_rb = n_pairs / PAIRS, total = (last - first) * blocks;
     const uint4* xr[2] = {x, x};  // this lane's rows (x itself where none)
     bool xon[2] = {false, false};
-    int rows = 0;
+    int rows = 0, c = 0, rb = first % n_rb, ei = first / n_rb, xs = 0;
+    u32 phase = 1;
     for (int b = 0; b < total; ++b) {
-        const int xs = b % XR_STAGES, item = first + b / blocks, c = b % blocks;
         if (c == 0) {
-            const int ent = s_ent[item / n_rb], e = ent >> 16, tile = ent & 0xFFFF;
+            const int ent = s_ent[ei], e = ent >> 16, tile = ent & 0xFFFF;
             const int n_e = min(TILE, s_cnt[e] - TILE * tile);
             rows = n_e <= 16 ? 16 : n_e <= 32 ? 32 : 64;
 #pragma unroll
@@ -500,7 +513,7 @@ __device__ __forceinline__ void ws_load_tokens(const uint4* x, const int* lists,
                 xr[hlf] = slot >= 0 ? x + (long)(slot / top_k) * (c_real * 4) : x;
             }
         }
-        mbar_wait(bar.xr_empty + 8 * xs, ((b / XR_STAGES) & 1) ^ 1);
+        mbar_wait(bar.xr_empty + 8 * xs, phase);
         const u32 dst = xraw + xs * RAW_X_BYTES;
 #pragma unroll
         for (int hlf = 0; hlf < 2; ++hlf) {
@@ -511,6 +524,11 @@ __device__ __forceinline__ void ws_load_tokens(const uint4* x, const int* lists,
                     cp_async16(dst + row * 128 + v * 16, xr[hlf] + 8 * c + v, xon[hlf] && 2 * c + (v >> 2) < c_real);
         }
         asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"(bar.xr_full + 8 * xs) : "memory");
+        if (++xs == XR_STAGES) xs = 0, phase ^= 1;
+        if (++c == blocks) {
+            c = 0;
+            if (++rb == n_rb) rb = 0, ++ei;
+        }
     }
 }
 
