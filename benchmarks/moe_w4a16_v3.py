@@ -101,7 +101,7 @@ def bench_shape(name: str, t: int, routing: str, ex: dict, e_start: int, dev, de
     # gate_up (launch_v3.USE_W16: the 16-warp one where it applies, t = 1); v3_early_w8: before the wait, 8 warps
     # v3_mma / v3_wg: the expert GEMMs on v3's mma.sync kernels / on moe_wgmma.cu's (launch_wgmma.FORCE), where v3
     # takes the one launch_wgmma.applies picks; v3_wg only where the experts' shapes suit it (not EP8's i = 2048);
-    # v3_ws: as v3_wg with gate_up on the warp-specialised kernel (launch_wgmma.WS)
+    # v3_ws: as v3_wg on the warp-specialised kernels (launch_wgmma.WS)
     w16_default, early_default, ws_default = launch_v3.USE_W16, launch_v3.EARLY_WEIGHTS, launch_wgmma.WS
     wg_fits = launch_wgmma.shapes_fit(*ex["frag"][0].shape[1:3], *ex["frag"][2].shape[1:3])
     for label, experts, pf, w16, early, wg, wsg in (
@@ -202,7 +202,7 @@ def main() -> None:
             rows.append(bench_shape(f"k26_tp8_t{t}", t, routing, tp8, 0, dev, dense))
             r = rows[-1]
             print(f"{r['shape']} {routing}: v3 {r['v3_us']:.1f} us ({r['v3_fraction']:.2f}), mma.sync "
-                  f"{r['v3_mma_us']:.1f} us, wgmma {r.get('v3_wg_us', float('nan')):.1f} us (ws gate_up "
+                  f"{r['v3_mma_us']:.1f} us, wgmma {r.get('v3_wg_us', float('nan')):.1f} us (warp-specialised "
                   f"{r.get('v3_ws_us', float('nan')):.1f}), with L2 prefetch "
                   f"{r['v3_pf_us']:.1f} us ({r['v3_pf_fraction']:.2f}), "
                   f"late down {r['v3_late_w8_us']:.1f} / {r['v3_late_w16_us']:.1f} us (8 / 16 warps), "

@@ -36,7 +36,7 @@ def _hopper_only():
 
 
 @pytest.fixture(params=["rs", "ws", "wr"])
-def gate_up_form(request, monkeypatch) -> str:
+def kernel_form(request, monkeypatch) -> str:
     """the expert GEMMs on the register-A kernels (rs), the warp-specialised ones (ws: launch_wgmma.WS), or gate_up
     on register A fed by loader warps (wr: launch_wgmma.WR, where the pairs come in eights; else rs)"""
     monkeypatch.setattr(launch_wgmma, "WS", request.param == "ws")
@@ -109,27 +109,27 @@ def _random_shapes(n: int, seed: int = 0) -> list[tuple]:
 K26 = [(t, 384, 7168, 256, 8, 0, 384, hot, 9000 + t) for t in (64, 129, 257, 512, 1024) for hot in (False, True)]
 
 
-def test_wgmma_matches_reference_on_random_and_k26_shapes(gate_up_form):
+def test_wgmma_matches_reference_on_random_and_k26_shapes(kernel_form):
     dev = torch.device("cuda")
     n = gpu_cases(200)
     results = [_case(*c, dev=dev) | {"big": j >= n} for j, c in enumerate([*_random_shapes(n), *K26])]
     bad = [r for r in results if not (r["finite"] and max(r["rel"], r["next_call_rel"]) < 2e-2 and r["wg_v3_rel"] < 1e-2
                                       and r["deterministic"] and r["counts_rezeroed"])]
-    summary = {"op": f"moe_w4a16 wgmma ({gate_up_form} gate_up)", "checked": len(results), "failed": len(bad),
+    summary = {"op": f"moe_w4a16 wgmma ({kernel_form} kernels)", "checked": len(results), "failed": len(bad),
                "tolerance_rel": 2e-2,
                "max_rel": max(r["rel"] for r in results), "max_wg_v3_rel": max(r["wg_v3_rel"] for r in results),
                "max_count": max(r["max_count"] for r in results), "failures": bad[:20], "cases": results}
     out_dir = os.environ.get("KDTREE_RESULTS_DIR")
     if out_dir:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(out_dir) / f"moe_wgmma-{gate_up_form}-device-test.json").write_text(json.dumps(summary, indent=1))
-    print(f"moe_w4a16 wgmma GPU ({gate_up_form} gate_up): {len(results)} cases, {len(bad)} failed, "
+        (Path(out_dir) / f"moe_wgmma-{kernel_form}-device-test.json").write_text(json.dumps(summary, indent=1))
+    print(f"moe_w4a16 wgmma GPU ({kernel_form} kernels): {len(results)} cases, {len(bad)} failed, "
           f"max rel {summary['max_rel']:.2e}, "
           f"max wgmma-v3 rel {summary['max_wg_v3_rel']:.2e}, max slots an expert {summary['max_count']}")
     assert not bad, bad[:5]
 
 
-def test_wgmma_is_graph_capturable(gate_up_form):
+def test_wgmma_is_graph_capturable(kernel_form):
     dev = torch.device("cuda")
     t, e, d, i, k = 200, 64, 1024, 256, 8
     g = torch.Generator(device=dev).manual_seed(3)

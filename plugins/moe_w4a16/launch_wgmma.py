@@ -7,7 +7,9 @@ here once per up to 64 (wgmma N = 16, 32 or 64, weights as A from registers).  s
 of whole 4-pair row blocks, k groups in fours and i <= 512 (an entry's whole h tile in shared memory).
 
 Off by default (ENABLED): measured slower than v3's kernels below t = 512 (NOTES.md); KDTREE_MOE_WGMMA=1 takes it
-from MIN_TOKENS tokens.
+from MIN_TOKENS tokens.  Two more forms, measured slower than the register-A kernels and off (WS, WR; NOTES.md "The
+warp-specialised expert GEMMs"): both GEMMs on producer / consumer warpgroups with loader warps, and gate_up on
+register A fed by those loader warps.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 // moe_w4a16 wgmma: the expert GEMMs of the routed MoE where experts see many tokens (launch_wgmma.MIN_TOKENS; off by
 // default: slower than moe_v3.cu below 512 tokens, NOTES.md),
-// on the same fragment-order INT4 experts as moe_v3.cu, with Hopper's warpgroup MMA (sm_90a).
+// on the same fragment-order INT4 experts as moe_v3.cu, with Hopper's warpgroup MMA (sm_90a).  Below the register-A
+// (RS) kernels: the warp-specialised ones (ws) and gate_up on register A fed by loader warps (wr), both measured
+// slower and off (launch_wgmma.WS / WR; NOTES.md "The warp-specialised expert GEMMs").
 //
 //   gate_up:  h[slot, :] = silu(W1_e x[tok]) * (W3_e x[tok])        h [t * top_k, i] bf16
 //   down:     out[slot, :] = topk_w[slot] * (W2_e h[slot])          out [t * top_k, d] bf16
