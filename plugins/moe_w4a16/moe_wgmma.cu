@@ -455,31 +455,31 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool on) {
 template <int PAIRS, int STAGES>
 __device__ __forceinline__ void ws_load_weights(const uint4* w, const uint2* sc, const int* s_ent, int n_pairs,
                                                 int n_groups, int first, int last, u32 raw, const WsBars& bar) {
-    // cursors stepped a block at a time (no division in the loop): block c of item (entry ei, row block rb)
+    // cursors stepped a block at a time (no division in the loop): block c of item (entry ei, row block rb); this
+    // lane's source of each of its copies set per item and moved on a block's 1 KB (words) / 128 B (scales) a block
+    constexpr int J = PAIRS * 72 / 32, JW = 2 * PAIRS;  // copies a lane a block; the first JW are words
     const int lane = threadIdx.x & 31, blocks = n_groups / 2, n_rb = n_pairs / PAIRS, total = (last - first) * blocks;
     const long pstride_w = (long)n_groups * 32, pstride_s = (long)n_groups * 4;  // a pair's words / scales (uint4)
     int c = 0, rb = first % n_rb, ei = first / n_rb, rs = 0;
     u32 phase = 1;  // the empty barriers' phase to wait for (fresh: passes)
-    const uint4* wi = nullptr;  // the item's first pair's words, scales at its group 0
-    const uint4* si = nullptr;
+    const uint4* src[J];
     for (int b = 0; b < total; ++b) {
         if (c == 0) {
             const long pair0 = (long)(s_ent[ei] >> 16) * n_pairs + rb * PAIRS;
-            wi = w + pair0 * pstride_w;
-            si = reinterpret_cast<const uint4*>(sc) + pair0 * pstride_s;
+            const uint4* wi = w + pair0 * pstride_w;  // the item's first pair's words, scales at its group 0
+            const uint4* si = reinterpret_cast<const uint4*>(sc) + pair0 * pstride_s;
+#pragma unroll
+            for (int j = 0; j < J; ++j) {
+                const int r = 32 * (j - JW) + lane;  // scales: piece r, pair r / 8, piece r % 8 of its 128 B
+                src[j] = j < JW ? wi + (j >> 1) * pstride_w + 32 * (j & 1) + lane : si + (r >> 3) * pstride_s + (r & 7);
+            }
         }
         mbar_wait(bar.raw_empty + 8 * rs, phase);
-        const u32 dst = raw + rs * PAIRS * 1152;  // [PAIRS][1 KB of words], [PAIRS][128 B of scales]
-        const uint4* wb = wi + 64 * c;
-        const uint4* sb = si + 8 * c;
+        const u32 dst = raw + rs * PAIRS * 1152 + lane * 16;  // [PAIRS][1 KB of words], [PAIRS][128 B of scales]
 #pragma unroll
-        for (int j = 0; j < PAIRS * 72 / 32; ++j) {
-            if (j < 2 * PAIRS)  // words: pair j / 2, pieces 32 (j % 2) + lane
-                cp_async16(dst + (32 * j + lane) * 16, wb + (j >> 1) * pstride_w + 32 * (j & 1) + lane, true);
-            else {  // scales: piece r = 32 (j - 2 PAIRS) + lane, pair r / 8, piece r % 8
-                const int r = 32 * (j - 2 * PAIRS) + lane;
-                cp_async16(dst + PAIRS * 1024 + r * 16, sb + (r >> 3) * pstride_s + (r & 7), true);
-            }
+        for (int j = 0; j < J; ++j) {
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst + 512 * j), "l"(src[j]) : "memory");
+            src[j] += j < JW ? 64 : 8;
         }
         asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"(bar.raw_full + 8 * rs) : "memory");
         if (++rs == STAGES) rs = 0, phase ^= 1;
