@@ -46,7 +46,7 @@ RAW_X_BYTES = TILE * 128
 WS_BARS = 2 * (A_STAGES + RAW_STAGES + XR_STAGES)  # mbarriers of 8 bytes
 # Both GEMMs on the warp-specialised kernels (kdtree_moe_ws_*: producer warps dequantise into shared memory, the
 # consumer warpgroup's wgmmas read A from there) where KDTREE_MOE_WS=1; else the register-A kernels.  Off: 1.6x slower
-# at t = 512 on the H100, bound by shared-memory bandwidth (NOTES.md "The warp-specialised expert GEMMs")
+# at t = 512 on the H100 (NOTES.md "The warp-specialised expert GEMMs")
 WS = env_flag("KDTREE_MOE_WS", False)
 # gate_up on register-A wgmma fed by the ws kernels' loader warps (kdtree_moe_wr_gate_up: two warpgroups on 8 row
 # pairs an item) where KDTREE_MOE_WR=1 and the pairs come in eights; measured once (NOTES.md), off

@@ -229,7 +229,8 @@ __device__ __forceinline__ void cta_items(int n, int& first, int& last) {
 }
 
 // The 128 threads of the warpgroup that runs an item's MMAs meet: barrier 0 is the whole CTA of the RS kernels (one
-// warpgroup), barrier 1 the consumer warpgroup of the warp-specialised gate_up (its producers never wait on it)
+// warpgroup), barrier 1 the consumer warpgroup of the ws kernels (their producers never wait on it), barriers 1 and
+// 2 wr's two warpgroups (3: both)
 template <int BAR>
 __device__ __forceinline__ void wg_sync() {
     asm volatile("bar.sync %0, 128;\n" ::"n"(BAR) : "memory");
@@ -369,7 +370,7 @@ extern "C" __global__ void __launch_bounds__(WG, 2) kdtree_moe_wg_gate_up(
 
 // ---------------------------------------------------------------------------------------------------------
 // The warp-specialised kernels (`ws`, launch_wgmma.WS, off by default: measured 1.6x slower than the RS kernels at
-// t = 512, bound by shared-memory bandwidth: NOTES.md "The warp-specialised expert GEMMs"): producer warps
+// t = 512; where the time goes: NOTES.md "The warp-specialised expert GEMMs"): producer warps
 // dequantise the weights into shared memory, one consumer warpgroup issues SS wgmma (A and B from shared memory),
 // two loader warps feed them by cp.async.  Kept for their loader warps, rings and barriers, which the next shape
 // (RS wgmma on weights from the ring) reuses.
