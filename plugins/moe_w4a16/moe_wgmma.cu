@@ -395,8 +395,8 @@ extern "C" __global__ void __launch_bounds__(WG, 2) kdtree_moe_wg_gate_up(
 // filled by cp.async from their loader warps.  The weights' ring is deep (16 x 4.5 KB: ~74 KB in flight an SM, what
 // ~2.5 µs of HBM latency at ~25 GB/s an SM asks); the tokens' short (they come from L2).
 #define RAW_STAGES 16
-#define RAW_W_BYTES (RB * 2 * 512)
-#define RAW_WS_BYTES (RAW_W_BYTES + RB * 2 * 64)
+#define PAIR_BLOCK_BYTES 1152              // a row pair's block in a ring stage: 1 KB of words, 128 B of scales
+#define RAW_WS_BYTES (RB * PAIR_BLOCK_BYTES)
 #define XR_STAGES 4
 #define RAW_X_BYTES (TILE * 128)
 #define WS_BARS (2 * A_STAGES + 2 * RAW_STAGES + 2 * XR_STAGES)
@@ -445,11 +445,6 @@ __device__ __forceinline__ void stmatrix4(u32 addr, const u32* r) {
 #endif
 }
 
-// 16 bytes from global src to shared dst by cp.async (L2 only), zeros where !on (src-size 0: nothing read)
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool on) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(on ? 16 : 0) : "memory");
-}
-
 // The weights' loader warp (warp 12): every block of the CTA's items in order, once its raw stage is free (the 4
 // producer warps of its parity have read it): 9 16-byte cp.async a lane (256 pieces of words, 32 of scales), then each
 // lane's cp.async arrival on raw_full (it lands when the lane's copies have).
@@ -476,10 +471,10 @@ __device__ __forceinline__ void ws_load_weights(const uint4* w, const uint2* sc,
             }
         }
         mbar_wait(bar.raw_empty + 8 * rs, phase);
-        const u32 dst = raw + rs * PAIRS * 1152 + lane * 16;  // [PAIRS][1 KB of words], [PAIRS][128 B of scales]
+        const u32 dst = raw + rs * PAIRS * PAIR_BLOCK_BYTES + lane * 16;  // [PAIRS][1 KB words], [PAIRS][128 B scales]
 #pragma unroll
         for (int j = 0; j < J; ++j) {
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst + 512 * j), "l"(src[j]) : "memory");
+            cp_async16(dst + 512 * j, src[j], 16);
             src[j] += j < JW ? 64 : 8;
         }
         asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"(bar.raw_full + 8 * rs) : "memory");
@@ -524,7 +519,8 @@ __device__ __forceinline__ void ws_load_tokens(const uint4* x, const int* lists,
             if (row < rows)
 #pragma unroll
                 for (int v = 0; v < 8; ++v)  // piece v: k 64 c + 8 v .., group 2 c + v / 4
-                    cp_async16(dst + row * 128 + v * 16, xr[hlf] + 8 * c + v, xon[hlf] && 2 * c + (v >> 2) < c_real);
+                    cp_async16(dst + row * 128 + v * 16, xr[hlf] + 8 * c + v,
+                               xon[hlf] && 2 * c + (v >> 2) < c_real ? 16 : 0);
         }
         asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"(bar.xr_full + 8 * xs) : "memory");
         if (++xs == XR_STAGES) xs = 0, phase ^= 1;
@@ -533,6 +529,40 @@ __device__ __forceinline__ void ws_load_tokens(const uint4* x, const int* lists,
             if (++rb == n_rb) rb = 0, ++ei;
         }
     }
+}
+
+// Row pair `slot`'s two groups of block blk from a weights-ring stage ([PAIRS][1 KB of words], [PAIRS][128 B of
+// scales], STAGES stages at raw) into registers, once the stage is full; then this warp's release of the stage.
+template <int PAIRS, int STAGES>
+__device__ __forceinline__ void take_pair_groups(u32 raw, const WsBars& bar, int blk, int slot, uint4 (&w)[2],
+                                                 uint2 (&s)[2]) {
+    const int lane = threadIdx.x & 31, rs = blk % STAGES;
+    mbar_wait(bar.raw_full + 8 * rs, (blk / STAGES) & 1);
+    const u32 stage = raw + rs * PAIRS * PAIR_BLOCK_BYTES;
+#pragma unroll
+    for (int gg = 0; gg < 2; ++gg) {
+        w[gg] = lds128(stage + slot * 1024 + lane * 16 + gg * 512);
+        s[gg] = lds64(stage + PAIRS * 1024 + slot * 128 + (lane >> 2) * 8 + gg * 64);
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar.raw_empty + 8 * rs);
+}
+
+// gate_up's token rows of block blk from the token ring (natural k order, once the stage is full) into the B tile at
+// xstage in the fragment order (put_piece; THREADS threads: rows tid / 8 + THREADS / 8 q, piece tid % 8); then this
+// warp's release of the stage.
+template <int N, int THREADS>
+__device__ __forceinline__ void take_tokens(u32 xraw, u32 xstage, const WsBars& bar, int blk) {
+    constexpr int STEP = THREADS / 8;
+    const int tid = threadIdx.x, xs = blk % XR_STAGES;
+    mbar_wait(bar.xr_full + 8 * xs, (blk / XR_STAGES) & 1);
+#pragma unroll
+    for (int q = 0; q < (N + STEP - 1) / STEP; ++q) {
+        const int row = (tid >> 3) + STEP * q;
+        if (row < N) put_piece(xstage, row, tid & 7, lds128(xraw + xs * RAW_X_BYTES + row * 128 + (tid & 7) * 16));
+    }
+    __syncwarp();
+    if ((tid & 31) == 0) mbar_arrive(bar.xr_empty + 8 * xs);
 }
 
 // A producer warp (warps 4-11: block parity pw / 4, row-pair slot pw % 4) over its blocks B = 2 b + parity of the
@@ -545,20 +575,10 @@ __device__ __forceinline__ void ws_produce(int total, u32 raw, u32 a_stages, con
     const u32 row_off = (16 * slot + (lane & 7) + 8 * ((lane >> 3) & 1)) * 128;
     u32 a[16];
     for (int b = 0; b < total; ++b) {
-        const int blk = 2 * b + par, rs = blk % RAW_STAGES, stage = blk % A_STAGES;
-        mbar_wait(bar.raw_full + 8 * rs, (blk / RAW_STAGES) & 1);
+        const int blk = 2 * b + par, stage = blk % A_STAGES;
         uint4 wv[2];
         uint2 sv[2];
-        const u32 rw = raw + rs * RAW_WS_BYTES + slot * 1024 + lane * 16;
-        const u32 rsc = raw + rs * RAW_WS_BYTES + RAW_W_BYTES + slot * 128 + (lane >> 2) * 8;
-#pragma unroll
-        for (int gg = 0; gg < 2; ++gg) {
-            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                         : "=r"(wv[gg].x), "=r"(wv[gg].y), "=r"(wv[gg].z), "=r"(wv[gg].w) : "r"(rw + gg * 512));
-            asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(sv[gg].x), "=r"(sv[gg].y) : "r"(rsc + gg * 64));
-        }
-        __syncwarp();
-        if (lane == 0) mbar_arrive(bar.raw_empty + 8 * rs);
+        take_pair_groups<RB, RAW_STAGES>(raw, bar, blk, slot, wv, sv);
         mbar_wait(bar.empty + 8 * stage, ((blk / A_STAGES) & 1) ^ 1);
         const u32 tile = a_stages + stage * A_STAGE_BYTES + row_off;
 #pragma unroll
@@ -606,10 +626,9 @@ __device__ __forceinline__ void ws_feed(const uint4* w, const uint2* sc, const u
     const int warp = threadIdx.x >> 5;
     if (warp == 4 + WS_PRODUCERS)
         ws_load_weights<RB, RAW_STAGES>(w, sc, s_ent, n_pairs, n_groups, first, last, raw, bar);
-    else if (warp == 5 + WS_PRODUCERS)
-        if (X) ws_load_tokens<RB>(x, lists, s_ent, s_cnt, t, top_k, c_real, n_pairs, n_groups, first, last, xraw, bar);
-        else return;
-    else
+    else if (warp == 5 + WS_PRODUCERS && X)
+        ws_load_tokens<RB>(x, lists, s_ent, s_cnt, t, top_k, c_real, n_pairs, n_groups, first, last, xraw, bar);
+    else if (warp < 4 + WS_PRODUCERS)
         ws_produce((last - first) * (n_groups / 4), raw, a_stages, bar);
 }
 
@@ -653,24 +672,11 @@ template <int N>
 __device__ __forceinline__ void ws_consume_item(u16* __restrict__ h, const int* s_slot, u16* s_h, u32 xstages,
                                                 u32 xraw, u32 a_stages, const WsBars& bar, int n_e, int rb,
                                                 int inter, int blocks, int& blk) {
-    const int tid = threadIdx.x, v = tid & 7;
     float gacc[32], uacc[32];
     zero(gacc);
     zero(uacc);
     for (int c = 0; c < blocks; ++c, ++blk) {
-        const int xs = blk % XR_STAGES;
-        mbar_wait(bar.xr_full + 8 * xs, (blk / XR_STAGES) & 1);
-        const u32 src = xraw + xs * RAW_X_BYTES;
-#pragma unroll
-        for (int q = 0; q < N / 16; ++q) {
-            const int row = (tid >> 3) + 16 * q;
-            uint4 piece;
-            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                         : "=r"(piece.x), "=r"(piece.y), "=r"(piece.z), "=r"(piece.w) : "r"(src + row * 128 + v * 16));
-            put_piece(xstages + (c % X_STAGES) * BLOCK_BYTES, row, v, piece);
-        }
-        __syncwarp();
-        if ((tid & 31) == 0) mbar_arrive(bar.xr_empty + 8 * xs);
+        take_tokens<N, WG>(xraw, xstages + (c % X_STAGES) * BLOCK_BYTES, bar, blk);
         fence_async_smem();
         wg_sync<1>();
         ws_block<N>(gacc, uacc, a_stages, xstages + (c % X_STAGES) * BLOCK_BYTES, bar.full, bar.empty, blk, c > 0);
@@ -928,7 +934,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) kdtree_moe_ws_down(
 // ---------------------------------------------------------------------------------------------------------
 #define WR_PAIRS 8
 #define WR_STAGES 8                        // the weights ring: 8 pairs' words (8 KB) and scales (1 KB) a stage
-#define WR_STAGE_BYTES (WR_PAIRS * 1152)
+#define WR_STAGE_BYTES (WR_PAIRS * PAIR_BLOCK_BYTES)
 #define WR_THREADS (2 * WG + 64)
 
 __device__ __forceinline__ void wr_sync() { asm volatile("bar.sync 3, 256;\n" ::: "memory"); }  // both warpgroups
@@ -937,39 +943,18 @@ template <int N, int J>
 __device__ __forceinline__ void wr_gate_up_item(u16* __restrict__ h, const int* s_slot, u16* s_h, u32 xstages,
                                                 u32 xraw, u32 raw, const WsBars& bar, int n_e, int rb, int inter,
                                                 int blocks, int& blk) {
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, v = tid & 7;
     float gacc[32], uacc[32];
     zero(gacc);
     zero(uacc);
     u32 a[2][16];
     for (int c = 0; c < blocks; ++c, ++blk) {
-        const int xs = blk % XR_STAGES, rs = blk % WR_STAGES;
         const u32 xstage = xstages + (c % X_STAGES) * BLOCK_BYTES;  // read last by block c - 3's MMAs: done
-        mbar_wait(bar.xr_full + 8 * xs, (blk / XR_STAGES) & 1);
-        for (int row = tid >> 3; row < N; row += 32) {
-            uint4 piece;
-            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                         : "=r"(piece.x), "=r"(piece.y), "=r"(piece.z), "=r"(piece.w)
-                         : "r"(xraw + xs * RAW_X_BYTES + row * 128 + v * 16));
-            put_piece(xstage, row, v, piece);
-        }
-        __syncwarp();
-        if (lane == 0) mbar_arrive(bar.xr_empty + 8 * xs);
+        take_tokens<N, 2 * WG>(xraw, xstage, bar, blk);
         fence_async_smem();
         wr_sync();
-        mbar_wait(bar.raw_full + 8 * rs, (blk / WR_STAGES) & 1);
         uint4 wv[2];
         uint2 sv[2];
-        const u32 rw = raw + rs * WR_STAGE_BYTES + warp * 1024 + lane * 16;
-        const u32 rsc = raw + rs * WR_STAGE_BYTES + WR_PAIRS * 1024 + warp * 128 + (lane >> 2) * 8;
-#pragma unroll
-        for (int gg = 0; gg < 2; ++gg) {
-            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                         : "=r"(wv[gg].x), "=r"(wv[gg].y), "=r"(wv[gg].z), "=r"(wv[gg].w) : "r"(rw + gg * 512));
-            asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(sv[gg].x), "=r"(sv[gg].y) : "r"(rsc + gg * 64));
-        }
-        __syncwarp();
-        if (lane == 0) mbar_arrive(bar.raw_empty + 8 * rs);
+        take_pair_groups<WR_PAIRS, WR_STAGES>(raw, bar, blk, threadIdx.x >> 5, wv, sv);
 #pragma unroll
         for (int gg = 0; gg < 2; ++gg) {
             group_a(a[gg], wv[gg], sv[gg]);

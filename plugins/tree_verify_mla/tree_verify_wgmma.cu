@@ -35,7 +35,8 @@
 
 #define KDTREE_ARCH_FEATURES  // plugins/common/cubin.py: compiled for sm_90a where the arch is sm_90 (wgmma)
 
-#include "../common/cuda/hopper.cuh"  // smem_u32, pdl_*, mbar_*, fence_async_smem, smem_desc, wgmma_*, ld_cg_s32
+#include "../common/cuda/hopper.cuh"  // smem_u32, pdl_*, mbar_*, cp_async16, fence_async_smem, smem_desc,
+                                       // wgmma_*, ld_cg_s32
 
 typedef unsigned short u16;
 
@@ -56,12 +57,7 @@ static_assert(SMEM_BYTES == SMEM_BAR + 16, "SMEM_BYTES is the end of the shared-
 #define THREADS 256
 #define NEG_INF (-__int_as_float(0x7f800000))
 
-// 16 bytes global -> shared, zero-filled past src_bytes (0 or 16); .cg: through L2 only (the key tile is read by the
-// CTAs of the other m-blocks from L2).
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-
+// (cp_async16, hopper.cuh: .cg, through L2 only: the key tile is read by the CTAs of the other m-blocks from L2)
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }

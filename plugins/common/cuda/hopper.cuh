@@ -72,6 +72,24 @@ __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u
 #endif
 }
 
+// 16 bytes global -> shared, zero-filled past src_bytes (0 or 16); .cg: through L2 only
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+// 16 / 8 bytes of shared memory at a shared-space address
+__device__ __forceinline__ uint4 lds128(u32 addr) {
+    uint4 r;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr));
+    return r;
+}
+
+__device__ __forceinline__ uint2 lds64(u32 addr) {
+    uint2 r;
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(r.x), "=r"(r.y) : "r"(addr));
+    return r;
+}
+
 __device__ __forceinline__ void mbar_arrive(u32 bar) {  // this thread arrives (no transaction bytes)
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
