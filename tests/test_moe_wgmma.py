@@ -89,6 +89,30 @@ def test_b_tiles_meet_the_fragment_layout(gate_up):
             assert torch.allclose(got[m], dense[rows[m]] @ x.T, rtol=1e-12, atol=1e-9), (p, m)
 
 
+def test_gathered_rows_in_tma_boxes_are_the_b_tiles():
+    """The xt form: kdtree_moe_wg_gather_x writes word `lane` of a row's 64-k block to word fragment_word(lane) of
+    xg's row, and the TMA box's 128-byte swizzle puts 16-byte chunk c of box row r at chunk c ^ (r % 8): the B
+    tile is then what put_piece stores, for every row phase and piece."""
+    fragment_word = lambda lane: 16 * (lane >> 4) + 4 * (lane & 3) + ((lane >> 2) & 3)  # noqa: E731 (the .cu's)
+    assert sorted(fragment_word(w) for w in range(32)) == list(range(32))
+    assert sorted(fragment_word(w) for w in range(16)) == list(range(16))  # an odd c_real's half block stays in it
+    rows = 16
+    x = torch.randn(rows, 64, dtype=torch.float64)
+    want = torch.zeros(rows * 64, dtype=torch.float64)
+    for r in range(rows):
+        for v in range(8):
+            _put_piece(want, 0, r, v, x[r, 8 * v: 8 * v + 8])
+    got = torch.zeros(rows * 64, dtype=torch.float64)
+    for r in range(rows):
+        xg = torch.zeros(64, dtype=torch.float64)  # the gathered row's block, two values a word
+        for lane in range(32):
+            xg[2 * fragment_word(lane): 2 * fragment_word(lane) + 2] = x[r, 2 * lane: 2 * lane + 2]
+        for c in range(8):  # the box row as TMA stores it
+            dst = (r * 128 + ((c ^ (r & 7)) << 4)) // 2
+            got[dst: dst + 8] = xg[8 * c: 8 * c + 8]
+    assert torch.equal(got, want)
+
+
 def _stmatrix_a(smem: torch.Tensor, tile: int, slot: int, a: torch.Tensor, group: int, step: int) -> None:
     """moe_wgmma.cu's ws_produce on the float64 model: stmatrix .x4 of a warp's four A registers of (tile, k step)
     (a [16 rows, 16 k], the registers as _a_operand reads them: register r of lane (g, u) holds row g + 8 (r % 2), k
@@ -172,6 +196,7 @@ def test_shared_memory_fits_two_ctas_an_sm():
     assert launch_wgmma.ws_gate_up_smem(4096, 8, 384) <= 227 * 1024  # the warp-specialised kernels: one CTA an SM
     assert launch_wgmma.ws_down_smem(4096, 8, 384, 16) <= 227 * 1024
     assert launch_wgmma.wr_gate_up_smem(4096, 8, 384) <= 227 * 1024
+    assert 2 * (launch_wgmma.xt_gate_up_smem(4096, 8, 384) + 1024) <= 228 * 1024
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
@@ -182,7 +207,7 @@ def test_source_compiles_with_both_kernels(tmp_path):
     from plugins.common.cubin import _nvcc, compile_arch, source_text
     src = launch_wgmma.SOURCE
     names = (b"kdtree_moe_wg_gate_up", b"kdtree_moe_wg_down", b"kdtree_moe_ws_gate_up", b"kdtree_moe_ws_down",
-             b"kdtree_moe_wr_gate_up")
+             b"kdtree_moe_wr_gate_up", b"kdtree_moe_xt_gate_up", b"kdtree_moe_wg_gather_x")
     for arch in ("sm_90", "sm_120"):
         data = _nvcc(source_text(src), src.name, arch)
         assert data[:4] == b"\x7fELF" and all(n in data for n in names), arch
@@ -202,6 +227,7 @@ def test_source_compiles_with_both_kernels(tmp_path):
     assert sorted(bodies) == sorted(n.decode() for n in names)
     for name, b in bodies.items():
         assert b.find("griddepcontrol.wait") < b.find("ld.global"), name
-        assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in b, name
+        assert name == "kdtree_moe_wg_gather_x" or "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in b, name
+    assert "fence.proxy.async" not in bodies["kdtree_moe_xt_gate_up"]  # its B tiles come by TMA only
     assert "ld.global.cg.v4.u32" in bodies["kdtree_moe_wg_down"]
     assert "ld.global.nc.v4.u32" not in bodies["kdtree_moe_wg_down"]

@@ -168,7 +168,7 @@ class _Module:
     cu: object
     funcs: Functions  # the loaded cubin's kernels
     index: int  # the CUDA device's
-    pdl: bool = False  # ask for programmatic dependent launch (sm_90+; plugins/common/driver.launch remembers a refusal)
+    pdl: bool = False  # ask for programmatic dependent launch (sm_90+; driver.launch remembers a refusal)
 
 
 _MODULES: dict[int, _Module] = {}
@@ -292,7 +292,7 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
     launch_route(logits, bias, ws.topk_idx, ws.topk_w, ws.counts, ws.active, ws.lists, e_start, e_local,
                  scaling, top_k, n_group, topk_group, norm_topk_prob, shared_gate_up, shared_h, active_list=False)
     if wgmma:  # many tokens an expert: moe_wgmma.cu's two GEMMs (launch_wgmma.py), the same h and out
-        launch_wgmma.gate_up(w13, w13_scale, x, ws.counts, ws.lists, ws.h, t, top_k, e_local, i)
+        launch_wgmma.gate_up(w13, w13_scale, x, ws.counts, ws.lists, ws.h, t, top_k, e_local, i, ws.out)
         launch_wgmma.down(w2, w2_scale, ws.h, ws.topk_w, ws.counts, ws.lists, ws.out, t, top_k, e_local, i)
     else:
         sms = device_facts(x.device).sms

@@ -9,7 +9,8 @@ of whole 4-pair row blocks, k groups in fours and i <= 512 (an entry's whole h t
 Off by default (ENABLED): measured slower than v3's kernels below t = 512 (NOTES.md); KDTREE_MOE_WGMMA=1 takes it
 from MIN_TOKENS tokens.  Two more forms, measured slower than the register-A kernels and off (WS, WR; NOTES.md "The
 warp-specialised expert GEMMs"): both GEMMs on producer / consumer warpgroups with loader warps, and gate_up on
-register A fed by those loader warps.
+register A fed by those loader warps.  A fourth (XT, off until measured): gate_up's tokens gathered once into the
+workspace and brought to its B tiles by TMA.
 """
 
 from __future__ import annotations
@@ -53,6 +54,12 @@ WS = env_flag("KDTREE_MOE_WS", False)
 WR = env_flag("KDTREE_MOE_WR", False)
 WR_THREADS = 320  # two consumer warpgroups and the two loader warps (the .cu's WR_THREADS)
 WR_PAIRS, WR_STAGES = 8, 8  # row pairs an item; the weights ring's stages of 8 pairs' words and scales
+# gate_up's tokens by TMA from a gathered copy (kdtree_moe_wg_gather_x into the workspace's `out`, then
+# kdtree_moe_xt_gate_up: no generic stores to its B tiles, so no proxy fence and no CTA barrier a 64-k block) where
+# KDTREE_MOE_XT=1; off until measured (NOTES.md "gate_up's tokens by TMA")
+XT = env_flag("KDTREE_MOE_XT", False)
+XT_STAGES = 4  # the xt gate_up's token blocks (the .cu's XT_STAGES)
+GATHER_THREADS = 256  # kdtree_moe_wg_gather_x (the .cu's GATHER_THREADS: a warp a row)
 # Off (KDTREE_MOE_WGMMA=1 turns it on): slower than v3's mma.sync kernels below t = 512 and 2-5 % faster at 512
 # (H100, 2026-12-07: results/moe_w4a16_v3-h100.json, NOTES.md "The expert GEMMs on wgmma ...")
 ENABLED = env_flag("KDTREE_MOE_WGMMA", False)
@@ -108,6 +115,13 @@ def gate_up_smem(t: int, top_k: int, e_local: int) -> int:
     return 1024 + X_STAGES * BLOCK_BYTES + TILE * 64 * 2 + (TILE + 4 + e_local + max_entries(t, top_k, e_local)) * 4
 
 
+def xt_gate_up_smem(t: int, top_k: int, e_local: int) -> int:
+    """alignment slack, XT_STAGES token blocks, h staged [64][64] bf16, the mbarriers, slots, the scan words, the
+    counts, the experts' first rows, the entry list."""
+    return (1024 + XT_STAGES * BLOCK_BYTES + TILE * 64 * 2 + XT_STAGES * 8
+            + (TILE + 4 + 2 * e_local + 1 + max_entries(t, top_k, e_local)) * 4)
+
+
 def ws_gate_up_smem(t: int, top_k: int, e_local: int) -> int:
     """alignment slack, A_STAGES A blocks (gate and up tiles), X_STAGES token blocks, the raw rings, h
     staged [64][64] bf16, the mbarriers, slots, the 14 warps' scan words, the entry list."""
@@ -147,16 +161,19 @@ def _launch(dev: torch.device, name: str, items: int, smem: int, args: tuple, ty
 
 
 def gate_up(w13: torch.Tensor, w13_scale: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, lists: torch.Tensor,
-            h: torch.Tensor, t: int, top_k: int, e_local: int, i: int) -> None:
+            h: torch.Tensor, t: int, top_k: int, e_local: int, i: int, xg: torch.Tensor | None = None) -> None:
     """h [t * top_k, i] = silu(gate) * up of each routed slot (applies() said yes).  w13 [e_l, 2i/32, kp_d/32, 32, 4],
-    x [t, d] bf16, counts / lists the route kernel's."""
+    x [t, d] bf16, counts / lists the route kernel's; xg [>= t * top_k, d] bf16 scratch for the XT form (the
+    workspace's `out`, free until down)."""
     pairs13, groups13 = w13.shape[1:3]
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     args = (w13.data_ptr(), w13_scale.data_ptr(), x.data_ptr(), counts.data_ptr(), lists.data_ptr(), h.data_ptr(),
             t, top_k, e_local, x.shape[1] // 32, groups13, pairs13, i)
     types = (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32)
     items = max_entries(t, top_k, e_local) * (pairs13 // RB)
-    if WR and pairs13 % WR_PAIRS == 0:
+    if XT and xg is not None:
+        _gate_up_xt(w13, w13_scale, x, counts, lists, h, xg[:t * top_k], args, types, items)
+    elif WR and pairs13 % WR_PAIRS == 0:
         _launch(x.device, "kdtree_moe_wr_gate_up", items // 2, wr_gate_up_smem(t, top_k, e_local), args, types,
                 WR_THREADS, 1)
     elif WS:
@@ -164,6 +181,21 @@ def gate_up(w13: torch.Tensor, w13_scale: torch.Tensor, x: torch.Tensor, counts:
                 WS_THREADS, 1)
     else:
         _launch(x.device, "kdtree_moe_wg_gate_up", items, gate_up_smem(t, top_k, e_local), args, types)
+
+
+def _gate_up_xt(w13, w13_scale, x, counts, lists, h, xg, args, types, items) -> None:
+    """The XT form: the routed token rows gathered into xg in the fragment order, then gate_up on them by TMA."""
+    from plugins.common.tensor_maps import bf16_tensor_map
+    t, top_k, e_local, c_real = args[6:10]
+    d = x.shape[1]
+    ptr, i32 = ctypes.c_void_p, ctypes.c_int
+    _launch(x.device, "kdtree_moe_wg_gather_x", cdiv(t * top_k, GATHER_THREADS // 32), 4 * (e_local + 1),
+            (x.data_ptr(), counts.data_ptr(), lists.data_ptr(), xg.data_ptr(), t, top_k, e_local, c_real),
+            (ptr, ptr, ptr, ptr, i32, i32, i32, i32), GATHER_THREADS, 4)
+    xg_map = bf16_tensor_map(_KERNELS[x.device].cu, xg, (d, xg.shape[0]), (xg.stride(0) * 2,), (64, TILE),
+                             "moe_w4a16 xt tokens")
+    _launch(x.device, "kdtree_moe_xt_gate_up", items, xt_gate_up_smem(t, top_k, e_local),
+            args[:2] + (xg_map,) + args[3:], types[:2] + (None,) + types[3:])
 
 
 def down(w2: torch.Tensor, w2_scale: torch.Tensor, h: torch.Tensor, topk_w: torch.Tensor, counts: torch.Tensor,

@@ -20,7 +20,7 @@
 
 #define KDTREE_ARCH_FEATURES  // plugins/common/cubin.py: compiled for sm_90a where the arch is sm_90 (wgmma)
 
-#include "../common/cuda/hopper.cuh"  // smem_u32, pdl_*, mbar_*, smem_desc, wgmma_fence / commit / wait_all
+#include "../common/cuda/hopper.cuh"  // smem_u32, pdl_*, mbar_*, TensorMap, tma_2d, smem_desc, wgmma_*
 
 typedef unsigned short u16;
 
@@ -28,17 +28,6 @@ typedef unsigned short u16;
 #define BK 64  // k columns a box (128 bytes of bf16: one swizzle row)
 #define BOX_W_BYTES (BM * BK * 2)  // 8 KB a weight box
 #define THREADS 128  // one warpgroup
-
-struct __align__(64) TensorMap {  // a CUtensorMap (skinny_wgmma_launch.py), passed by value
-    u64 bytes[16];
-};
-
-// A box (k column c0, row c1) of the 2-d tensor behind `map` into shared memory at dst, completing on bar.
-__device__ __forceinline__ void tma_2d(u32 dst, const TensorMap* map, int c0, int c1, u32 bar) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
-        ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar) : "memory");
-}
 
 // D [64 x NT] += A [64 x 16] . B [NT x 16]^T, fp32 accumulators: NT / 2 a thread.
 template <int NT>

@@ -137,12 +137,8 @@ __device__ __forceinline__ u32 tile_offset(int tid) {
     return r * 128 + ((c8 ^ (r & 7)) << 4);
 }
 
-// The tensor map of a [b, rows, 576] bf16 tensor (wgmma_launch.py: cuTensorMapEncodeTiled, boxes of 64 columns x 64
-// rows, 128-byte swizzle, rows past the tensor's end read as zeros): 128 opaque bytes passed by value.
-struct __align__(64) TensorMap {
-    u64 bytes[16];
-};
-
+// The latent cache and the tree rows come by TensorMap (hopper.cuh): a [b, rows, 576] bf16 tensor (wgmma_launch.py:
+// boxes of 64 columns x 64 rows, 128-byte swizzle, rows past the tensor's end read as zeros).
 // One 64 x 64 box (columns c0.., rows c1.., request c2) of the tensor behind `map` into shared memory at dst (1024-byte
 // aligned: the swizzle is the one wgmma reads), completing `bytes` on the mbarrier at bar.
 __device__ __forceinline__ void tma_box(u32 dst, const TensorMap* map, int c0, int c1, int c2, u32 bar) {

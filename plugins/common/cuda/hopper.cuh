@@ -55,6 +55,19 @@ __device__ __forceinline__ void l2_prefetch(const void* p, u32 bytes) {
 #endif
 }
 
+// A CUtensorMap (plugins/common/tensor_maps.py: cuTensorMapEncodeTiled), passed to a kernel by value
+// (__grid_constant__): 128 opaque bytes.
+struct __align__(64) TensorMap {
+    u64 bytes[16];
+};
+
+// A box (column c0, row c1) of the 2-d tensor behind `map` into shared memory at dst, completing on the mbarrier at bar
+__device__ __forceinline__ void tma_2d(u32 dst, const TensorMap* map, int c0, int c1, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+        ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar) : "memory");
+}
+
 __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
