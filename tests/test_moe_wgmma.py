@@ -2,8 +2,9 @@
 B tiles are written (put_piece: a 16-byte piece of a token row, its four words to the fragment layout's k steps,
 128-byte swizzle) and read (wgmma's K-major B at the k step's 32-byte offset), against the weights' A registers as
 tests/test_moe_v3_layout.py models them: if the layout, put_piece and the descriptors' offsets disagree, the model's
-product differs from the dense one.  Also: the source compiles for sm_90 (as sm_90a) and sm_120 with both kernels,
-waits for its predecessor before any global load, reads h through L2; the launcher's shape rule and shared memory."""
+product differs from the dense one; the xt form's gathered rows land in TMA's swizzle as put_piece's tile.  Also: the
+source compiles for sm_90 (as sm_90a) and sm_120 with every kernel, waits for its predecessor before any global load,
+reads h through L2; the launcher's shape rule and shared memory."""
 
 from __future__ import annotations
 
@@ -113,59 +114,6 @@ def test_gathered_rows_in_tma_boxes_are_the_b_tiles():
     assert torch.equal(got, want)
 
 
-def _stmatrix_a(smem: torch.Tensor, tile: int, slot: int, a: torch.Tensor, group: int, step: int) -> None:
-    """moe_wgmma.cu's ws_produce on the float64 model: stmatrix .x4 of a warp's four A registers of (tile, k step)
-    (a [16 rows, 16 k], the registers as _a_operand reads them: register r of lane (g, u) holds row g + 8 (r % 2), k
-    8 (r // 2) + 2u + (0, 1)).  Matrix r's row j is register r of lanes 4j .. 4j + 3, written to the address lane
-    8 r + j gives: row 16 slot + (lane & 7) + 8 ((lane >> 3) & 1), chunk (4 group + 2 step + (lane >> 4)) ^ (row & 7).
-    """
-    for r in range(4):
-        for j in range(8):
-            lane = 8 * r + j
-            row = 16 * slot + (lane & 7) + 8 * ((lane >> 3) & 1)
-            byte = tile + row * 128 + (((4 * group + 2 * step + (lane >> 4)) ^ (row & 7)) << 4)
-            for q in range(4):  # lane 4j + q's two values: row j + 8 (r % 2), k 8 (r // 2) + 2q
-                for h in range(2):
-                    smem[byte // 2 + 2 * q + h] = a[j + 8 * (r % 2), 8 * (r // 2) + 2 * q + h]
-
-
-@pytest.mark.parametrize("gate_up", [True, False])
-def test_ws_a_tiles_meet_the_fragment_layout(gate_up):
-    """The warp-specialised kernels: 4 producer warps' stmatrix of their row pairs' A registers into a block's two
-    tiles (64 rows x 64 k, 128-byte swizzle), read back as wgmma's K-major A at the k step's 32-byte offset, times
-    the B tiles put_piece wrote, equal the dense product over a 128-k row (two blocks): for gate_up the item's 64 gate
-    and 64 up rows, for down rows 32 p .. 32 p + 15 (tile 0) and 32 p + 16 .. (tile 1) of its 4 pairs p."""
-    n, k, tokens = 128, 128, 24  # 4 row pairs: one item
-    q, s = _draw(1, n, k, 21 + gate_up)
-    packed, scale = to_fragments(q, s, gate_up)
-    x = torch.randn(tokens, k, dtype=torch.float64)
-    b_smem = torch.zeros(2 * 64 * 64, dtype=torch.float64)
-    for blk in range(k // 64):
-        for r in range(tokens):
-            for v in range(8):
-                _put_piece(b_smem, blk * 8192, r, v, x[r, 64 * blk + 8 * v: 64 * blk + 8 * v + 8])
-    got = torch.zeros(2, 64, tokens, dtype=torch.float64)  # gate rows, up rows
-    for blk in range(k // 64):
-        a_smem = torch.zeros(2 * 64 * 64, dtype=torch.float64)  # the stage: gate tile, up tile
-        for w in range(4):
-            for gg in range(2):
-                for m in range(2):
-                    for st in range(2):
-                        _stmatrix_a(a_smem, m * 8192, w, _a_operand(packed[0, w, 2 * blk + gg],
-                                                                    scale[0, w, 2 * blk + gg], m, st), gg, st)
-        for m in range(2):
-            for sk in range(4):  # the k step's descriptor: tile + 32 sk, rows as wgmma's M
-                a = _b_operand(a_smem, m * 8192, sk // 2, sk % 2, 64).T  # [64 rows, 16 k]
-                got[m] += a @ _b_operand(b_smem, blk * 8192, sk // 2, sk % 2, tokens)
-    dense = (q.double().unflatten(-1, (-1, 32)) * s.double().unsqueeze(-1)).flatten(-2)[0]  # [n, k]
-    if gate_up:
-        rows = [torch.arange(64), torch.arange(64, 128)]
-    else:
-        rows = [torch.cat([torch.arange(32 * p + 16 * m, 32 * p + 16 * m + 16) for p in range(4)]) for m in range(2)]
-    for m in range(2):
-        assert torch.allclose(got[m], dense[rows[m]] @ x.T, rtol=1e-12, atol=1e-9), m
-
-
 def test_shapes_the_kernels_take():
     """Whole blocks of 4 row pairs, k groups in fours, i's groups within the h tile (i <= 512): the K2.6 TP8 rank
     (pairs 16 / 224, groups 224 / 8) fits; EP8's whole experts (i = 2048) and the tiny models' odd pairs do not."""
@@ -193,9 +141,6 @@ def test_shared_memory_fits_two_ctas_an_sm():
         assert 2 * (launch_wgmma.gate_up_smem(t, 8, 384) + 1024) <= 228 * 1024, t
         assert 2 * (launch_wgmma.down_smem(t, 8, 384, 8) + 1024) <= 228 * 1024, t
     assert launch_wgmma.down_smem(4096, 8, 384, 16) <= 227 * 1024  # i = 512: one CTA an SM at least
-    assert launch_wgmma.ws_gate_up_smem(4096, 8, 384) <= 227 * 1024  # the warp-specialised kernels: one CTA an SM
-    assert launch_wgmma.ws_down_smem(4096, 8, 384, 16) <= 227 * 1024
-    assert launch_wgmma.wr_gate_up_smem(4096, 8, 384) <= 227 * 1024
     assert 2 * (launch_wgmma.xt_gate_up_smem(4096, 8, 384) + 1024) <= 228 * 1024
 
 
@@ -206,8 +151,7 @@ def test_source_compiles_with_both_kernels(tmp_path):
     each kernel waits for its predecessor grid before any global load, and down's h loads go through L2 (.cg)."""
     from plugins.common.cubin import _nvcc, compile_arch, source_text
     src = launch_wgmma.SOURCE
-    names = (b"kdtree_moe_wg_gate_up", b"kdtree_moe_wg_down", b"kdtree_moe_ws_gate_up", b"kdtree_moe_ws_down",
-             b"kdtree_moe_wr_gate_up", b"kdtree_moe_xt_gate_up", b"kdtree_moe_wg_gather_x")
+    names = (b"kdtree_moe_wg_gate_up", b"kdtree_moe_wg_down", b"kdtree_moe_xt_gate_up", b"kdtree_moe_wg_gather_x")
     for arch in ("sm_90", "sm_120"):
         data = _nvcc(source_text(src), src.name, arch)
         assert data[:4] == b"\x7fELF" and all(n in data for n in names), arch

@@ -35,13 +35,10 @@ def _hopper_only():
         pytest.skip("moe_wgmma.cu needs sm_90 (wgmma)")
 
 
-@pytest.fixture(params=["rs", "ws", "wr", "xt"])
+@pytest.fixture(params=["rs", "xt"])
 def kernel_form(request, monkeypatch) -> str:
-    """the expert GEMMs on the register-A kernels (rs), the warp-specialised ones (ws: launch_wgmma.WS), gate_up
-    on register A fed by loader warps (wr: launch_wgmma.WR, where the pairs come in eights; else rs), or gate_up's
-    tokens gathered and brought by TMA (xt: launch_wgmma.XT)"""
-    monkeypatch.setattr(launch_wgmma, "WS", request.param == "ws")
-    monkeypatch.setattr(launch_wgmma, "WR", request.param == "wr")
+    """the expert GEMMs on the register-A kernels (rs), or with gate_up's tokens gathered and brought by TMA (xt:
+    launch_wgmma.XT)"""
     monkeypatch.setattr(launch_wgmma, "XT", request.param == "xt")
     return request.param
 

@@ -7,10 +7,9 @@ here once per up to 64 (wgmma N = 16, 32 or 64, weights as A from registers).  s
 of whole 4-pair row blocks, k groups in fours and i <= 512 (an entry's whole h tile in shared memory).
 
 Off by default (ENABLED): measured slower than v3's kernels below t = 512 (NOTES.md); KDTREE_MOE_WGMMA=1 takes it
-from MIN_TOKENS tokens.  Two more forms, measured slower than the register-A kernels and off (WS, WR; NOTES.md "The
-warp-specialised expert GEMMs"): both GEMMs on producer / consumer warpgroups with loader warps, and gate_up on
-register A fed by those loader warps.  A fourth (XT, off until measured): gate_up's tokens gathered once into the
-workspace and brought to its B tiles by TMA.
+from MIN_TOKENS tokens.  A second form of gate_up (XT, off until measured): its tokens gathered once into the
+workspace and brought to its B tiles by TMA.  (The warp-specialised forms, measured slower, are gone: NOTES.md "The
+warp-specialised expert GEMMs".)
 """
 
 from __future__ import annotations
@@ -38,22 +37,6 @@ X_STAGES = 3  # gate_up's 64-k token blocks in shared memory
 BLOCK_BYTES = TILE * 128  # one 64-row x 64-k bf16 block
 H_BLOCKS_MAX = 8  # down's h tile: kp_i / 64 blocks at most (i <= 512)
 CTAS_PER_SM = 2  # __launch_bounds__(128, 2)
-WS_THREADS = 448  # the warp-specialised kernels: a consumer warpgroup, two dequantising ones, two loader warps
-A_STAGES = 4  # their dequantised A blocks in shared memory, 2 tiles x 64 rows x 64 k bf16 each
-RAW_STAGES = 16  # their raw weight ring: a block's 4 row pairs' words (4 KB) and scales (512 B) each
-RAW_WS_BYTES = RB * 2 * (512 + 64)
-XR_STAGES = 4  # gate_up's token ring: a block's token rows (64 rows x 64 k bf16) each
-RAW_X_BYTES = TILE * 128
-WS_BARS = 2 * (A_STAGES + RAW_STAGES + XR_STAGES)  # mbarriers of 8 bytes
-# Both GEMMs on the warp-specialised kernels (kdtree_moe_ws_*: producer warps dequantise into shared memory, the
-# consumer warpgroup's wgmmas read A from there) where KDTREE_MOE_WS=1; else the register-A kernels.  Off: 1.6x slower
-# at t = 512 on the H100 (NOTES.md "The warp-specialised expert GEMMs")
-WS = env_flag("KDTREE_MOE_WS", False)
-# gate_up on register-A wgmma fed by the ws kernels' loader warps (kdtree_moe_wr_gate_up: two warpgroups on 8 row
-# pairs an item) where KDTREE_MOE_WR=1 and the pairs come in eights; measured once (NOTES.md), off
-WR = env_flag("KDTREE_MOE_WR", False)
-WR_THREADS = 320  # two consumer warpgroups and the two loader warps (the .cu's WR_THREADS)
-WR_PAIRS, WR_STAGES = 8, 8  # row pairs an item; the weights ring's stages of 8 pairs' words and scales
 # gate_up's tokens by TMA from a gathered copy (kdtree_moe_wg_gather_x into the workspace's `out`, then
 # kdtree_moe_xt_gate_up: no generic stores to its B tiles, so no proxy fence and no CTA barrier a 64-k block) where
 # KDTREE_MOE_XT=1; off until measured (NOTES.md "gate_up's tokens by TMA")
@@ -122,29 +105,6 @@ def xt_gate_up_smem(t: int, top_k: int, e_local: int) -> int:
             + (TILE + 4 + 2 * e_local + 1 + max_entries(t, top_k, e_local)) * 4)
 
 
-def ws_gate_up_smem(t: int, top_k: int, e_local: int) -> int:
-    """alignment slack, A_STAGES A blocks (gate and up tiles), X_STAGES token blocks, the raw rings, h
-    staged [64][64] bf16, the mbarriers, slots, the 14 warps' scan words, the entry list."""
-    return (1024 + A_STAGES * 2 * BLOCK_BYTES + X_STAGES * BLOCK_BYTES + RAW_STAGES * RAW_WS_BYTES
-            + XR_STAGES * RAW_X_BYTES + TILE * 64 * 2 + WS_BARS * 8
-            + (TILE + WS_THREADS // 32 + e_local + max_entries(t, top_k, e_local)) * 4)
-
-
-def wr_gate_up_smem(t: int, top_k: int, e_local: int) -> int:
-    """alignment slack, X_STAGES token blocks, the weights ring, the token ring, h staged [2][64][64] bf16, the
-    mbarriers, slots, the 10 warps' scan words, the entry list."""
-    return (1024 + X_STAGES * BLOCK_BYTES + WR_STAGES * WR_PAIRS * 1152 + XR_STAGES * RAW_X_BYTES + 2 * TILE * 64 * 2
-            + WS_BARS * 8 + (TILE + WR_THREADS // 32 + e_local + max_entries(t, top_k, e_local)) * 4)
-
-
-def ws_down_smem(t: int, top_k: int, e_local: int, groups2: int) -> int:
-    """alignment slack, A_STAGES A blocks, the h tile, the raw ring, out staged [64][128] bf16, the mbarriers,
-    slots and weights, the 14 warps' scan words, the entry list."""
-    return (1024 + A_STAGES * 2 * BLOCK_BYTES + groups2 // 2 * BLOCK_BYTES + RAW_STAGES * RAW_WS_BYTES
-            + TILE * 128 * 2 + WS_BARS * 8
-            + (2 * TILE + WS_THREADS // 32 + e_local + max_entries(t, top_k, e_local)) * 4)
-
-
 def down_smem(t: int, top_k: int, e_local: int, groups2: int) -> int:
     """alignment slack, the h tile (groups2 / 2 blocks), out staged [64][128] bf16, slots and weights, entries."""
     return (1024 + groups2 // 2 * BLOCK_BYTES + TILE * 128 * 2
@@ -173,12 +133,6 @@ def gate_up(w13: torch.Tensor, w13_scale: torch.Tensor, x: torch.Tensor, counts:
     items = max_entries(t, top_k, e_local) * (pairs13 // RB)
     if XT and xg is not None:
         _gate_up_xt(w13, w13_scale, x, counts, lists, h, xg[:t * top_k], args, types, items)
-    elif WR and pairs13 % WR_PAIRS == 0:
-        _launch(x.device, "kdtree_moe_wr_gate_up", items // 2, wr_gate_up_smem(t, top_k, e_local), args, types,
-                WR_THREADS, 1)
-    elif WS:
-        _launch(x.device, "kdtree_moe_ws_gate_up", items, ws_gate_up_smem(t, top_k, e_local), args, types,
-                WS_THREADS, 1)
     else:
         _launch(x.device, "kdtree_moe_wg_gate_up", items, gate_up_smem(t, top_k, e_local), args, types)
 
@@ -207,8 +161,4 @@ def down(w2: torch.Tensor, w2_scale: torch.Tensor, h: torch.Tensor, topk_w: torc
             out.data_ptr(), t, e_local, i // 32, groups2, pairs2, out.shape[1])
     types = (ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32)
     items = max_entries(t, top_k, e_local) * (pairs2 // RB)
-    if WS:
-        _launch(h.device, "kdtree_moe_ws_down", items, ws_down_smem(t, top_k, e_local, groups2), args, types,
-                WS_THREADS, 1)
-    else:
-        _launch(h.device, "kdtree_moe_wg_down", items, down_smem(t, top_k, e_local, groups2), args, types)
+    _launch(h.device, "kdtree_moe_wg_down", items, down_smem(t, top_k, e_local, groups2), args, types)

@@ -76,35 +76,9 @@ __device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {  // this th
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
 
-// `bytes` from global src into shared memory at dst (both 16-byte aligned, bytes a multiple of 16) by the copy
-// engine (the TMA's non-tensor bulk copy), landing as transaction bytes on the mbarrier at bar
-__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-#endif
-}
-
 // 16 bytes global -> shared, zero-filled past src_bytes (0 or 16); .cg: through L2 only
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-
-// 16 / 8 bytes of shared memory at a shared-space address
-__device__ __forceinline__ uint4 lds128(u32 addr) {
-    uint4 r;
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr));
-    return r;
-}
-
-__device__ __forceinline__ uint2 lds64(u32 addr) {
-    uint2 r;
-    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(r.x), "=r"(r.y) : "r"(addr));
-    return r;
-}
-
-__device__ __forceinline__ void mbar_arrive(u32 bar) {  // this thread arrives (no transaction bytes)
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 
 __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {  // until the phase of this parity has completed
