@@ -26,6 +26,7 @@ from plugins.common.device import device_facts
 from plugins.common.device_modules import NotForThisDevice, PerDevice
 from plugins.common.driver import Functions, launch
 from plugins.common.pdl import USE_PDL
+from plugins.common.tensor_maps import bf16_tensor_map
 from plugins.moe_w4a16.plan import cdiv
 
 SOURCE = Path(__file__).with_name("moe_wgmma.cu")
@@ -132,14 +133,15 @@ def gate_up(w13: torch.Tensor, w13_scale: torch.Tensor, x: torch.Tensor, counts:
     types = (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32)
     items = max_entries(t, top_k, e_local) * (pairs13 // RB)
     if XT and xg is not None:
-        _gate_up_xt(w13, w13_scale, x, counts, lists, h, xg[:t * top_k], args, types, items)
+        _gate_up_xt(x, counts, lists, xg[:t * top_k], args, types, items)
     else:
         _launch(x.device, "kdtree_moe_wg_gate_up", items, gate_up_smem(t, top_k, e_local), args, types)
 
 
-def _gate_up_xt(w13, w13_scale, x, counts, lists, h, xg, args, types, items) -> None:
-    """The XT form: the routed token rows gathered into xg in the fragment order, then gate_up on them by TMA."""
-    from plugins.common.tensor_maps import bf16_tensor_map
+def _gate_up_xt(x: torch.Tensor, counts: torch.Tensor, lists: torch.Tensor, xg: torch.Tensor, args: tuple,
+                types: tuple, items: int) -> None:
+    """The XT form: the routed token rows gathered into xg [t * top_k, d] in the fragment order, then gate_up's
+    kernel on them by TMA (args / types: gate_up's, whose x pointer the tensor map of xg replaces)."""
     t, top_k, e_local, c_real = args[6:10]
     d = x.shape[1]
     ptr, i32 = ctypes.c_void_p, ctypes.c_int

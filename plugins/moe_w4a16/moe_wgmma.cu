@@ -400,8 +400,8 @@ extern "C" __global__ void __launch_bounds__(WG, 2) kdtree_moe_wg_gate_up(
 #define XT_STAGES 4         // xt gate_up's token blocks (TMA two ahead: a stage is refilled two blocks after its use)
 #define GATHER_THREADS 256  // kdtree_moe_wg_gather_x: a warp a row at a time
 
-// The word of a 64-k block (32 words, word 4 v + j = k 8 v + 2 j, + 1) that put_piece stores at word `to` of the
-// row's 128 bytes before the swizzle: chunk 4 (v / 4) + j, 4 bytes (v % 4) in.  (From lane = 4 v + j.)
+// Where put_piece puts word `lane` of a 64-k block (32 words; word 4 v + j holds k 8 v + 2 j, + 1) among the row's
+// 32 words before the swizzle: chunk 4 (v / 4) + j, word v % 4 of it.
 __device__ __forceinline__ int fragment_word(int lane) {
     return 16 * (lane >> 4) + 4 * (lane & 3) + ((lane >> 2) & 3);
 }
