@@ -2,12 +2,12 @@
 (launch_wgmma.FORCE), against the fp32 reference on the exactly dequantised experts: 200 random routing / size / EP
 cases whose shapes the kernels take, with routing drawn plain or hot (a few experts get most tokens: entries of 1 to
 64 slots and experts over several 64-slot tiles), plus the K2.6 TP8 rank at 64 to 1024 tokens; fresh random data
-each (never zeros), a caller's workspace poisoned on odd seeds; on each form of the kernels (register A, warp-
-specialised, register A fed by loader warps).  Each case: y within the reference's tolerance
+each (never zeros), a caller's workspace poisoned on odd seeds; on each form of the kernels (register A, and gate_up's
+tokens by TMA from a gathered copy).  Each case: y within the reference's tolerance
 (||y - ref|| / ||ref|| < 2e-2, as tests/test_moe_v3_gpu.py), close to v3's mma.sync kernels on the same call (they
 round the group scales differently: moe_wgmma.cu's header), two calls equal bit for bit, other tokens through the
 same workspace right after within tolerance, the routing counts back at zero, and a CUDA graph of the op replayed on
-new tokens.  Writes $KDTREE_RESULTS_DIR/moe_wgmma-{rs,ws,wr}-device-test.json."""
+new tokens.  Writes $KDTREE_RESULTS_DIR/moe_wgmma-{rs,xt}-device-test.json."""
 
 from __future__ import annotations
 

@@ -122,7 +122,7 @@ def _launch(dev: torch.device, name: str, items: int, smem: int, args: tuple, ty
 
 
 def gate_up(w13: torch.Tensor, w13_scale: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, lists: torch.Tensor,
-            h: torch.Tensor, t: int, top_k: int, e_local: int, i: int, xg: torch.Tensor | None = None) -> None:
+            h: torch.Tensor, t: int, top_k: int, e_local: int, i: int, xg: torch.Tensor) -> None:
     """h [t * top_k, i] = silu(gate) * up of each routed slot (applies() said yes).  w13 [e_l, 2i/32, kp_d/32, 32, 4],
     x [t, d] bf16, counts / lists the route kernel's; xg [>= t * top_k, d] bf16 scratch for the XT form (the
     workspace's `out`, free until down)."""
@@ -132,7 +132,7 @@ def gate_up(w13: torch.Tensor, w13_scale: torch.Tensor, x: torch.Tensor, counts:
             t, top_k, e_local, x.shape[1] // 32, groups13, pairs13, i)
     types = (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32)
     items = max_entries(t, top_k, e_local) * (pairs13 // RB)
-    if XT and xg is not None:
+    if XT:
         _gate_up_xt(x, counts, lists, xg[:t * top_k], args, types, items)
     else:
         _launch(x.device, "kdtree_moe_wg_gate_up", items, gate_up_smem(t, top_k, e_local), args, types)

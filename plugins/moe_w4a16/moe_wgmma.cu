@@ -228,12 +228,6 @@ __device__ __forceinline__ void cta_items(int n, int& first, int& last) {
     last = (int)((long)(blockIdx.x + 1) * n / gridDim.x);
 }
 
-// The 128 threads of the warpgroup that runs an item's MMAs meet at barrier BAR (0: the whole CTA, one warpgroup)
-template <int BAR>
-__device__ __forceinline__ void wg_sync() {
-    asm volatile("bar.sync %0, 128;\n" ::"n"(BAR) : "memory");
-}
-
 // gate_up's token rows of an item, a 64-k block at a time: thread tid stages rows tid / 8 + 16 q (q < N / 16), the
 // 16-byte piece tid % 8 of each (zeros past the entry's rows or d), loads one block ahead of the stores.
 template <int N>
@@ -267,8 +261,8 @@ struct TokenBlocks {
 };
 
 // silu(gate) * up of an item -> s_h [token][64 rows of the block] (rows 16 w + g, + 8), then 16-byte stores of its
-// h rows; the warpgroup meets at barrier BAR before the stores and after (s_h and s_slot are rewritten next item)
-template <int N, int BAR>
+// h rows; the CTA meets before the stores and after (s_h and s_slot are rewritten next item)
+template <int N>
 __device__ __forceinline__ void store_h(const float (&gacc)[32], const float (&uacc)[32], u16* s_h,
                                         u16* __restrict__ h, const int* s_slot, int n_e, int rb, int inter) {
     const int tid = threadIdx.x & (WG - 1), warp = tid >> 5, lane = tid & 31, g = lane >> 2, u = lane & 3;
@@ -279,13 +273,13 @@ __device__ __forceinline__ void store_h(const float (&gacc)[32], const float (&u
             const float gs = gacc[4 * j + r], us = uacc[4 * j + r];
             s_h[(8 * j + 2 * u + (r & 1)) * 64 + 16 * warp + g + 8 * (r >> 1)] = to_bf16(gs / (1.f + __expf(-gs)) * us);
         }
-    wg_sync<BAR>();
+    __syncthreads();
     for (int q = tid; q < n_e * 8; q += WG) {
         const int n = q >> 3, piece = q & 7;
         *reinterpret_cast<uint4*>(h + (long)s_slot[n] * inter + 64 * rb + 8 * piece) =
             *reinterpret_cast<const uint4*>(s_h + n * 64 + 8 * piece);
     }
-    wg_sync<BAR>();
+    __syncthreads();
 }
 
 // An item's gate and up sums over its 64-k blocks (accumulators zeroed here, all MMAs done on return).  feed.block(c)
@@ -346,7 +340,7 @@ __device__ __forceinline__ void gate_up_item(Ring& ring, const uint4* __restrict
     if (feed.blocks > 1) feed.tok.gather(1);
     float gacc[32], uacc[32];
     gate_up_sums<N>(ring, feed, gacc, uacc);
-    store_h<N, 0>(gacc, uacc, s_h, h, s_slot, n_e, rb, inter);
+    store_h<N>(gacc, uacc, s_h, h, s_slot, n_e, rb, inter);
 }
 
 extern "C" __global__ void __launch_bounds__(WG, 2) kdtree_moe_wg_gate_up(
@@ -406,11 +400,10 @@ __device__ __forceinline__ int fragment_word(int lane) {
     return 16 * (lane >> 4) + 4 * (lane & 3) + ((lane >> 2) & 3);
 }
 
-// s_off[e] = xg's rows before expert e's (the exclusive prefix of counts), s_off[e_local] all of them.  Every thread
-// of the CTA calls it; it ends at a barrier.
-__device__ __forceinline__ void expert_rows(const int* __restrict__ counts, int e_local, int* s_off) {
-    for (int e = threadIdx.x; e < e_local; e += blockDim.x) s_off[e + 1] = ld_count(counts + e);
-    __syncthreads();
+// s_off[e] = xg's rows before expert e's (the exclusive prefix of the counts), s_off[e_local] all of them, from
+// the counts the caller put in s_off[1 ..] (visible to the CTA: a barrier after them).  Warp 0 scans; every thread
+// of the CTA calls it, and it ends at a barrier.
+__device__ __forceinline__ void expert_rows(int e_local, int* s_off) {
     if (threadIdx.x < 32) {  // lane l sums experts [l per, (l + 1) per), then a warp scan places its run
         const int lane = threadIdx.x, per = (e_local + 31) / 32;
         const int lo = min(e_local, lane * per), hi = min(e_local, lo + per);
@@ -440,7 +433,9 @@ extern "C" __global__ void __launch_bounds__(GATHER_THREADS) kdtree_moe_wg_gathe
     extern __shared__ int s_off[];  // [e_local + 1]
     pdl_wait();  // counts and lists come from the route kernel
     pdl_trigger();
-    expert_rows(counts, e_local, s_off);
+    for (int e = threadIdx.x; e < e_local; e += blockDim.x) s_off[e + 1] = ld_count(counts + e);
+    __syncthreads();
+    expert_rows(e_local, s_off);
     const int rows = s_off[e_local], lane = threadIdx.x & 31, words = 16 * c_real, to = fragment_word(lane);
     const int warps = gridDim.x * (GATHER_THREADS / 32);
     for (int r = blockIdx.x * (GATHER_THREADS / 32) + (threadIdx.x >> 5); r < rows; r += warps) {
@@ -489,7 +484,7 @@ __device__ __forceinline__ void gate_up_item_xt(Ring& ring, const TensorMap* xg_
     }
     float gacc[32], uacc[32];
     gate_up_sums<N>(ring, feed, gacc, uacc);
-    store_h<N, 0>(gacc, uacc, s_h, h, s_slot, n_e, rb, inter);
+    store_h<N>(gacc, uacc, s_h, h, s_slot, n_e, rb, inter);
 }
 
 extern "C" __global__ void __launch_bounds__(WG, 2) kdtree_moe_xt_gate_up(
@@ -514,7 +509,9 @@ extern "C" __global__ void __launch_bounds__(WG, 2) kdtree_moe_xt_gate_up(
     pdl_wait();  // counts and lists from the route kernel, xg from the gather kernel
     pdl_trigger();
     const int n_ent = build_entries<4>(counts, e_local, TILE, s_cnt, s_ent, s_ws);
-    expert_rows(counts, e_local, s_off);  // (its barriers also show the mbarriers' init to every thread)
+    for (int e = tid; e < e_local; e += WG) s_off[e + 1] = s_cnt[e];  // (build_entries' counts, staged)
+    __syncthreads();  // (also shows the mbarriers' init to every thread)
+    expert_rows(e_local, s_off);
     const int n_rb = n_pairs / RB;
     int first, last;
     cta_items(n_ent * n_rb, first, last);
@@ -541,9 +538,8 @@ extern "C" __global__ void __launch_bounds__(WG, 2) kdtree_moe_xt_gate_up(
 // down: item = (entry, block rb of 4 row pairs = 128 output rows); K = i, the entry's whole h tile in shared memory
 // ---------------------------------------------------------------------------------------------------------
 // A down entry (ent: expert << 16 | its tile of TILE slots) into shared memory: its slots, their routing weights and
-// its whole h tile (k in the fragments' order, rows rounded up to 16 / 32 / 64, zeros past the slots); the warpgroup
-// meets at barrier BAR.  Returns the entry's slot count.
-template <int BAR>
+// its whole h tile (k in the fragments' order, rows rounded up to 16 / 32 / 64, zeros past the slots); the CTA
+// meets after.  Returns the entry's slot count.
 __device__ __forceinline__ int stage_down_entry(int ent, const int* s_cnt, const int* __restrict__ lists,
                                                 const float* __restrict__ topk_w, const uint4* __restrict__ h, int t,
                                                 int c_real, int n_groups, int* s_slot, float* s_wt, u32 h_tile) {
@@ -554,7 +550,7 @@ __device__ __forceinline__ int stage_down_entry(int ent, const int* s_cnt, const
         s_slot[tid] = slot;
         s_wt[tid] = slot >= 0 ? ld_cg_f32(topk_w + slot) : 0.f;
     }
-    wg_sync<BAR>();
+    __syncthreads();
     const int h_row = c_real * 4, pieces = n_groups * 4;  // uint4 per h row (i / 8); 16-byte pieces a tile row
     const int rows = n_e <= 16 ? 16 : n_e <= 32 ? 32 : 64;
     for (int q0 = tid; q0 < rows * pieces; q0 += 8 * WG) {  // 8 loads in flight, then their stores
@@ -572,14 +568,14 @@ __device__ __forceinline__ int stage_down_entry(int ent, const int* s_cnt, const
         }
     }
     fence_async_smem();
-    wg_sync<BAR>();
+    __syncthreads();
     return n_e;
 }
 
 // topk_w[slot] * acc -> s_o [token][128 rows of the block] (rows 32 w + 16 m + g, + 8), then 16-byte stores of the
-// item's out rows; the warpgroup meets at BAR before the stores and after (s_o is rewritten by the next item,
-// s_slot / s_wt / the h tile by the next entry)
-template <int N, int BAR>
+// item's out rows; the CTA meets before the stores and after (s_o is rewritten by the next item, s_slot / s_wt / the
+// h tile by the next entry)
+template <int N>
 __device__ __forceinline__ void store_out(const float (&acc0)[32], const float (&acc1)[32], u16* s_o,
                                           u16* __restrict__ out, const int* s_slot, const float* s_wt, int n_e, int rb,
                                           int d) {
@@ -593,13 +589,13 @@ __device__ __forceinline__ void store_out(const float (&acc0)[32], const float (
             s_o[n * 128 + row] = to_bf16(wt * acc0[4 * j + r]);
             s_o[n * 128 + row + 16] = to_bf16(wt * acc1[4 * j + r]);
         }
-    wg_sync<BAR>();
+    __syncthreads();
     for (int q = tid; q < n_e * 16; q += WG) {
         const int n = q >> 4, piece = q & 15;
         *reinterpret_cast<uint4*>(out + (long)s_slot[n] * d + 128 * rb + 8 * piece) =
             *reinterpret_cast<const uint4*>(s_o + n * 128 + 8 * piece);
     }
-    wg_sync<BAR>();
+    __syncthreads();
 }
 
 template <int N>
@@ -622,7 +618,7 @@ __device__ __forceinline__ void down_item(Ring& ring, u16* __restrict__ out, con
     wgmma_wait_all();
     pin(acc0);
     pin(acc1);
-    store_out<N, 0>(acc0, acc1, s_o, out, s_slot, s_wt, n_e, rb, d);
+    store_out<N>(acc0, acc1, s_o, out, s_slot, s_wt, n_e, rb, d);
 }
 
 extern "C" __global__ void __launch_bounds__(WG, 2) kdtree_moe_wg_down(
@@ -654,7 +650,7 @@ extern "C" __global__ void __launch_bounds__(WG, 2) kdtree_moe_wg_down(
         const int ei = item / n_rb;
         if (ei != cur) {
             cur = ei;
-            n_e = stage_down_entry<0>(s_ent[ei], s_cnt, lists, topk_w, h, t, c_real, n_groups, s_slot, s_wt, h_tile);
+            n_e = stage_down_entry(s_ent[ei], s_cnt, lists, topk_w, h, t, c_real, n_groups, s_slot, s_wt, h_tile);
         }
         const int rb = item % n_rb;
         if (n_e <= 16)
