@@ -3,7 +3,6 @@
 # per t): where the warps wait, and each kernel's duration alone (ncu serializes them: no PDL overlap).
 # Usage (device tool): bash benchmarks/moe_v3_ncu.sh [t ...]
 # WGMMA=1: the expert GEMMs on moe_wgmma.cu's kernels at every t (launch_wgmma.FORCE), WGMMA=0: on v3's mma.sync ones
-# (with WGMMA=1: KDTREE_MOE_XT=1 gate_up's tokens gathered and brought by TMA)
 # SASS=regex: also the source page of the first t's kernels matching regex (warp-stall samples per SASS instruction,
 # benchmarks/ncu_sass_hotspots.py; the CSV kept under $OUT as ncu-sass.csv)
 set -uo pipefail
@@ -25,7 +24,7 @@ for t in [int(a) for a in sys.argv[1:]]:
 torch.cuda.synchronize()
 PY
 stalls=$(for s in long_scoreboard short_scoreboard math_pipe_throttle wait barrier mio_throttle lg_throttle not_selected selected dispatch_stall no_instruction tex_throttle branch_resolving drain imc_miss misc; do printf "smsp__average_warps_issue_stalled_%s_per_issue_active.ratio," $s; done)
-timeout 300 ncu --clock-control none -k regex:"kdtree_moe_(v3|wg|xt)|route_kernel|combine" \
+timeout 300 ncu --clock-control none -k regex:"kdtree_moe_(v3|wg)|route_kernel|combine" \
   --metrics ${stalls}gpu__time_duration.sum,dram__bytes_read.sum,lts__t_bytes.sum,l1tex__t_bytes.sum,smsp__inst_executed.sum,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active \
   python3 /tmp/v3_calls.py $ts 2>&1 | grep -E "kdtree_moe|route_kernel|combine|stalled|duration|bytes|inst_executed|warps_active|issue_active" \
   | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//; s/ +/ /g'

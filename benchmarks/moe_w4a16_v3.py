@@ -100,29 +100,26 @@ def bench_shape(name: str, t: int, routing: str, ex: dict, e_start: int, dev, de
     # v3_late_w8 / _w16: down's weights loaded after its PDL wait (launch_v3.EARLY_WEIGHTS off), with the 8- / 16-warp
     # gate_up (launch_v3.USE_W16: the 16-warp one where it applies, t = 1); v3_early_w8: before the wait, 8 warps
     # v3_mma / v3_wg: the expert GEMMs on v3's mma.sync kernels / on moe_wgmma.cu's (launch_wgmma.FORCE), where v3
-    # takes the one launch_wgmma.applies picks; v3_wg only where the experts' shapes suit it (not EP8's i = 2048);
-    # v3_xt: as v3_wg with gate_up's tokens by TMA (launch_wgmma.XT)
-    w16_default, early_default, xt_default = launch_v3.USE_W16, launch_v3.EARLY_WEIGHTS, launch_wgmma.XT
+    # takes the one launch_wgmma.applies picks; v3_wg only where the experts' shapes suit it (not EP8's i = 2048)
+    w16_default, early_default = launch_v3.USE_W16, launch_v3.EARLY_WEIGHTS
     wg_fits = launch_wgmma.shapes_fit(*ex["frag"][0].shape[1:3], *ex["frag"][2].shape[1:3])
-    for label, experts, pf, w16, early, wg, xt in (
-            ("v3", ex["frag"], "0", w16_default, early_default, None, xt_default),
-            ("v3_mma", ex["frag"], "0", w16_default, early_default, False, False),
-            *((("v3_wg", ex["frag"], "0", w16_default, early_default, True, False),
-               ("v3_xt", ex["frag"], "0", w16_default, early_default, True, True)) if wg_fits else ()),
-            ("v3_pf", ex["frag"], "1", w16_default, early_default, False, False),
-            ("v3_late_w8", ex["frag"], "0", False, False, False, False),
-            ("v3_late_w16", ex["frag"], "0", True, False, False, False),
-            ("v3_early_w8", ex["frag"], "0", False, True, False, False),
-            ("v2c", ex["planar"], "0", True, False, None, False)):
+    for label, experts, pf, w16, early, wg in (
+            ("v3", ex["frag"], "0", w16_default, early_default, None),
+            ("v3_mma", ex["frag"], "0", w16_default, early_default, False),
+            *((("v3_wg", ex["frag"], "0", w16_default, early_default, True),) if wg_fits else ()),
+            ("v3_pf", ex["frag"], "1", w16_default, early_default, False),
+            ("v3_late_w8", ex["frag"], "0", False, False, False),
+            ("v3_late_w16", ex["frag"], "0", True, False, False),
+            ("v3_early_w8", ex["frag"], "0", False, True, False),
+            ("v2c", ex["planar"], "0", True, False, None)):
         os.environ[PREFETCH_ENV] = pf
-        launch_v3.USE_W16, launch_v3.EARLY_WEIGHTS, launch_wgmma.FORCE, launch_wgmma.XT = w16, early, wg, xt
+        launch_v3.USE_W16, launch_v3.EARLY_WEIGHTS, launch_wgmma.FORCE = w16, early, wg
         call = lambda: moe_w4a16(x, logits, None, bias, *experts, K, 1, 1, True, SCALING, e_start,  # noqa: E731,B023
                                  ws.buffer)
         us = time_us(call, graph=True)
         row[f"{label}_us"], row[f"{label}_fraction"] = us, roof / us
     os.environ.pop(PREFETCH_ENV)
     launch_v3.USE_W16, launch_v3.EARLY_WEIGHTS, launch_wgmma.FORCE = w16_default, early_default, None
-    launch_wgmma.XT = xt_default
     # another token tile than the choice (launch_v3.token_tile: NT = 1 to t = 17, then 2): is the switch at the right
     # t under tree routing, where most experts see a few of the tokens, and does NT = 4 still lose at many tokens?
     other = {8: 2, 9: 2, 16: 2, 17: 2, 33: 1, 64: 4, 256: 4, 512: 4}.get(t)
@@ -202,9 +199,7 @@ def main() -> None:
             rows.append(bench_shape(f"k26_tp8_t{t}", t, routing, tp8, 0, dev, dense))
             r = rows[-1]
             print(f"{r['shape']} {routing}: v3 {r['v3_us']:.1f} us ({r['v3_fraction']:.2f}), mma.sync "
-                  f"{r['v3_mma_us']:.1f} us, wgmma {r.get('v3_wg_us', float('nan')):.1f} us (tokens by TMA "
-                  f"{r.get('v3_xt_us', float('nan')):.1f}), "
-                  f"with L2 prefetch "
+                  f"{r['v3_mma_us']:.1f} us, wgmma {r.get('v3_wg_us', float('nan')):.1f} us, with L2 prefetch "
                   f"{r['v3_pf_us']:.1f} us ({r['v3_pf_fraction']:.2f}), "
                   f"late down {r['v3_late_w8_us']:.1f} / {r['v3_late_w16_us']:.1f} us (8 / 16 warps), "
                   f"early down with 8 warps {r['v3_early_w8_us']:.1f} us, "

@@ -2,9 +2,8 @@
 B tiles are written (put_piece: a 16-byte piece of a token row, its four words to the fragment layout's k steps,
 128-byte swizzle) and read (wgmma's K-major B at the k step's 32-byte offset), against the weights' A registers as
 tests/test_moe_v3_layout.py models them: if the layout, put_piece and the descriptors' offsets disagree, the model's
-product differs from the dense one; the xt form's gathered rows land in TMA's swizzle as put_piece's tile.  Also: the
-source compiles for sm_90 (as sm_90a) and sm_120 with every kernel, waits for its predecessor before any global load,
-reads h through L2; the launcher's shape rule and shared memory."""
+product differs from the dense one.  Also: the source compiles for sm_90 (as sm_90a) and sm_120 with both kernels,
+waits for its predecessor before any global load, reads h through L2; the launcher's shape rule and shared memory."""
 
 from __future__ import annotations
 
@@ -90,30 +89,6 @@ def test_b_tiles_meet_the_fragment_layout(gate_up):
             assert torch.allclose(got[m], dense[rows[m]] @ x.T, rtol=1e-12, atol=1e-9), (p, m)
 
 
-def test_gathered_rows_in_tma_boxes_are_the_b_tiles():
-    """The xt form: kdtree_moe_wg_gather_x writes word `lane` of a row's 64-k block to word fragment_word(lane) of
-    xg's row, and the TMA box's 128-byte swizzle puts 16-byte chunk c of box row r at chunk c ^ (r % 8): the B
-    tile is then what put_piece stores, for every row phase and piece."""
-    fragment_word = lambda lane: 16 * (lane >> 4) + 4 * (lane & 3) + ((lane >> 2) & 3)  # noqa: E731 (the .cu's)
-    assert sorted(fragment_word(w) for w in range(32)) == list(range(32))
-    assert sorted(fragment_word(w) for w in range(16)) == list(range(16))  # an odd c_real's half block stays in it
-    rows = 16
-    x = torch.randn(rows, 64, dtype=torch.float64)
-    want = torch.zeros(rows * 64, dtype=torch.float64)
-    for r in range(rows):
-        for v in range(8):
-            _put_piece(want, 0, r, v, x[r, 8 * v: 8 * v + 8])
-    got = torch.zeros(rows * 64, dtype=torch.float64)
-    for r in range(rows):
-        xg = torch.zeros(64, dtype=torch.float64)  # the gathered row's block, two values a word
-        for lane in range(32):
-            xg[2 * fragment_word(lane): 2 * fragment_word(lane) + 2] = x[r, 2 * lane: 2 * lane + 2]
-        for c in range(8):  # the box row as TMA stores it
-            dst = (r * 128 + ((c ^ (r & 7)) << 4)) // 2
-            got[dst: dst + 8] = xg[8 * c: 8 * c + 8]
-    assert torch.equal(got, want)
-
-
 def test_shapes_the_kernels_take():
     """Whole blocks of 4 row pairs, k groups in fours, i's groups within the h tile (i <= 512): the K2.6 TP8 rank
     (pairs 16 / 224, groups 224 / 8) fits; EP8's whole experts (i = 2048) and the tiny models' odd pairs do not."""
@@ -141,7 +116,6 @@ def test_shared_memory_fits_two_ctas_an_sm():
         assert 2 * (launch_wgmma.gate_up_smem(t, 8, 384) + 1024) <= 228 * 1024, t
         assert 2 * (launch_wgmma.down_smem(t, 8, 384, 8) + 1024) <= 228 * 1024, t
     assert launch_wgmma.down_smem(4096, 8, 384, 16) <= 227 * 1024  # i = 512: one CTA an SM at least
-    assert 2 * (launch_wgmma.xt_gate_up_smem(4096, 8, 384) + 1024) <= 228 * 1024
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
@@ -151,7 +125,7 @@ def test_source_compiles_with_both_kernels(tmp_path):
     each kernel waits for its predecessor grid before any global load, and down's h loads go through L2 (.cg)."""
     from plugins.common.cubin import _nvcc, compile_arch, source_text
     src = launch_wgmma.SOURCE
-    names = (b"kdtree_moe_wg_gate_up", b"kdtree_moe_wg_down", b"kdtree_moe_xt_gate_up", b"kdtree_moe_wg_gather_x")
+    names = (b"kdtree_moe_wg_gate_up", b"kdtree_moe_wg_down")
     for arch in ("sm_90", "sm_120"):
         data = _nvcc(source_text(src), src.name, arch)
         assert data[:4] == b"\x7fELF" and all(n in data for n in names), arch
@@ -171,7 +145,6 @@ def test_source_compiles_with_both_kernels(tmp_path):
     assert sorted(bodies) == sorted(n.decode() for n in names)
     for name, b in bodies.items():
         assert b.find("griddepcontrol.wait") < b.find("ld.global"), name
-        assert name == "kdtree_moe_wg_gather_x" or "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in b, name
-    assert "fence.proxy.async" not in bodies["kdtree_moe_xt_gate_up"]  # its B tiles come by TMA only
+        assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in b, name
     assert "ld.global.cg.v4.u32" in bodies["kdtree_moe_wg_down"]
     assert "ld.global.nc.v4.u32" not in bodies["kdtree_moe_wg_down"]

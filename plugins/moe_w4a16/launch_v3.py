@@ -168,6 +168,7 @@ class _Module:
     cu: object
     funcs: Functions  # the loaded cubin's kernels
     index: int  # the CUDA device's
+    where: str  # which cubin was loaded (plugins/common/cubin.load_module: artifact, cache or compiled)
     pdl: bool = False  # ask for programmatic dependent launch (sm_90+; driver.launch remembers a refusal)
 
 
@@ -187,7 +188,7 @@ def kernels(device: torch.device) -> _Module:
         from cuda.bindings import driver as cu
         module, where = load_module(SOURCE, torch.device("cuda", index), "moe_w4a16 v3")
         pdl = USE_PDL and device_facts(device).capability[0] >= 9
-        mod = _MODULES[index] = _Module(cu, Functions(cu, module, f"moe_w4a16 v3 ({where})"), index, pdl)
+        mod = _MODULES[index] = _Module(cu, Functions(cu, module, f"moe_w4a16 v3 ({where})"), index, where, pdl)
     return mod
 
 
@@ -292,7 +293,7 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
     launch_route(logits, bias, ws.topk_idx, ws.topk_w, ws.counts, ws.active, ws.lists, e_start, e_local,
                  scaling, top_k, n_group, topk_group, norm_topk_prob, shared_gate_up, shared_h, active_list=False)
     if wgmma:  # many tokens an expert: moe_wgmma.cu's two GEMMs (launch_wgmma.py), the same h and out
-        launch_wgmma.gate_up(w13, w13_scale, x, ws.counts, ws.lists, ws.h, t, top_k, e_local, i, ws.out)
+        launch_wgmma.gate_up(w13, w13_scale, x, ws.counts, ws.lists, ws.h, t, top_k, e_local, i)
         launch_wgmma.down(w2, w2_scale, ws.h, ws.topk_w, ws.counts, ws.lists, ws.out, t, top_k, e_local, i)
     else:
         sms = device_facts(x.device).sms

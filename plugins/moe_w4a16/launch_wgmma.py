@@ -7,9 +7,8 @@ here once per up to 64 (wgmma N = 16, 32 or 64, weights as A from registers).  s
 of whole 4-pair row blocks, k groups in fours and i <= 512 (an entry's whole h tile in shared memory).
 
 Off by default (ENABLED): measured slower than v3's kernels below t = 512 (NOTES.md); KDTREE_MOE_WGMMA=1 takes it
-from MIN_TOKENS tokens.  A second form of gate_up (XT, off until measured): its tokens gathered once into the
-workspace and brought to its B tiles by TMA.  (The warp-specialised forms, measured slower, are gone: NOTES.md "The
-warp-specialised expert GEMMs".)
+from MIN_TOKENS tokens.  (The warp-specialised forms and gate_up's tokens by TMA, measured no faster, are gone:
+NOTES.md "The warp-specialised expert GEMMs", "gate_up's tokens by TMA".)
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ from plugins.common.device import device_facts
 from plugins.common.device_modules import NotForThisDevice, PerDevice
 from plugins.common.driver import Functions, launch
 from plugins.common.pdl import USE_PDL
-from plugins.common.tensor_maps import bf16_tensor_map
 from plugins.moe_w4a16.plan import cdiv
 
 SOURCE = Path(__file__).with_name("moe_wgmma.cu")
@@ -38,12 +36,6 @@ X_STAGES = 3  # gate_up's 64-k token blocks in shared memory
 BLOCK_BYTES = TILE * 128  # one 64-row x 64-k bf16 block
 H_BLOCKS_MAX = 8  # down's h tile: kp_i / 64 blocks at most (i <= 512)
 CTAS_PER_SM = 2  # __launch_bounds__(128, 2)
-# gate_up's tokens by TMA from a gathered copy (kdtree_moe_wg_gather_x into the workspace's `out`, then
-# kdtree_moe_xt_gate_up: no generic stores to its B tiles, so no proxy fence and no CTA barrier a 64-k block) where
-# KDTREE_MOE_XT=1; off until measured (NOTES.md "gate_up's tokens by TMA")
-XT = env_flag("KDTREE_MOE_XT", False)
-XT_STAGES = 4  # the xt gate_up's token blocks (the .cu's XT_STAGES)
-GATHER_THREADS = 256  # kdtree_moe_wg_gather_x (the .cu's GATHER_THREADS: a warp a row)
 # Off (KDTREE_MOE_WGMMA=1 turns it on): slower than v3's mma.sync kernels below t = 512 and 2-5 % faster at 512
 # (H100, 2026-12-07: results/moe_w4a16_v3-h100.json, NOTES.md "The expert GEMMs on wgmma ...")
 ENABLED = env_flag("KDTREE_MOE_WGMMA", False)
@@ -99,13 +91,6 @@ def gate_up_smem(t: int, top_k: int, e_local: int) -> int:
     return 1024 + X_STAGES * BLOCK_BYTES + TILE * 64 * 2 + (TILE + 4 + e_local + max_entries(t, top_k, e_local)) * 4
 
 
-def xt_gate_up_smem(t: int, top_k: int, e_local: int) -> int:
-    """alignment slack, XT_STAGES token blocks, h staged [64][64] bf16, the mbarriers, slots, the scan words, the
-    counts, the experts' first rows, the entry list."""
-    return (1024 + XT_STAGES * BLOCK_BYTES + TILE * 64 * 2 + XT_STAGES * 8
-            + (TILE + 4 + 2 * e_local + 1 + max_entries(t, top_k, e_local)) * 4)
-
-
 def down_smem(t: int, top_k: int, e_local: int, groups2: int) -> int:
     """alignment slack, the h tile (groups2 / 2 blocks), out staged [64][128] bf16, slots and weights, entries."""
     return (1024 + groups2 // 2 * BLOCK_BYTES + TILE * 128 * 2
@@ -122,36 +107,16 @@ def _launch(dev: torch.device, name: str, items: int, smem: int, args: tuple, ty
 
 
 def gate_up(w13: torch.Tensor, w13_scale: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, lists: torch.Tensor,
-            h: torch.Tensor, t: int, top_k: int, e_local: int, i: int, xg: torch.Tensor) -> None:
+            h: torch.Tensor, t: int, top_k: int, e_local: int, i: int) -> None:
     """h [t * top_k, i] = silu(gate) * up of each routed slot (applies() said yes).  w13 [e_l, 2i/32, kp_d/32, 32, 4],
-    x [t, d] bf16, counts / lists the route kernel's; xg [>= t * top_k, d] bf16 scratch for the XT form (the
-    workspace's `out`, free until down)."""
+    x [t, d] bf16, counts / lists the route kernel's."""
     pairs13, groups13 = w13.shape[1:3]
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     args = (w13.data_ptr(), w13_scale.data_ptr(), x.data_ptr(), counts.data_ptr(), lists.data_ptr(), h.data_ptr(),
             t, top_k, e_local, x.shape[1] // 32, groups13, pairs13, i)
     types = (ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32)
     items = max_entries(t, top_k, e_local) * (pairs13 // RB)
-    if XT:
-        _gate_up_xt(x, counts, lists, xg[:t * top_k], args, types, items)
-    else:
-        _launch(x.device, "kdtree_moe_wg_gate_up", items, gate_up_smem(t, top_k, e_local), args, types)
-
-
-def _gate_up_xt(x: torch.Tensor, counts: torch.Tensor, lists: torch.Tensor, xg: torch.Tensor, args: tuple,
-                types: tuple, items: int) -> None:
-    """The XT form: the routed token rows gathered into xg [t * top_k, d] in the fragment order, then gate_up's
-    kernel on them by TMA (args / types: gate_up's, whose x pointer the tensor map of xg replaces)."""
-    t, top_k, e_local, c_real = args[6:10]
-    d = x.shape[1]
-    ptr, i32 = ctypes.c_void_p, ctypes.c_int
-    _launch(x.device, "kdtree_moe_wg_gather_x", cdiv(t * top_k, GATHER_THREADS // 32), 4 * (e_local + 1),
-            (x.data_ptr(), counts.data_ptr(), lists.data_ptr(), xg.data_ptr(), t, top_k, e_local, c_real),
-            (ptr, ptr, ptr, ptr, i32, i32, i32, i32), GATHER_THREADS, 4)
-    xg_map = bf16_tensor_map(_KERNELS[x.device].cu, xg, (d, xg.shape[0]), (xg.stride(0) * 2,), (64, TILE),
-                             "moe_w4a16 xt tokens")
-    _launch(x.device, "kdtree_moe_xt_gate_up", items, xt_gate_up_smem(t, top_k, e_local),
-            args[:2] + (xg_map,) + args[3:], types[:2] + (None,) + types[3:])
+    _launch(x.device, "kdtree_moe_wg_gate_up", items, gate_up_smem(t, top_k, e_local), args, types)
 
 
 def down(w2: torch.Tensor, w2_scale: torch.Tensor, h: torch.Tensor, topk_w: torch.Tensor, counts: torch.Tensor,

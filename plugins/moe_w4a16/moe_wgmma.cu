@@ -1,8 +1,8 @@
 // moe_w4a16 wgmma: the expert GEMMs of the routed MoE where experts see many tokens (launch_wgmma.MIN_TOKENS; off by
 // default: slower than moe_v3.cu below 512 tokens, NOTES.md),
 // on the same fragment-order INT4 experts as moe_v3.cu, with Hopper's warpgroup MMA (sm_90a).  The register-A (RS)
-// kernels, and a form of gate_up whose tokens come by TMA from a gathered copy (xt, launch_wgmma.XT).  The
-// warp-specialised forms (ws, wr) were measured slower and removed (NOTES.md "The warp-specialised expert GEMMs").
+// kernels.  The warp-specialised forms (ws, wr) and gate_up's tokens by TMA (xt) were measured no faster and
+// removed (NOTES.md "The warp-specialised expert GEMMs", "gate_up's tokens by TMA").
 //
 //   gate_up:  h[slot, :] = silu(W1_e x[tok]) * (W3_e x[tok])        h [t * top_k, i] bf16
 //   down:     out[slot, :] = topk_w[slot] * (W2_e h[slot])          out [t * top_k, d] bf16
@@ -282,11 +282,28 @@ __device__ __forceinline__ void store_h(const float (&gacc)[32], const float (&u
     __syncthreads();
 }
 
+// gate_up's token blocks: every thread stores its pieces (TokenBlocks) into X_STAGES stages, one block ahead
+// (its loads two ahead), then the proxy fence and a CTA barrier
+template <int N>
+struct StoredTokens {
+    TokenBlocks<N> tok;
+    u32 stages;
+    int blocks;
+
+    __device__ __forceinline__ void block(int c) {  // block c + 1 into its stage (free: block c - 2's MMAs are done),
+        if (c + 1 < blocks) tok.put(stages, c + 1);  // block c + 2's loads in flight, block c visible
+        if (c + 2 < blocks) tok.gather(c + 2);
+        fence_async_smem();
+        __syncthreads();
+    }
+    __device__ __forceinline__ u32 tile(int c) const { return stages + (c % X_STAGES) * BLOCK_BYTES; }
+};
+
 // An item's gate and up sums over its 64-k blocks (accumulators zeroed here, all MMAs done on return).  feed.block(c)
 // makes block c's B tile ready (and stages the blocks after it) at the block's first group; feed.tile(c) is its
 // shared address.
-template <int N, class Feed>
-__device__ __forceinline__ void gate_up_sums(Ring& ring, Feed& feed, float (&gacc)[32], float (&uacc)[32]) {
+template <int N>
+__device__ __forceinline__ void gate_up_sums(Ring& ring, StoredTokens<N>& feed, float (&gacc)[32], float (&uacc)[32]) {
     zero(gacc);
     zero(uacc);
     u32 a[2][16];
@@ -306,23 +323,6 @@ __device__ __forceinline__ void gate_up_sums(Ring& ring, Feed& feed, float (&gac
     pin(gacc);
     pin(uacc);
 }
-
-// The RS gate_up's token blocks: every thread stores its pieces (TokenBlocks) into X_STAGES stages, one block ahead
-// (its loads two ahead), then the proxy fence and a CTA barrier
-template <int N>
-struct StoredTokens {
-    TokenBlocks<N> tok;
-    u32 stages;
-    int blocks;
-
-    __device__ __forceinline__ void block(int c) {  // block c + 1 into its stage (free: block c - 2's MMAs are done),
-        if (c + 1 < blocks) tok.put(stages, c + 1);  // block c + 2's loads in flight, block c visible
-        if (c + 2 < blocks) tok.gather(c + 2);
-        fence_async_smem();
-        __syncthreads();
-    }
-    __device__ __forceinline__ u32 tile(int c) const { return stages + (c % X_STAGES) * BLOCK_BYTES; }
-};
 
 // ---------------------------------------------------------------------------------------------------------
 // gate_up: item = (entry, block rb of 4 row pairs); K = d in 64-k blocks of the tokens' x through 3 stages
@@ -378,159 +378,6 @@ extern "C" __global__ void __launch_bounds__(WG, 2) kdtree_moe_wg_gate_up(
             gate_up_item<32>(ring, x, h, s_slot, s_h, stages, n_e, rb, top_k, c_real, inter);
         else
             gate_up_item<64>(ring, x, h, s_slot, s_h, stages, n_e, rb, top_k, c_real, inter);
-    }
-}
-
-// ---------------------------------------------------------------------------------------------------------
-// xt: gate_up's tokens by TMA (launch_wgmma.XT / KDTREE_MOE_XT, off until measured).  The RS gate_up above stores
-// each 64-k block of its entry's tokens into B with generic stores, so it must fence (fence.proxy.async, which is
-// MEMBAR.ALL.CTA in the SASS: it waits for the thread's memory operations in flight, the weight ring's among them)
-// and meet at a CTA barrier every block.  Here kdtree_moe_wg_gather_x first writes each routed slot's token row to
-// xg (the workspace's `out`, unused until down) in the fragment layout's k order (put_piece's, unswizzled), rows in
-// (expert, position) order; kdtree_moe_xt_gate_up's thread 0 then brings an entry's 64 rows of a 64-k block with one
-// TMA box (its 128-byte swizzle is the B tiles'), two blocks ahead, onto the stage's mbarrier.  No generic stores to
-// B, no proxy fence, no barrier a block: the warps wait on the mbarrier only.
-// ---------------------------------------------------------------------------------------------------------
-#define XT_STAGES 4         // xt gate_up's token blocks (TMA two ahead: a stage is refilled two blocks after its use)
-#define GATHER_THREADS 256  // kdtree_moe_wg_gather_x: a warp a row at a time
-
-// Where put_piece puts word `lane` of a 64-k block (32 words; word 4 v + j holds k 8 v + 2 j, + 1) among the row's
-// 32 words before the swizzle: chunk 4 (v / 4) + j, word v % 4 of it.
-__device__ __forceinline__ int fragment_word(int lane) {
-    return 16 * (lane >> 4) + 4 * (lane & 3) + ((lane >> 2) & 3);
-}
-
-// s_off[e] = xg's rows before expert e's (the exclusive prefix of the counts), s_off[e_local] all of them, from
-// the counts the caller put in s_off[1 ..] (visible to the CTA: a barrier after them).  Warp 0 scans; every thread
-// of the CTA calls it, and it ends at a barrier.
-__device__ __forceinline__ void expert_rows(int e_local, int* s_off) {
-    if (threadIdx.x < 32) {  // lane l sums experts [l per, (l + 1) per), then a warp scan places its run
-        const int lane = threadIdx.x, per = (e_local + 31) / 32;
-        const int lo = min(e_local, lane * per), hi = min(e_local, lo + per);
-        int sum = 0;
-        for (int e = lo; e < hi; ++e) sum += s_off[e + 1];
-        int incl = sum;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int y = __shfl_up_sync(0xFFFFFFFFu, incl, o);
-            if (lane >= o) incl += y;
-        }
-        int run = incl - sum;
-        if (lane == 0) s_off[0] = 0;
-        for (int e = lo; e < hi; ++e) {
-            run += s_off[e + 1];
-            s_off[e + 1] = run;
-        }
-    }
-    __syncthreads();
-}
-
-// xg [rows, d] bf16: row s_off[e] + p = the token row of expert e's slot p (lists), each 64-k block's 32 words in
-// the fragment order (fragment_word).  d = 32 c_real (an odd c_real ends in half a block).
-extern "C" __global__ void __launch_bounds__(GATHER_THREADS) kdtree_moe_wg_gather_x(
-    const u32* __restrict__ x, const int* __restrict__ counts, const int* __restrict__ lists, u32* __restrict__ xg,
-    int t, int top_k, int e_local, int c_real) {
-    extern __shared__ int s_off[];  // [e_local + 1]
-    pdl_wait();  // counts and lists come from the route kernel
-    pdl_trigger();
-    for (int e = threadIdx.x; e < e_local; e += blockDim.x) s_off[e + 1] = ld_count(counts + e);
-    __syncthreads();
-    expert_rows(e_local, s_off);
-    const int rows = s_off[e_local], lane = threadIdx.x & 31, words = 16 * c_real, to = fragment_word(lane);
-    const int warps = gridDim.x * (GATHER_THREADS / 32);
-    for (int r = blockIdx.x * (GATHER_THREADS / 32) + (threadIdx.x >> 5); r < rows; r += warps) {
-        int lo = 0, hi = e_local;  // the expert e with s_off[e] <= r < s_off[e + 1] (the last with s_off[e] <= r)
-        while (hi - lo > 1) {
-            const int mid = (lo + hi) >> 1;
-            if (s_off[mid] <= r) lo = mid;
-            else hi = mid;
-        }
-        const int slot = ld_count(lists + (long)lo * t + (r - s_off[lo]));
-        const u32* src = x + (long)(slot / top_k) * words;
-        u32* dst = xg + (long)r * words;
-        for (int w = lane; w < words; w += 32) dst[w - lane + to] = src[w];  // (a half block: lanes < 16, to < 16)
-    }
-}
-
-// The xt gate_up's token blocks: thread 0 brings block c + 2 by TMA at block c's start (its stage's last block,
-// c - 2, is done: groups up to 2c - 2 are), every thread waits for block c's bytes.  cb: the CTA's blocks before
-// this item (the stages' and mbarriers' phase).
-struct TmaTokens {
-    const TensorMap* map;
-    u32 stages, bars;
-    int cb, row0, blocks;
-
-    __device__ __forceinline__ void issue(int c) const {
-        const int sb = cb + c;
-        const u32 bar = bars + (sb % XT_STAGES) * 8;
-        mbar_expect_tx(bar, BLOCK_BYTES);
-        tma_2d(stages + (sb % XT_STAGES) * BLOCK_BYTES, map, 64 * c, row0, bar);
-    }
-    __device__ __forceinline__ void block(int c) const {
-        if (threadIdx.x == 0 && c + 2 < blocks) issue(c + 2);
-        mbar_wait(bars + ((cb + c) % XT_STAGES) * 8, ((cb + c) / XT_STAGES) & 1);
-    }
-    __device__ __forceinline__ u32 tile(int c) const { return stages + ((cb + c) % XT_STAGES) * BLOCK_BYTES; }
-};
-
-template <int N>
-__device__ __forceinline__ void gate_up_item_xt(Ring& ring, const TensorMap* xg_map, u16* __restrict__ h,
-                                                const int* s_slot, u16* s_h, u32 stages, u32 bars, int cb, int row0,
-                                                int n_e, int rb, int inter) {
-    const TmaTokens feed = {xg_map, stages, bars, cb, row0, ring.n_groups / 2};
-    if (threadIdx.x == 0) {  // the previous item's MMAs are all done (wait_all): every stage is free
-        feed.issue(0);
-        if (feed.blocks > 1) feed.issue(1);
-    }
-    float gacc[32], uacc[32];
-    gate_up_sums<N>(ring, feed, gacc, uacc);
-    store_h<N>(gacc, uacc, s_h, h, s_slot, n_e, rb, inter);
-}
-
-extern "C" __global__ void __launch_bounds__(WG, 2) kdtree_moe_xt_gate_up(
-    const uint4* __restrict__ w13, const uint2* __restrict__ s13, const __grid_constant__ TensorMap xg_map,
-    const int* __restrict__ counts, const int* __restrict__ lists, u16* __restrict__ h, int t, int top_k,
-    int e_local, int c_real, int n_groups, int n_pairs, int inter) {
-    extern __shared__ unsigned char smem_raw[];
-    u32 stages;                                                         // [XT_STAGES][64 rows][128 B]
-    unsigned char* smem = aligned_smem(smem_raw, stages);
-    u16* s_h = reinterpret_cast<u16*>(smem + XT_STAGES * BLOCK_BYTES);  // [64 tokens][64 rows] bf16
-    const u32 bars = smem_u32(s_h + TILE * 64);                         // [XT_STAGES] mbarriers
-    int* s_slot = reinterpret_cast<int*>(s_h + TILE * 64 + 4 * XT_STAGES);  // [64] the item's slots
-    int* s_ws = s_slot + TILE;                                          // [4]
-    int* s_cnt = s_ws + 4;                                              // [e_local]
-    int* s_off = s_cnt + e_local;                                       // [e_local + 1] xg's rows before expert e
-    int* s_ent = s_off + e_local + 1;                                   // [entries]
-    const int tid = threadIdx.x;
-    if (tid < XT_STAGES) {
-        mbar_init(bars + 8 * tid, 1);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the TMA unit
-    }
-    pdl_wait();  // counts and lists from the route kernel, xg from the gather kernel
-    pdl_trigger();
-    const int n_ent = build_entries<4>(counts, e_local, TILE, s_cnt, s_ent, s_ws);
-    for (int e = tid; e < e_local; e += WG) s_off[e + 1] = s_cnt[e];  // (build_entries' counts, staged)
-    __syncthreads();  // (also shows the mbarriers' init to every thread)
-    expert_rows(e_local, s_off);
-    const int n_rb = n_pairs / RB;
-    int first, last;
-    cta_items(n_ent * n_rb, first, last);
-    if (first >= last) return;  // uniform over the CTA
-
-    Ring ring;
-    ring.start(w13, s13, s_ent, n_pairs, n_groups, first, last);
-    for (int item = first, cb = 0; item < last; ++item, cb += n_groups / 2) {
-        const int ent = s_ent[item / n_rb], e = ent >> 16, tile = ent & 0xFFFF;
-        const int n_e = min(TILE, s_cnt[e] - TILE * tile), row0 = s_off[e] + TILE * tile;
-        if (tid < TILE) s_slot[tid] = tid < n_e ? ld_count(lists + (long)e * t + TILE * tile + tid) : -1;
-        __syncthreads();
-        const int rb = item % n_rb;
-        if (n_e <= 16)
-            gate_up_item_xt<16>(ring, &xg_map, h, s_slot, s_h, stages, bars, cb, row0, n_e, rb, inter);
-        else if (n_e <= 32)
-            gate_up_item_xt<32>(ring, &xg_map, h, s_slot, s_h, stages, bars, cb, row0, n_e, rb, inter);
-        else
-            gate_up_item_xt<64>(ring, &xg_map, h, s_slot, s_h, stages, bars, cb, row0, n_e, rb, inter);
     }
 }
 
