@@ -120,6 +120,13 @@ def bench_shape(name: str, t: int, routing: str, ex: dict, e_start: int, dev, de
         row[f"{label}_us"], row[f"{label}_fraction"] = us, roof / us
     os.environ.pop(PREFETCH_ENV)
     launch_v3.USE_W16, launch_v3.EARLY_WEIGHTS, launch_wgmma.FORCE = w16_default, early_default, None
+    if t == 1:  # v3_one: gate_up and down in one grid (launch_v3.ONE_LAUNCH) where one_launch_applies
+        one_default, launch_v3.ONE_LAUNCH = launch_v3.ONE_LAUNCH, True
+        call = lambda: moe_w4a16(x, logits, None, bias, *ex["frag"], K, 1, 1, True, SCALING, e_start,  # noqa: E731
+                                 ws.buffer)
+        row["v3_one_us"] = us = time_us(call, graph=True)
+        row["v3_one_fraction"] = roof / us
+        launch_v3.ONE_LAUNCH = one_default
     # another token tile than the choice (launch_v3.token_tile: NT = 1 to t = 17, then 2): is the switch at the right
     # t under tree routing, where most experts see a few of the tokens, and does NT = 4 still lose at many tokens?
     other = {8: 2, 9: 2, 16: 2, 17: 2, 33: 1, 64: 4, 256: 4, 512: 4}.get(t)
@@ -199,7 +206,8 @@ def main() -> None:
             rows.append(bench_shape(f"k26_tp8_t{t}", t, routing, tp8, 0, dev, dense))
             r = rows[-1]
             print(f"{r['shape']} {routing}: v3 {r['v3_us']:.1f} us ({r['v3_fraction']:.2f}), mma.sync "
-                  f"{r['v3_mma_us']:.1f} us, wgmma {r.get('v3_wg_us', float('nan')):.1f} us, with L2 prefetch "
+                  f"{r['v3_mma_us']:.1f} us, wgmma {r.get('v3_wg_us', float('nan')):.1f} us, one launch "
+                  f"{r.get('v3_one_us', float('nan')):.1f} us, with L2 prefetch "
                   f"{r['v3_pf_us']:.1f} us ({r['v3_pf_fraction']:.2f}), "
                   f"late down {r['v3_late_w8_us']:.1f} / {r['v3_late_w16_us']:.1f} us (8 / 16 warps), "
                   f"early down with 8 warps {r['v3_early_w8_us']:.1f} us, "

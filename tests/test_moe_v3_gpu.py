@@ -68,7 +68,8 @@ def _case(t, e, d, i, k, n_group, topk_group, e_start, e_local, seed, dev) -> di
     if seed % 2:  # odd seeds: a caller's workspace for a few more tokens, poisoned
         carved = MoEWorkspace.allocate(t + 3, k, e_local, d, i, x.dtype, dev)
         carved.buffer.fill_(0xFF)
-        carved.counts.zero_()  # poisoned but for the routing counts, which the op keeps zero between calls
+        carved.counts.zero_()  # poisoned but for the routing counts and the sync words, which the op keeps zero
+        carved.sync.zero_()
         ws = carved.buffer
 
     def call(tokens=x):  # h: the shared expert's activation the routing kernel writes
@@ -89,6 +90,8 @@ def _case(t, e, d, i, k, n_group, topk_group, e_start, e_local, seed, dev) -> di
     same_route_stores = bool(torch.equal(y, _flipped("ONE_TOKEN_STORES", call, route_kernel)))
     # the 16-warp gate_up's one-token rows without the lists (launch_v3.ONE_TOKEN) or not: the same bits
     same_one = bool(torch.equal(y, _flipped("ONE_TOKEN", call)))
+    # gate_up and down in one launch at t = 1 (launch_v3.ONE_LAUNCH, where one_launch_applies) or not: the same bits
+    same_one_launch = bool(torch.equal(y, _flipped("ONE_LAUNCH", call)))
     y_w = _flipped("USE_W16", call)  # the other gate_up where the 16-warp one applies (t = 1 at K2.6): 8 or 16 warps
     idx, tw = route_reference(logits, bias, k, n_group, topk_group, True, 2.5)
     w13f, w2f = dequantize_fragments(w13, s13, d, True), dequantize_fragments(w2, s2, i, False)
@@ -115,9 +118,10 @@ def _case(t, e, d, i, k, n_group, topk_group, e_start, e_local, seed, dev) -> di
             "deterministic": same,
             "prefetch_equal": same_prefetched, "early_equal": same_early,
             "route_stores_equal": same_route_stores, "one_token_equal": same_one,
+            "one_launch_equal": same_one_launch,
             "shared_down_rel": down_rel,
             "finite": bool(torch.isfinite(y).all()),
-            "counts_rezeroed": carved is None or not carved.counts.any().item(),
+            "counts_rezeroed": carved is None or not (carved.counts.any() or carved.sync.any()).item(),
             # layer_fusion's silu_mul kernel bit for bit (the same Triton function, plugins/common/activation_kernel)
             "shared_equal": not shared or bool(torch.equal(h, silu_mul(gate_up, torch.bfloat16)))}
 
@@ -152,7 +156,7 @@ def test_v3_matches_reference_on_random_and_k26_shapes():
     bad = [r for r in results if not (r["finite"] and max(r["rel"], r["other_gate_up_rel"], r["next_call_rel"]) < 2e-2
                                       and r["deterministic"] and r["counts_rezeroed"]
                                       and r["shared_equal"] and r["prefetch_equal"] and r["early_equal"]
-                                      and r["route_stores_equal"] and r["one_token_equal"]
+                                      and r["route_stores_equal"] and r["one_token_equal"] and r["one_launch_equal"]
                                       and r["shared_down_rel"] < 1e-2)]
     summary = {"op": "moe_w4a16 v3", "checked": len(results), "failed": len(bad), "tolerance_rel": 2e-2,
                "max_rel": max(r["rel"] for r in results), "failures": bad[:20], "cases": results}
@@ -199,3 +203,57 @@ def test_v3_equals_v2c_on_the_same_experts():
     y2 = moe_w4a16(x, logits, None, bias, *planar_copy(*experts, d), k, 1, 1, True, 2.5, 0)
     rel = ((y3.float() - y2.float()).norm() / y2.float().norm()).item()
     assert rel < 1e-2, rel
+
+
+# (e, d, i, top_k, e_start, e_local): shapes kdtree_moe_v3_one takes at t = 1 on a 132-SM GPU (k groups a multiple of
+# 16 x 7, down's row pairs within 16 a CTA): the K2.6 TP8 rank, an EP slice of it (picks outside the rank's experts
+# skip both GEMMs), and smaller ones with padded i (i = 128: half the down groups padding)
+ONE_SHAPES = [(384, 7168, 256, 8, 0, 384), (384, 7168, 256, 8, 96, 48), (64, 3584, 128, 8, 0, 64),
+              (64, 3584, 256, 2, 0, 64), (16, 3584, 128, 2, 4, 8)]
+
+
+@pytest.mark.parametrize("shape", ONE_SHAPES)
+def test_one_launch_equals_the_two_kernels(shape, monkeypatch):
+    """launch_v3.ONE_LAUNCH: at t = 1 gate_up and down in one grid (per-pick counters between them) give the bits of
+    the 16-warp gate_up and down kernels, on fresh random tokens, logits and bias, three seeds each, through a
+    workspace poisoned but for the counts and sync words, which the call leaves zero; in a CUDA graph replayed on
+    new tokens as well."""
+    from plugins.common.device import device_facts
+    e, d, i, k, e_start, e_local = shape
+    dev = torch.device("cuda")
+    (w13, s13), (w2, s2) = (random_fragments(e_local, 2 * i, d, dev, torch.Generator(device=dev).manual_seed(e + d)),
+                            random_fragments(e_local, d, i, dev, torch.Generator(device=dev).manual_seed(i)))
+    assert launch_v3.one_launch_applies(1, k, w13.shape[1], w13.shape[2], w2.shape[1], w2.shape[2],
+                                        device_facts(dev).sms) is False  # off by default, until measured
+    monkeypatch.setattr(launch_v3, "ONE_LAUNCH", True)
+    assert launch_v3.one_launch_applies(1, k, w13.shape[1], w13.shape[2], w2.shape[1], w2.shape[2],
+                                        device_facts(dev).sms)
+    ws = MoEWorkspace.allocate(1, k, e_local, d, i, torch.bfloat16, dev)
+    ws.buffer.fill_(0xFF)
+    ws.counts.zero_()
+    ws.sync.zero_()
+    for seed in range(3):
+        g = torch.Generator(device=dev).manual_seed(100 * seed + e_local)
+        x = torch.randn(1, d, device=dev, generator=g).to(torch.bfloat16)
+        logits, bias = torch.randn(1, e, device=dev, generator=g) * 2, torch.randn(e, device=dev, generator=g) * 0.1
+        call = lambda: moe_w4a16(x, logits, None, bias, w13, s13, w2, s2, k, 1, 1, True, 2.5, e_start,  # noqa: E731
+                                 ws.buffer)
+        one = call()
+        assert torch.equal(one, call()) and not (ws.counts.any() or ws.sync.any())
+        monkeypatch.setattr(launch_v3, "ONE_LAUNCH", False)
+        two = call()
+        monkeypatch.setattr(launch_v3, "ONE_LAUNCH", True)
+        assert torch.equal(one, two), (shape, seed)
+        idx, tw = route_reference(logits, bias, k, 1, 1, True, 2.5)
+        ref = experts_reference(x.float(), idx, tw, dequantize_fragments(w13, s13, d, True),
+                                dequantize_fragments(w2, s2, i, False), e_start)
+        assert ((one.float() - ref).norm() / ref.norm().clamp_min(1e-20)).item() < 2e-2
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        out = call()
+    for _ in range(2):  # replays on new tokens: each equals the eager call's bits
+        x.copy_(torch.randn(1, d, device=dev).to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, call()) and not ws.sync.any()

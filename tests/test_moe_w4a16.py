@@ -265,6 +265,7 @@ def _interp_case(t, e, d, i, k, n_group, topk_group, e_start, e_local, int4, dty
         ws = MoEWorkspace.allocate(t + 7, k, e_local, d, i, dtype, "cpu", cfg)
         ws.buffer.fill_(0xFF)  # NaN floats, -1 ints: whatever the kernels read before writing shows
         ws.counts.zero_()  # but for the routing counts: zero between calls, the op re-zeroes them (workspace.py)
+        ws.sync.zero_()
         res["workspace_equal"] = torch.equal(moe_w4a16_triton(*args, workspace=ws.buffer, config=cfg), y)
         res["counts_rezeroed"] = not ws.counts.any().item()
     return res
@@ -342,6 +343,7 @@ def _gpu_case(t, e, d, i, k, n_group, topk_group, e_start, e_local, int4, seed, 
         carved = MoEWorkspace.allocate(t + 3, k, e_local, d, i, x.dtype, dev)
         carved.buffer.fill_(0xFF)
         carved.counts.zero_()  # poisoned but for the routing counts, which the op keeps zero between calls
+        carved.sync.zero_()
         ws = carved.buffer
     y = torch.ops.kdtree.moe_w4a16(x, logits, None, bias, w13, s13, w2, s2, k, n_group, topk_group, True, 2.5,
                                    e_start, ws)

@@ -62,6 +62,7 @@ def _case(t, e, d, i, k, e_start, e_local, hot, seed, dev) -> dict:
         carved = MoEWorkspace.allocate(t + 3, k, e_local, d, i, x.dtype, dev)
         carved.buffer.fill_(0xFF)
         carved.counts.zero_()
+        carved.sync.zero_()
         ws = carved.buffer
     call = lambda tokens=x: moe_w4a16(tokens, logits, None, bias, w13, s13, w2, s2, k, 1, 1, True, 2.5,  # noqa: E731
                                       e_start, ws)

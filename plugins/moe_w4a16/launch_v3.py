@@ -96,6 +96,12 @@ USE_W16 = True
 # gate_up, one L2 round trip and a CTA barrier): -0.5 .. -0.8 µs a layer, AR step ~-0.8 %, DDTree rounds unchanged;
 # measured (H100, K2.6 rank at 40 layers, 4K; k26-switches-h100.json call 21): AR step -1.3 %, DDTree-16 level.
 ONE_TOKEN = env_flag("KDTREE_MOE_ONE_TOKEN", True)
+# KDTREE_MOE_ONE_LAUNCH=1 (off until measured; k26_switches moe_one_launch): at t = 1 gate_up and down in one launch
+# (moe_v3.cu's kdtree_moe_v3_one, one_launch_applies): down's weights copied into shared memory while gate_up streams,
+# its math after a per-pick counter says the pick's h row is whole, instead of a second grid that can start only when
+# gate_up's CTAs leave their SMs.  The same h and out bits as the two kernels (tests/test_moe_v3_gpu.py).
+ONE_LAUNCH = env_flag("KDTREE_MOE_ONE_LAUNCH", False)
+ONE_P, ONE_WARPS = 7, 16  # moe_v3.cu's ONE_P and the kernel's warps
 # NT for every t (1, 2 or 4; down takes min(NT, 2)): the benchmark's other choice; None: token_tile(t)
 TOKEN_TILE_OVERRIDE: int | None = None
 DOWN_P = {1: 8, 2: 4}
@@ -125,6 +131,20 @@ def gate_up_kernel(nt: int, n_groups: int, n_items: int, sms: int) -> tuple[str,
     8-warp kernel with the deepest ring (gate_up_variant)."""
     name = gate_up_w16(nt, n_groups, n_items, sms) if USE_W16 else None
     return (name, W16) if name is not None else (gate_up_variant(nt, n_groups), WARPS)
+
+
+def one_smem(c2: int) -> int:
+    """kdtree_moe_v3_one's shared memory: the warps' partial sums [16][2][4][32] fp32, h staged [8][16] bf16, down's
+    rows staged [16][8][32] bf16, and down's words [16][c2][32] uint4 and scales [16][c2][32] uint2."""
+    return ONE_WARPS * 256 * 4 + 8 * 16 * 2 + ONE_WARPS * 8 * 32 * 2 + ONE_WARPS * c2 * 32 * (16 + 8)
+
+
+def one_launch_applies(t: int, top_k: int, pairs13: int, c1: int, pairs2: int, c2: int, sms: int) -> bool:
+    """Whether kdtree_moe_v3_one takes this call (ONE_LAUNCH on): one token; a CTA per (pick, w13 row pair), all
+    resident at once (at most the SMs: its waits need every CTA running); 16 warps x the ring depth dividing the k
+    groups; down's row pairs one a warp of the pick's CTAs; its shared memory within a Hopper SM's 227 KB."""
+    return (ONE_LAUNCH and t == 1 and top_k * pairs13 <= sms and c1 % (ONE_WARPS * ONE_P) == 0
+            and pairs2 <= ONE_WARPS * pairs13 and one_smem(c2) <= 227 * 1024)
 
 
 def down_kernel(nt: int) -> str:
@@ -292,12 +312,18 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
     # counts [e_local + 1] is zero here (MoEWorkspace.allocate zeroes it, every call's combine re-zeroes it)
     launch_route(logits, bias, ws.topk_idx, ws.topk_w, ws.counts, ws.active, ws.lists, e_start, e_local,
                  scaling, top_k, n_group, topk_group, norm_topk_prob, shared_gate_up, shared_h, active_list=False)
+    sms = device_facts(x.device).sms
+    i32, ptr = ctypes.c_int, ctypes.c_void_p
     if wgmma:  # many tokens an expert: moe_wgmma.cu's two GEMMs (launch_wgmma.py), the same h and out
         launch_wgmma.gate_up(w13, w13_scale, x, ws.counts, ws.lists, ws.h, t, top_k, e_local, i)
         launch_wgmma.down(w2, w2_scale, ws.h, ws.topk_w, ws.counts, ws.lists, ws.out, t, top_k, e_local, i)
+    elif one_launch_applies(t, top_k, pairs13, c1, pairs2, c2, sms):  # one token: both GEMMs in one grid
+        _launch(mod, "kdtree_moe_v3_one", top_k * pairs13, one_smem(c2),
+                (w13.data_ptr(), w13_scale.data_ptr(), w2.data_ptr(), w2_scale.data_ptr(), x.data_ptr(),
+                 ws.topk_idx.data_ptr(), ws.topk_w.data_ptr(), ws.h.data_ptr(), ws.out.data_ptr(), ws.sync.data_ptr(),
+                 top_k, e_start, e_local, d // GROUP, c1, pairs13, i, i // GROUP, c2, pairs2, d),
+                (ptr,) * 10 + (i32,) * 11, ONE_WARPS)
     else:
-        sms = device_facts(x.device).sms
-        i32, ptr = ctypes.c_int, ctypes.c_void_p
         pf = ((PF_L2 * pf_on | PF_ONE * ONE_TOKEN,), (i32,))  # the flags argument (values, ctypes) of both
         nt = TOKEN_TILE_OVERRIDE or token_tile(t)
         n_items = max_entries(t, top_k, e_local, nt) * pairs13

@@ -458,6 +458,138 @@ __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2,
     }
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// One token (the AR step): gate_up and down in one launch (launch_v3.ONE_LAUNCH)
+// ---------------------------------------------------------------------------------------------------------
+// CTA b of top_k x n_pairs13 (16 warps, one CTA an SM) takes pick k = b / n_pairs13 of the token and row pair
+// p = b % n_pairs13 of that expert's w13: gate_up's item as the 16-warp kernel runs it with PF_ONE (the same ring,
+// group order and warp-order reduction: the same h bits).  Its warp w then takes down's row pair q = p + n_pairs13 w
+// of the same expert (where q < n_pairs2), as down's warps do (the same group order and epilogue: the same out bits),
+// with that row pair's weights and scales copied into shared memory (cp.async) before gate_up's stream starts, so
+// they are in flight while gate_up runs instead of after its grid ends.  down needs slot k's whole h row, which the
+// n_pairs13 CTAs of pick k write: each CTA adds 1 to sync[k] after its h stores (release) and waits for sync[k] ==
+// n_pairs13 (acquire) before its down math.  Every CTA of the grid is resident at once (the launcher keeps the grid
+// within the SMs, and a CTA takes a whole SM's registers), so the wait ends; a wait past ~1-2 s traps (a launch error,
+// not a hang).  The last CTA of pick k past the wait (sync[top_k + k] its arrivals) zeroes both words for the next
+// call.  The expert comes from topk_idx (the route kernel's output, through L2): neither the counts nor the lists.
+#define ONE_P 7  // gate_up's ring depth (GATE_UP_W16's)
+
+extern "C" __global__ void __launch_bounds__(16 * 32, 1) kdtree_moe_v3_one(
+    const uint4* __restrict__ w13, const uint2* __restrict__ s13, const uint4* __restrict__ w2,
+    const uint2* __restrict__ s2, const uint4* __restrict__ x, const int* __restrict__ topk_idx,
+    const float* __restrict__ topk_w, u16* __restrict__ h, u16* __restrict__ out, int* __restrict__ sync, int top_k,
+    int e_start, int e_local, int c_real13, int n_groups13, int n_pairs13, int inter, int c_real2, int n_groups2,
+    int n_pairs2, int d) {
+    constexpr int W = 16, P = ONE_P;
+    extern __shared__ __align__(16) unsigned char smem[];
+    float* s_red = reinterpret_cast<float*>(smem);                // [W][2 m][4][32] gate_up's partial sums
+    u16* s_h = reinterpret_cast<u16*>(s_red + W * 2 * 128);      // [8 tokens][16 rows] bf16
+    u16* s_o = s_h + 8 * 16;                                     // [W][8 tokens][32 rows] bf16: down's rows, staged
+    uint4* s_w2 = reinterpret_cast<uint4*>(s_o + W * 8 * 32);    // [W][n_groups2][32 lanes] down's words
+    uint2* s_s2 = reinterpret_cast<uint2*>(s_w2 + W * n_groups2 * 32);  // [W][n_groups2][32 lanes] its scales
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, u = lane & 3;
+    const int k = blockIdx.x / n_pairs13, p = blockIdx.x % n_pairs13, q = p + n_pairs13 * warp;
+    pdl_prologue();  // topk_idx / topk_w from the route kernel, this grid's predecessor
+    const int e = ld_count(topk_idx + k) - e_start;
+    if (e < 0 || e >= e_local) return;  // not a local expert: uniform over the CTA and over pick k's CTAs
+
+    const bool has_down = q < n_pairs2;
+    if (has_down) {  // this lane's words and scales of down's row pair q, in group order
+        const long blk = ((long)e * n_pairs2 + q) * n_groups2;
+        const u32 dw = smem_u32(s_w2 + warp * n_groups2 * 32 + lane);
+        const u32 ds = smem_u32(s_s2 + warp * n_groups2 * 32 + lane);
+        for (int c = 0; c < n_groups2; ++c) {
+            cp_async16(dw + c * 512, w2 + (blk + c) * 32 + lane, 16);
+            cp_async8(ds + c * 256, s2 + (blk + c) * 8 + g);
+        }
+    }
+    cp_async_commit();
+
+    // gate_up: item (e, p), warp w takes groups w + W m; token 0 at column 0 (PF_ONE)
+    Ring<1, P> ring;
+    const long blk13 = ((long)e * n_pairs13 + p) * n_groups13;
+    ring.pw = w13 + blk13 * 32 + lane;
+    ring.ps = s13 + blk13 * 8 + g;
+    ring.px[0] = g == 0 ? x + u : nullptr;
+    const int chunks = n_groups13 / (W * P);  // the launcher checks that W P divides the groups
+#pragma unroll
+    for (int kk = 0; kk < P; ++kk) ring.load(kk, warp + W * kk, c_real13);
+    float acc[2][1][4];
+    zero_acc<1>(acc);
+    for (int ch = 0; ch < chunks; ++ch) {
+        const bool more = ch + 1 < chunks;  // uniform
+        const int base = warp + W * P * (ch + 1);
+#pragma unroll
+        for (int kk = 0; kk < P; ++kk) {
+            group_mma<1>(acc, ring.w[kk], ring.s[kk], ring.x[kk]);
+            if (more) ring.load(kk, base + W * kk, c_real13);
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) s_red[(warp * 2 + m) * 128 + r * 32 + lane] = acc[m][0][r];
+    __syncthreads();
+    if (tid < 128) {  // the warps' sums in warp order, silu(gate) * up (gate_up's end of item, NT = 1)
+        float gs = 0.f, us = 0.f;
+#pragma unroll
+        for (int w = 0; w < W; ++w) {
+            gs += s_red[(w * 2) * 128 + tid];
+            us += s_red[(w * 2 + 1) * 128 + tid];
+        }
+        const int lq = tid & 31, r = (tid >> 5) & 3;
+        const int row = (lq >> 2) + 8 * (r >> 1), col = 2 * (lq & 3) + (r & 1);
+        s_h[col * 16 + row] = to_bf16(gs / (1.f + __expf(-gs)) * us);
+    }
+    __syncthreads();
+    if (tid < 2)  // token column 0 (slot k): h[k, 16 p ..] in two 16-byte stores
+        *reinterpret_cast<uint4*>(h + (long)k * inter + p * 16 + 8 * tid) =
+            *reinterpret_cast<const uint4*>(s_h + 8 * tid);
+    __syncthreads();
+    if (tid == 0) {  // publish this CTA's h rows, then wait for pick k's other CTAs'
+        __threadfence();
+        atomicAdd(sync + k, 1);
+        for (long spins = 0; ld_acquire_gpu(sync + k) < n_pairs13; ++spins) {
+            if (spins > (1l << 21)) __trap();  // ~1-2 s of polls: a CTA of the grid never ran (not resident at once)
+            __nanosleep(32);
+        }
+        if (atomicAdd(sync + top_k + k, 1) == n_pairs13 - 1) {  // the last past the wait: zero both for the next call
+            sync[k] = 0;
+            sync[top_k + k] = 0;
+        }
+    }
+    __syncthreads();
+    if (!has_down) return;
+
+    // down: row pair q over the whole k from shared memory, h row k through L2 at token column 0
+    cp_async_wait_all();
+    __syncwarp();
+    const uint4* hx = g == 0 ? reinterpret_cast<const uint4*>(h) + (long)k * c_real2 * 4 + u : nullptr;
+    const uint4* sw = s_w2 + warp * n_groups2 * 32 + lane;
+    const uint2* ss = s_s2 + warp * n_groups2 * 32 + lane;
+    zero_acc<1>(acc);
+    for (int c = 0; c < n_groups2; ++c) {
+        const uint4 xv[1] = {ld_tokens_or_zero<true>(hx + 4 * c, hx != nullptr && c < c_real2)};
+        group_mma<1>(acc, sw[c * 32], ss[c * 32], xv);
+    }
+    const float wk = ld_cg_f32(topk_w + k);
+    u16* stage = s_o + warp * 8 * 32;
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) {  // down's epilogue: token column 2 u + hi weighted (only column 0 is stored)
+        const int col = 2 * u + hi;
+        const float wt = col == 0 ? wk : 0.f;
+        u16* o = stage + col * 32 + g;
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+            o[16 * m] = to_bf16(wt * acc[m][0][hi]);
+            o[16 * m + 8] = to_bf16(wt * acc[m][0][2 + hi]);
+        }
+    }
+    __syncwarp();
+    if (g == 0)  // lane (0, u): rows 8 u .. 8 u + 7 of slot k
+        *reinterpret_cast<uint4*>(out + (long)k * d + q * 32 + 8 * u) = *reinterpret_cast<const uint4*>(stage + 8 * u);
+}
+
 #define GATE_UP(NT, P, MINB)                                                                                    \
     extern "C" __global__ void __launch_bounds__(THREADS, MINB) kdtree_moe_v3_gate_up_nt##NT##_p##P(         \
         const uint4* w13, const uint2* s13, const uint4* x, const int* counts, const int* lists, u16* h, int t, \

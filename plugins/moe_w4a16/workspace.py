@@ -5,9 +5,10 @@ plan's k splits of gate_up (plan.py).  The caller allocates the buffer once for 
 MoEWorkspace.allocate(max_tokens, top_k, e_local, d, i, dtype, device), and passes its .buffer to every
 kdtree::moe_w4a16 call with t <= max_tokens and the same (top_k, e_local, d, i, dtype) on that device (one
 buffer serves every MoE layer: they run one after another); each call carves its own views
-(plugins/common/workspace.py).  The routing counts, always the first view, must be zero when a call starts:
-allocate zeroes the buffer and every call leaves them zero again (its last kernel re-zeroes them), which
-saves a memset launch per MoE layer; a buffer made any other way must zero its first 4 * (e_local + 1) bytes.
+(plugins/common/workspace.py).  The routing counts and the one-token kernel's sync words, always the first two
+views, must be zero when a call starts: allocate zeroes the buffer and every call leaves them zero again (its
+last kernel re-zeroes the counts, kdtree_moe_v3_one its sync words), which saves a memset launch per MoE layer;
+a buffer made any other way must zero those two views (MoEWorkspace.carve(...).counts / .sync).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class MoEWorkspace:
     buffer: torch.Tensor    # [nbytes] uint8: every view below, 256-byte aligned
     counts: torch.Tensor    # [e_local + 1] int32 tokens per local expert | number of active experts: zero between
     #                         calls (allocate zeroes it; each call's combine kernel re-zeroes it after its last read)
+    sync: torch.Tensor      # [2 K] int32 kdtree_moe_v3_one's per-pick h counters and arrivals: zero between calls
     active: torch.Tensor    # [e_local] int32 local ids of the active experts
     lists: torch.Tensor     # [e_local, t] int32 slot ids (token * K + j) per expert
     topk_idx: torch.Tensor  # [t * K] int32 global expert ids
@@ -65,6 +67,6 @@ class MoEWorkspace:
 def _specs(t: int, top_k: int, e_local: int, d: int, i: int, dtype: torch.dtype, splits: int) -> list[Spec]:
     """(shape, dtype) of the views, in MoEWorkspace's field order."""
     n_slots, i32 = t * top_k, torch.int32
-    return [((e_local + 1,), i32), ((e_local,), i32), ((e_local, t), i32), ((n_slots,), i32),
+    return [((e_local + 1,), i32), ((2 * top_k,), i32), ((e_local,), i32), ((e_local, t), i32), ((n_slots,), i32),
             ((n_slots,), torch.float32), ((n_slots, d), dtype), ((splits, n_slots, 2 * i), torch.float32),
             ((n_slots, i), dtype)]

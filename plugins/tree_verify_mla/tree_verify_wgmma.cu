@@ -58,9 +58,6 @@ static_assert(SMEM_BYTES == SMEM_BAR + 16, "SMEM_BYTES is the end of the shared-
 #define NEG_INF (-__int_as_float(0x7f800000))
 
 // (cp_async16, hopper.cuh: .cg, through L2 only: the key tile is read by the CTAs of the other m-blocks from L2)
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 __device__ __forceinline__ void wgmma_m64n32k16(float* d, u64 desc_a, u64 desc_b, int accumulate) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)

@@ -81,6 +81,23 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 src_byt
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 
+// 8 bytes global -> shared (.ca: the 8-byte form has no .cg)
+__device__ __forceinline__ void cp_async8(u32 dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+// this thread's cp.async copies landed (other threads see them after a barrier)
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+// A 32-bit load with acquire semantics at GPU scope: what a thread reads after it sees another CTA's release
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+    int r;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(r) : "l"(p) : "memory");
+    return r;
+}
+
 __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {  // until the phase of this parity has completed
     asm volatile(
         "{\n.reg .pred p;\nWAIT_%=:\n"
