@@ -315,3 +315,24 @@ def test_prefetch_variable_names_the_kernels(monkeypatch):
         monkeypatch.setenv(PREFETCH_ENV, bad)
         with pytest.raises(ValueError, match=PREFETCH_ENV):
             prefetch_on()
+
+
+def test_one_launch_takes_one_token_on_hopper_only(monkeypatch):
+    """launch_v3.one_launch_applies: off by default (ONE_LAUNCH, until measured); on, the K2.6 TP8 rank's t = 1
+    (8 picks x 16 row pairs = 128 CTAs, 224 k groups, 224 down row pairs over 16 warps x 16 CTAs) on a 132-SM sm_90
+    GPU; not a second token, not fewer SMs than CTAs (114: every CTA must be resident at once), not sm_120, not the
+    EP8 rank's whole experts (1024 CTAs), not k groups 16 x 7 do not divide (the tiny models)."""
+    from plugins.common.device import facts_for
+    from plugins.moe_w4a16 import launch_v3
+    from plugins.moe_w4a16.launch_v3 import one_launch_applies, one_smem
+    h200, h100_pcie, blackwell = facts_for(132, (9, 0)), facts_for(114, (9, 0)), facts_for(188, (12, 0))
+    k26 = (8, 16, 224, 224, 8)  # top_k, w13 row pairs, k groups, w2 row pairs, k groups (i = 256 padded)
+    assert not launch_v3.ONE_LAUNCH and not one_launch_applies(1, *k26, h200)
+    monkeypatch.setattr(launch_v3, "ONE_LAUNCH", True)
+    assert one_launch_applies(1, *k26, h200)
+    assert not one_launch_applies(2, *k26, h200)
+    assert not one_launch_applies(1, *k26, h100_pcie) and not one_launch_applies(1, *k26, blackwell)
+    assert not one_launch_applies(1, 8, 128, 224, 224, 64, h200)  # EP8: i = 2048
+    assert not one_launch_applies(1, 2, 4, 8, 8, 8, h200)  # d = 256: 8 k groups
+    assert not one_launch_applies(1, 8, 8, 224, 224, 8, h200)  # i = 128 at d = 7168: 224 down row pairs > 16 x 8
+    assert one_smem(8) == 16 * 256 * 4 + 256 + 16 * 8 * 32 * 2 + 16 * 8 * 32 * 24 <= 227 * 1024

@@ -19,7 +19,7 @@ import torch
 
 from core.env_flags import env_flag
 from plugins.common.cubin import CubinUnavailable, load_module
-from plugins.common.device import device_facts
+from plugins.common.device import DeviceFacts, device_facts
 from plugins.common.driver import Functions, launch, pdl_refused
 from plugins.common.pdl import USE_PDL
 import plugins.moe_w4a16.launch_wgmma as launch_wgmma
@@ -139,12 +139,13 @@ def one_smem(c2: int) -> int:
     return ONE_WARPS * 256 * 4 + 8 * 16 * 2 + ONE_WARPS * 8 * 32 * 2 + ONE_WARPS * c2 * 32 * (16 + 8)
 
 
-def one_launch_applies(t: int, top_k: int, pairs13: int, c1: int, pairs2: int, c2: int, sms: int) -> bool:
-    """Whether kdtree_moe_v3_one takes this call (ONE_LAUNCH on): one token; a CTA per (pick, w13 row pair), all
-    resident at once (at most the SMs: its waits need every CTA running); 16 warps x the ring depth dividing the k
-    groups; down's row pairs one a warp of the pick's CTAs; its shared memory within a Hopper SM's 227 KB."""
-    return (ONE_LAUNCH and t == 1 and top_k * pairs13 <= sms and c1 % (ONE_WARPS * ONE_P) == 0
-            and pairs2 <= ONE_WARPS * pairs13 and one_smem(c2) <= 227 * 1024)
+def one_launch_applies(t: int, top_k: int, pairs13: int, c1: int, pairs2: int, c2: int, facts: DeviceFacts) -> bool:
+    """Whether kdtree_moe_v3_one takes this call (ONE_LAUNCH on): one token on a Hopper GPU (sm_90: where it was
+    built to be measured, and whose 227 KB of shared memory a CTA holds its shared memory in); a CTA per (pick, w13
+    row pair), all resident at once (at most the SMs: its waits need every CTA running); 16 warps x the ring depth
+    dividing the k groups; down's row pairs one a warp of the pick's CTAs."""
+    return (ONE_LAUNCH and t == 1 and facts.arch == "sm_90" and top_k * pairs13 <= facts.sms
+            and c1 % (ONE_WARPS * ONE_P) == 0 and pairs2 <= ONE_WARPS * pairs13 and one_smem(c2) <= 227 * 1024)
 
 
 def down_kernel(nt: int) -> str:
@@ -312,12 +313,13 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
     # counts [e_local + 1] is zero here (MoEWorkspace.allocate zeroes it, every call's combine re-zeroes it)
     launch_route(logits, bias, ws.topk_idx, ws.topk_w, ws.counts, ws.active, ws.lists, e_start, e_local,
                  scaling, top_k, n_group, topk_group, norm_topk_prob, shared_gate_up, shared_h, active_list=False)
-    sms = device_facts(x.device).sms
+    facts = device_facts(x.device)
+    sms = facts.sms
     i32, ptr = ctypes.c_int, ctypes.c_void_p
     if wgmma:  # many tokens an expert: moe_wgmma.cu's two GEMMs (launch_wgmma.py), the same h and out
         launch_wgmma.gate_up(w13, w13_scale, x, ws.counts, ws.lists, ws.h, t, top_k, e_local, i)
         launch_wgmma.down(w2, w2_scale, ws.h, ws.topk_w, ws.counts, ws.lists, ws.out, t, top_k, e_local, i)
-    elif one_launch_applies(t, top_k, pairs13, c1, pairs2, c2, sms):  # one token: both GEMMs in one grid
+    elif one_launch_applies(t, top_k, pairs13, c1, pairs2, c2, facts):  # one token: both GEMMs in one grid
         _launch(mod, "kdtree_moe_v3_one", top_k * pairs13, one_smem(c2),
                 (w13.data_ptr(), w13_scale.data_ptr(), w2.data_ptr(), w2_scale.data_ptr(), x.data_ptr(),
                  ws.topk_idx.data_ptr(), ws.topk_w.data_ptr(), ws.h.data_ptr(), ws.out.data_ptr(), ws.sync.data_ptr(),
