@@ -3,7 +3,7 @@
 route_kernel (Triton, as v2) -> gate_up (v3: h = silu(gate) * up per slot) -> down
 (v3: the weighted expert output per slot) -> combine_kernel (Triton, as v2: y[tok] = sum of its local slots, in slot
 order; it also re-zeroes the routing counts for the next call, so no memset precedes the route kernel).  Four
-launches, no host sync, capturable in a CUDA graph (the CUDA C kernels go through the driver API onto torch's current
+launches (three for one token with ONE_LAUNCH: gate_up and down in one grid, kdtree_moe_v3_one), no host sync, capturable in a CUDA graph (the CUDA C kernels go through the driver API onto torch's current
 stream).  The cubin comes from the artifact, the kdtree cache or NVRTC/nvcc
 (plugins/common/cubin.py).  CUDA, bf16 tokens and bf16 scales only (the op falls back elsewhere).
 """
@@ -140,10 +140,10 @@ def one_smem(c2: int) -> int:
 
 
 def one_launch_applies(t: int, top_k: int, pairs13: int, c1: int, pairs2: int, c2: int, facts: DeviceFacts) -> bool:
-    """Whether kdtree_moe_v3_one takes this call (ONE_LAUNCH on): one token on a Hopper GPU (sm_90: where it was
-    built to be measured, and whose 227 KB of shared memory a CTA holds its shared memory in); a CTA per (pick, w13
-    row pair), all resident at once (at most the SMs: its waits need every CTA running); 16 warps x the ring depth
-    dividing the k groups; down's row pairs one a warp of the pick's CTAs."""
+    """Whether kdtree_moe_v3_one takes this call (ONE_LAUNCH on): one token on a Hopper GPU (sm_90: the GPU it was
+    written for, whose SM holds its ~123 KB of shared memory); a CTA per (pick, w13 row pair), all resident at once
+    (at most the SMs: its waits need every CTA running); 16 warps x the ring depth dividing the k groups; down's row
+    pairs one a warp of the pick's CTAs."""
     return (ONE_LAUNCH and t == 1 and facts.arch == "sm_90" and top_k * pairs13 <= facts.sms
             and c1 % (ONE_WARPS * ONE_P) == 0 and pairs2 <= ONE_WARPS * pairs13 and one_smem(c2) <= 227 * 1024)
 

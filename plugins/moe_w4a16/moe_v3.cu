@@ -16,7 +16,8 @@
 // item is (entry, row pair of 32 w2 rows), done by one warp over the whole k (i is short), no barrier.
 // Each warp streams its items' 16-byte fragment words, scales and token vectors through a ring of P
 // register slots (loads P groups ahead of the math).  Grids are persistent: items are strided over
-// gridDim.x CTAs (gate_up) or over all warps (down).
+// gridDim.x CTAs (gate_up) or over all warps (down).  One token (launch_v3.ONE_LAUNCH): kdtree_moe_v3_one runs
+// both GEMMs in one grid, a counter per pick between them (its section below).
 //
 // bf16 through PTX on raw 32-bit registers; plugins/common/cuda/hopper.cuh (PDL, l2_prefetch) is its one header
 // (cubin.py inlines it for NVRTC).
