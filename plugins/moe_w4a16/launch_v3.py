@@ -3,9 +3,10 @@
 route_kernel (Triton, as v2) -> gate_up (v3: h = silu(gate) * up per slot) -> down
 (v3: the weighted expert output per slot) -> combine_kernel (Triton, as v2: y[tok] = sum of its local slots, in slot
 order; it also re-zeroes the routing counts for the next call, so no memset precedes the route kernel).  Four
-launches (three for one token with ONE_LAUNCH: gate_up and down in one grid, kdtree_moe_v3_one), no host sync, capturable in a CUDA graph (the CUDA C kernels go through the driver API onto torch's current
-stream).  The cubin comes from the artifact, the kdtree cache or NVRTC/nvcc
-(plugins/common/cubin.py).  CUDA, bf16 tokens and bf16 scales only (the op falls back elsewhere).
+launches (three for one token with ONE_LAUNCH: gate_up and down in one grid, kdtree_moe_v3_one), no host sync,
+capturable in a CUDA graph (the CUDA C kernels go through the driver API onto torch's current stream).  The cubin
+comes from the artifact, the kdtree cache or NVRTC/nvcc (plugins/common/cubin.py).  CUDA, bf16 tokens and bf16
+scales only (the op falls back elsewhere).
 """
 
 from __future__ import annotations
