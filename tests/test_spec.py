@@ -52,11 +52,13 @@ def setups(tiny, tmp_path_factory):
     return {int4: Setup(tiny, int4, tmp) for int4 in (False, True)}
 
 
-# every (mode, budget) x drafter x expert format, but the random DFlash drafter at budget 256 (~70 s a case on two
-# CPU cores: every round verifies 257 tokens, as it rarely agrees) only with INT4 experts, the format with more code
+# every (mode, budget) x drafter with INT4 experts (the format with more code), bf16 experts at the chain and budget
+# 16 (the expert format does not reach the speculative code: the rest of its matrix took ~70 s of CI); the random
+# DFlash drafter stops at budget 64 (at 256 every round verifies 257 tokens, as it rarely agrees: ~75 s a case on two
+# CPU cores), the agreeing one takes budget 256's trees
 CASES = [(int4, drafter, mode, budget) for mode, budget in [("chain", 0)] + [("ddtree", b) for b in BUDGETS]
          for drafter in ("dflash", "agreeing") for int4 in (False, True)
-         if not (drafter == "dflash" and budget == 256 and not int4)]
+         if (int4 or budget in (0, 16)) and not (drafter == "dflash" and budget == 256)]
 
 
 @pytest.mark.parametrize("int4,drafter,mode,budget", CASES,
