@@ -70,6 +70,27 @@ def test_k26_width_rank_runs_lossless():
         assert out[:safe] == ar[:safe], (spec, budget, safe)
 
 
+def test_one_launch_moe_keeps_the_ar_tokens(monkeypatch):
+    """launch_v3.ONE_LAUNCH (the AR step's gate_up and down in one grid, kdtree_moe_v3_one) inside the engine's
+    captured AR step of a bf16 K2.6-width rank: the same tokens as the two kernels (the same bits, kernel for
+    kernel: tests/test_moe_v3_gpu.py)."""
+    from plugins.common.device import device_facts
+    from plugins.moe_w4a16 import launch_v3
+    monkeypatch.setattr(launch_v3, "ONE_LAUNCH", True)
+    if not launch_v3.one_launch_applies(1, 8, 16, 224, 224, 8, device_facts("cuda")):
+        pytest.skip("kdtree_moe_v3_one runs on an sm_90 GPU of at least 128 SMs")
+    target, _ = draw_models("kimi-k2.6", SoloRankComm(0, 8, torch.device("cuda")), layers=3)
+    rng = random.Random(7)
+    prompt = [rng.randrange(target.cfg.vocab_size) for _ in range(24)]
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(launch_v3, "ONE_LAUNCH", on)
+        eng = Engine.from_models(target, None, None, spec="none", graphs=True)
+        outs[on] = list(eng.generate_ids(prompt, 16))
+        assert eng.last_stats["graphs"], eng.last_stats.get("graph_note")
+    assert outs[True] == outs[False]
+
+
 def test_bench_rank_only_on_artifact(k26_art):
     from runtime.bench_rank import format_rank_table, run_rank_bench
 
@@ -96,7 +117,8 @@ def test_switches_ab_on_artifact(k26_art, tmp_path, monkeypatch):
     from plugins.skinny_gemm import launch as skinny_launch
     from runtime.model import layers
 
-    every = "skinny+skinny_wide+moe_pf+gemm_pf+attn_pf+moe_w16"  # the MoE's and the GEMMs' weights after the wait
+    # the MoE's and the GEMMs' weights after the wait, the one-token MoE grid
+    every = "skinny+skinny_wide+moe_pf+gemm_pf+attn_pf+moe_w16+moe_one_launch"
     monkeypatch.setattr(sys, "argv", ["k26_switches", "--source", str(k26_art), "--settings", f"base,{every}",
                                       "--context", "256",
                                       "--budget", "8", "--iters", "2", "--profile", "--out", str(tmp_path)])
@@ -107,7 +129,7 @@ def test_switches_ab_on_artifact(k26_art, tmp_path, monkeypatch):
         assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("ar_step_us", "ddtree8_step_us", "ddtree8_drafter_us"))
         assert r["ar_kernels_per_layer"] > 0 and r["ddtree8_classes"]["moe_experts"]["kernels"] > 0  # --profile
     assert layers.SKINNY_GEMM and layers.SKINNY_MAX_TOKENS == 1  # the defaults again
-    assert launch_v3.USE_W16 and launch_v3.EARLY_WEIGHTS and skinny_launch.EARLY_WEIGHTS
+    assert launch_v3.USE_W16 and launch_v3.EARLY_WEIGHTS and skinny_launch.EARLY_WEIGHTS and not launch_v3.ONE_LAUNCH
     from plugins.layer_fusion import kernel as fusion_kernel
     assert fusion_kernel.EARLY_WEIGHTS
 
