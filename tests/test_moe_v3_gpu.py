@@ -224,7 +224,6 @@ def test_one_launch_equals_the_two_kernels(shape, monkeypatch):
     (w13, s13), (w2, s2) = (random_fragments(e_local, 2 * i, d, dev, torch.Generator(device=dev).manual_seed(e + d)),
                             random_fragments(e_local, d, i, dev, torch.Generator(device=dev).manual_seed(i)))
     shapes = (w13.shape[1], w13.shape[2], w2.shape[1], w2.shape[2])
-    assert launch_v3.one_launch_applies(1, k, *shapes, device_facts(dev)) is False  # off by default, until measured
     monkeypatch.setattr(launch_v3, "ONE_LAUNCH", True)
     if not launch_v3.one_launch_applies(1, k, *shapes, device_facts(dev)):
         pytest.skip("kdtree_moe_v3_one runs on an sm_90 GPU of at least top_k x w13's row pairs SMs")
