@@ -102,7 +102,6 @@ ONE_TOKEN = env_flag("KDTREE_MOE_ONE_TOKEN", True)
 # its math after a per-pick counter says the pick's h row is whole, instead of a second grid that can start only when
 # gate_up's CTAs leave their SMs.  The same h and out bits as the two kernels (tests/test_moe_v3_gpu.py).
 ONE_LAUNCH = env_flag("KDTREE_MOE_ONE_LAUNCH", False)
-ONE_P, ONE_WARPS = 7, 16  # moe_v3.cu's ONE_P and the kernel's warps
 # NT for every t (1, 2 or 4; down takes min(NT, 2)): the benchmark's other choice; None: token_tile(t)
 TOKEN_TILE_OVERRIDE: int | None = None
 DOWN_P = {1: 8, 2: 4}
@@ -137,7 +136,7 @@ def gate_up_kernel(nt: int, n_groups: int, n_items: int, sms: int) -> tuple[str,
 def one_smem(c2: int) -> int:
     """kdtree_moe_v3_one's shared memory: the warps' partial sums [16][2][4][32] fp32, h staged [8][16] bf16, down's
     rows staged [16][8][32] bf16, and down's words [16][c2][32] uint4 and scales [16][c2][32] uint2."""
-    return ONE_WARPS * 256 * 4 + 8 * 16 * 2 + ONE_WARPS * 8 * 32 * 2 + ONE_WARPS * c2 * 32 * (16 + 8)
+    return W16 * 256 * 4 + 8 * 16 * 2 + W16 * 8 * 32 * 2 + W16 * c2 * 32 * (16 + 8)
 
 
 def one_launch_applies(t: int, top_k: int, pairs13: int, c1: int, pairs2: int, c2: int, facts: DeviceFacts) -> bool:
@@ -146,7 +145,7 @@ def one_launch_applies(t: int, top_k: int, pairs13: int, c1: int, pairs2: int, c
     (at most the SMs: its waits need every CTA running); 16 warps x the ring depth dividing the k groups; down's row
     pairs one a warp of the pick's CTAs."""
     return (ONE_LAUNCH and t == 1 and facts.arch == "sm_90" and top_k * pairs13 <= facts.sms
-            and c1 % (ONE_WARPS * ONE_P) == 0 and pairs2 <= ONE_WARPS * pairs13 and one_smem(c2) <= 227 * 1024)
+            and c1 % (W16 * GATE_UP_W16_P[1]) == 0 and pairs2 <= W16 * pairs13 and one_smem(c2) <= 227 * 1024)
 
 
 def down_kernel(nt: int) -> str:
@@ -325,7 +324,7 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
                 (w13.data_ptr(), w13_scale.data_ptr(), w2.data_ptr(), w2_scale.data_ptr(), x.data_ptr(),
                  ws.topk_idx.data_ptr(), ws.topk_w.data_ptr(), ws.h.data_ptr(), ws.out.data_ptr(), ws.sync.data_ptr(),
                  top_k, e_start, e_local, d // GROUP, c1, pairs13, i, i // GROUP, c2, pairs2, d),
-                (ptr,) * 10 + (i32,) * 11, ONE_WARPS)
+                (ptr,) * 10 + (i32,) * 11, W16)
     else:
         pf = ((PF_L2 * pf_on | PF_ONE * ONE_TOKEN,), (i32,))  # the flags argument (values, ctypes) of both
         nt = TOKEN_TILE_OVERRIDE or token_tile(t)

@@ -213,6 +213,68 @@ struct Ring {
     }
 };
 
+// The end of a gate_up item: the W warps' gate and up sums of it (acc, zeroed here) through red [W][2 m][NT][4][32],
+// added in warp order, silu(gate) * up into s_h [8 NT tokens][16 rows] bf16.  Every thread of the CTA calls it; the
+// CTA meets before the sums and after.
+template <int NT, int W>
+__device__ __forceinline__ void item_h(float (&acc)[2][NT][4], float* red, u16* s_h) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                red[(warp * 2 + m) * NT * 128 + (j * 4 + r) * 32 + lane] = acc[m][j][r];
+                acc[m][j][r] = 0.f;
+            }
+    __syncthreads();
+    for (int q = threadIdx.x; q < NT * 128; q += 32 * W) {
+        float gs = 0.f, us = 0.f;
+#pragma unroll
+        for (int w = 0; w < W; ++w) {
+            gs += red[(w * 2) * NT * 128 + q];
+            us += red[(w * 2 + 1) * NT * 128 + q];
+        }
+        const int lq = q & 31, r = (q >> 5) & 3, j = q >> 7;
+        const int row = (lq >> 2) + 8 * (r >> 1), col = 8 * j + 2 * (lq & 3) + (r & 1);
+        s_h[col * 16 + row] = to_bf16(gs / (1.f + __expf(-gs)) * us);
+    }
+    __syncthreads();
+}
+
+// The end of a down item (row pair p) of one warp: token column c of tile j weighted by my_w[j] of lane (c, 0) (each
+// lane holds its column g's), staged [8 NT tokens][32 rows] in `stage`, then lane (g, u) stores rows 8 u .. 8 u + 7 of
+// its column's slot my_slot[j] (where it has one) in 16 bytes; acc zeroed.
+template <int NT>
+__device__ __forceinline__ void store_out_rows(float (&acc)[2][NT][4], const float (&my_w)[NT],
+                                               const int (&my_slot)[NT], u16* stage, u16* __restrict__ out, int d,
+                                               int p) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, u = lane & 3;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+        for (int hi = 0; hi < 2; ++hi) {
+            const int col = 2 * u + hi;
+            const float wt = __shfl_sync(0xFFFFFFFFu, my_w[j], col * 4);
+            u16* o = stage + (8 * j + col) * 32 + g;
+#pragma unroll
+            for (int m = 0; m < 2; ++m) {
+                o[16 * m] = to_bf16(wt * acc[m][j][hi]);
+                o[16 * m + 8] = to_bf16(wt * acc[m][j][2 + hi]);
+                acc[m][j][hi] = acc[m][j][2 + hi] = 0.f;
+            }
+        }
+    }
+    __syncwarp();
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+        if (my_slot[j] >= 0)
+            *reinterpret_cast<uint4*>(out + (long)my_slot[j] * d + p * 32 + 8 * u) =
+                *reinterpret_cast<const uint4*>(stage + (8 * j + g) * 32 + 8 * u);
+    __syncwarp();
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // gate_up: item = (entry, row pair); the CTA's W warps split the item's k groups (warp w: groups w + W m)
 // ---------------------------------------------------------------------------------------------------------
@@ -293,29 +355,7 @@ __device__ void gate_up(const uint4* __restrict__ w13, const uint2* __restrict__
         l_next();
         if (++c_chunk < chunks) continue;
         // end of the item: reduce over the warps (in warp order), silu(gate) * up, 16-byte stores of h
-        float* red = s_red + parity * W * RED;
-#pragma unroll
-        for (int m = 0; m < 2; ++m)
-#pragma unroll
-            for (int j = 0; j < NT; ++j)
-#pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    red[(warp * 2 + m) * NT * 128 + (j * 4 + r) * 32 + lane] = acc[m][j][r];
-                    acc[m][j][r] = 0.f;
-                }
-        __syncthreads();
-        for (int q = threadIdx.x; q < NT * 128; q += 32 * W) {
-            float gs = 0.f, us = 0.f;
-#pragma unroll
-            for (int w = 0; w < W; ++w) {
-                gs += red[(w * 2) * NT * 128 + q];
-                us += red[(w * 2 + 1) * NT * 128 + q];
-            }
-            const int lq = q & 31, r = (q >> 5) & 3, j = q >> 7;
-            const int row = (lq >> 2) + 8 * (r >> 1), col = 8 * j + 2 * (lq & 3) + (r & 1);
-            s_h[col * 16 + row] = to_bf16(gs / (1.f + __expf(-gs)) * us);
-        }
-        __syncthreads();
+        item_h<NT, W>(acc, s_red + parity * W * RED, s_h);
         if (w_slot >= 0) {
             const int p = c_wi % n_pairs;
             *reinterpret_cast<uint4*>(h + (long)w_slot * inter + p * 16 + 8 * (threadIdx.x & 1)) =
@@ -430,29 +470,7 @@ __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2,
         l_next();
         if (++c_chunk < chunks) continue;
         // end of the item: weight each token column, stage [token][32 rows], 16-byte stores of out rows
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-#pragma unroll
-            for (int hi = 0; hi < 2; ++hi) {
-                const int col = 2 * u + hi;
-                const float wt = __shfl_sync(0xFFFFFFFFu, my_w[j], col * 4);
-                u16* o = stage + (8 * j + col) * 32 + g;
-#pragma unroll
-                for (int m = 0; m < 2; ++m) {
-                    o[16 * m] = to_bf16(wt * acc[m][j][hi]);
-                    o[16 * m + 8] = to_bf16(wt * acc[m][j][2 + hi]);
-                    acc[m][j][hi] = acc[m][j][2 + hi] = 0.f;
-                }
-            }
-        }
-        __syncwarp();
-        const int p = c_wi % n_pairs;
-#pragma unroll
-        for (int j = 0; j < NT; ++j)  // lane (g, u): token column g of tile j, rows 8u .. 8u + 7
-            if (my_slot[j] >= 0)
-                *reinterpret_cast<uint4*>(out + (long)my_slot[j] * d + p * 32 + 8 * u) =
-                    *reinterpret_cast<const uint4*>(stage + (8 * j + g) * 32 + 8 * u);
-        __syncwarp();
+        store_out_rows<NT>(acc, my_w, my_slot, stage, out, d, c_wi % n_pairs);
         c_chunk = 0;
         c_wi += n_warps;
         if (c_wi < n_work) prefetch_slots(c_wi);
@@ -473,7 +491,7 @@ __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2,
 // within the SMs, and a CTA takes a whole SM's registers), so the wait ends; a wait past ~1-2 s traps (a launch error,
 // not a hang).  The last CTA of pick k past the wait (sync[top_k + k] its arrivals) zeroes both words for the next
 // call.  The expert comes from topk_idx (the route kernel's output, through L2): neither the counts nor the lists.
-#define ONE_P 7  // gate_up's ring depth (GATE_UP_W16's)
+#define ONE_P 7  // gate_up's ring depth: GATE_UP_W16's (launch_v3.GATE_UP_W16_P), whose bits it keeps
 
 extern "C" __global__ void __launch_bounds__(16 * 32, 1) kdtree_moe_v3_one(
     const uint4* __restrict__ w13, const uint2* __restrict__ s13, const uint4* __restrict__ w2,
@@ -526,23 +544,7 @@ extern "C" __global__ void __launch_bounds__(16 * 32, 1) kdtree_moe_v3_one(
             if (more) ring.load(kk, base + W * kk, c_real13);
         }
     }
-#pragma unroll
-    for (int m = 0; m < 2; ++m)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) s_red[(warp * 2 + m) * 128 + r * 32 + lane] = acc[m][0][r];
-    __syncthreads();
-    if (tid < 128) {  // the warps' sums in warp order, silu(gate) * up (gate_up's end of item, NT = 1)
-        float gs = 0.f, us = 0.f;
-#pragma unroll
-        for (int w = 0; w < W; ++w) {
-            gs += s_red[(w * 2) * 128 + tid];
-            us += s_red[(w * 2 + 1) * 128 + tid];
-        }
-        const int lq = tid & 31, r = (tid >> 5) & 3;
-        const int row = (lq >> 2) + 8 * (r >> 1), col = 2 * (lq & 3) + (r & 1);
-        s_h[col * 16 + row] = to_bf16(gs / (1.f + __expf(-gs)) * us);
-    }
-    __syncthreads();
+    item_h<1, W>(acc, s_red, s_h);  // acc zeroed for down
     if (tid < 2)  // token column 0 (slot k): h[k, 16 p ..] in two 16-byte stores
         *reinterpret_cast<uint4*>(h + (long)k * inter + p * 16 + 8 * tid) =
             *reinterpret_cast<const uint4*>(s_h + 8 * tid);
@@ -568,27 +570,13 @@ extern "C" __global__ void __launch_bounds__(16 * 32, 1) kdtree_moe_v3_one(
     const uint4* hx = g == 0 ? reinterpret_cast<const uint4*>(h) + (long)k * c_real2 * 4 + u : nullptr;
     const uint4* sw = s_w2 + warp * n_groups2 * 32 + lane;
     const uint2* ss = s_s2 + warp * n_groups2 * 32 + lane;
-    zero_acc<1>(acc);
     for (int c = 0; c < n_groups2; ++c) {
         const uint4 xv[1] = {ld_tokens_or_zero<true>(hx + 4 * c, hx != nullptr && c < c_real2)};
         group_mma<1>(acc, sw[c * 32], ss[c * 32], xv);
     }
-    const float wk = ld_cg_f32(topk_w + k);
-    u16* stage = s_o + warp * 8 * 32;
-#pragma unroll
-    for (int hi = 0; hi < 2; ++hi) {  // down's epilogue: token column 2 u + hi weighted (only column 0 is stored)
-        const int col = 2 * u + hi;
-        const float wt = col == 0 ? wk : 0.f;
-        u16* o = stage + col * 32 + g;
-#pragma unroll
-        for (int m = 0; m < 2; ++m) {
-            o[16 * m] = to_bf16(wt * acc[m][0][hi]);
-            o[16 * m + 8] = to_bf16(wt * acc[m][0][2 + hi]);
-        }
-    }
-    __syncwarp();
-    if (g == 0)  // lane (0, u): rows 8 u .. 8 u + 7 of slot k
-        *reinterpret_cast<uint4*>(out + (long)k * d + q * 32 + 8 * u) = *reinterpret_cast<const uint4*>(stage + 8 * u);
+    const float my_w[1] = {g == 0 ? ld_cg_f32(topk_w + k) : 0.f};  // token column 0 is slot k, the others none
+    const int my_slot[1] = {g == 0 ? k : -1};
+    store_out_rows<1>(acc, my_w, my_slot, s_o + warp * 8 * 32, out, d, q);
 }
 
 #define GATE_UP(NT, P, MINB)                                                                                    \
