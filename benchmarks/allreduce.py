@@ -89,7 +89,8 @@ def main() -> None:
     from benchmarks.common import print_table, write_result
     path = write_result("allreduce", rows, {"world": world, "peers": "torch.distributed NCCL all_reduce (eager, "
                                             "and per call inside a CUDA graph of 20)",
-                                            "note": "custom one-shot all-reduce: a later option (runtime/parallel/comm.py)"},
+                                            "note": "custom one-shot all-reduce: a later option "
+                                            "(runtime/parallel/comm.py)"},
                         a.out)
     print(f"wrote {path}")
     print_table(rows, ["world", "n", "bytes", "eager_us", "graph_us_per_call", "roofline_us",

@@ -54,7 +54,8 @@ GOALS = [
     ("tree_accept", "B256 b1", lambda r: (r["B"], r["b"]) == (256, 1), "us", 5.0, "", ""),
     ("tree_accept", "B256 b64", lambda r: (r["B"], r["b"]) == (256, 64), "us", 5.0, "", ""),
     *[("kv_commit", f"61 layers + feats, b{b} L{l_len}",
-       (lambda bb, ll: lambda r: (r["b"], r["L"]) == (bb, ll))(b, l_len), "bandwidth", 0.8, "two dependent launches (~3 us in a graph) dominate below ~10 MB moved",
+       (lambda bb, ll: lambda r: (r["b"], r["L"]) == (bb, ll))(b, l_len), "bandwidth", 0.8,
+       "two dependent launches (~3 us in a graph) dominate below ~10 MB moved",
        "one-launch variant with a last-program ticket (saves ~1 us)") for b, l_len in ((1, 8), (8, 8), (64, 8))],
     # issue 17: >= 50 % at t = 1, 8, 16, 64 and >= 60 % at 256, 512 (the --quick rows: t = 9 and 17 for 8 and 16)
     *[("moe_w4a16_v3", f"TP8 tree t={t}", _moe(t), "fraction", 0.5 if t <= 64 else 0.6, MOE, MOE_NEXT)

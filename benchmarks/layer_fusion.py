@@ -58,7 +58,8 @@ def run(models: list[str], tmp: Path) -> dict:
             print(f"{model} {mode}: done", flush=True)
         res["gpu"], res["git_commit"] = per["fused"]["gpu"], per["fused"]["git_commit"]
         res["models"][model] = {"layers": per["fused"]["layers"], "context": MODELS[model]["contexts"][0], **{
-            mode: {"rows": d["rows"], "kernels_per_layer": {m: p["kernels_per_layer"] for m, p in d["profiles"].items()},
+            mode: {"rows": d["rows"],
+                   "kernels_per_layer": {m: p["kernels_per_layer"] for m, p in d["profiles"].items()},
                    "kernels": {m: p["kernels"] for m, p in d["profiles"].items()},
                    "profile_gpu_us": {m: p["gpu_us"] for m, p in d["profiles"].items()},
                    "classes": {m: p["classes"] for m, p in d["profiles"].items()},

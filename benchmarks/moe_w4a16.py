@@ -182,7 +182,8 @@ def check_once(ex, dev) -> float:
 def profile_launches(dev, out_dir) -> None:
     """Device time per launch of the op (torch.profiler / CUPTI, eager calls), for the diagnosis in NOTES.md."""
     rows = []
-    for name, e_local, i, e_start, ts in (("k26_tp8", E, 256, 0, (1, 16, 64, 512)), ("k26_ep8", 48, 2048, 144, (1, 16))):
+    for name, e_local, i, e_start, ts in (("k26_tp8", E, 256, 0, (1, 16, 64, 512)),
+                                          ("k26_ep8", 48, 2048, 144, (1, 16))):
         ex = make_experts(e_local, i, dev)
         for t in ts:
             for routing in ("tree", "uniform"):

@@ -6,7 +6,8 @@ d hidden, i intermediate (i_l per rank), e experts (e_l per rank), v vocab (v_l 
 Files per rank (rank{r}/, safetensors, our names):
   globals.safetensors        embed [v_l, d], norm [d], lm_head [v_l, d] (absent when tied)
   layer.{i:03d}.safetensors  layers.{i}.attn_norm [d], .mlp_norm [d],
-                             .attn.q_a [q, d], .attn.q_a_norm [q], .attn.q_b [h_l*(p+r), q]  (or .attn.q [h_l*(p+r), d]),
+                             .attn.q_a [q, d], .attn.q_a_norm [q],
+                             .attn.q_b [h_l*(p+r), q]  (or .attn.q [h_l*(p+r), d]),
                              .attn.kv_a [c+r, d], .attn.kv_a_norm [c],
                              .attn.w_uk [h_l, p, c], .attn.w_uv [h_l, u, c]   (kv_b split for the absorbed form),
                              .attn.o [d, h_l*u],
@@ -16,7 +17,8 @@ Files per rank (rank{r}/, safetensors, our names):
                                     plugins/moe_w4a16/fragment_layout.py; k padded to kp = ceil(k/256)*256):
                                     .moe.w13_packed [e_l, 2*i_l/32, dp/32, 32, 4] int32,
                                     .moe.w13_scale [e_l, 2*i_l/32, dp/32, 8, 4],
-                                    .moe.w2_packed [e_l, d/32, i_lp/32, 32, 4] int32, .moe.w2_scale [e_l, d/32, i_lp/32, 8, 4]
+                                    .moe.w2_packed [e_l, d/32, i_lp/32, 32, 4] int32,
+                                    .moe.w2_scale [e_l, d/32, i_lp/32, 8, 4]
                                     (artifacts built before hold the planar layout, layout.py, also read);
                                     or dense experts .moe.w13 [e_l, 2*i_l, d], .moe.w2 [e_l, d, i_l].
 Float tensors are stored bf16 when that is exact, else fp32 (lossless either way).  The input is read

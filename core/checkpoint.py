@@ -31,7 +31,8 @@ class Checkpoint:
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
-                raise CheckpointError(f"{index}: not a valid safetensors index ({exc.__class__.__name__}: {exc})") from None
+                raise CheckpointError(f"{index}: not a valid safetensors index "
+                                      f"({exc.__class__.__name__}: {exc})") from None
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index}: `weight_map` must be an object")
             for shard in sorted(set(weight_map.values())):

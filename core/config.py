@@ -118,7 +118,8 @@ class ModelConfig:
             raise ConfigError(f"config.json: `num_experts_per_tok` ({self.num_experts_per_tok}) exceeds the experts "
                               f"of the `topk_group` groups it may choose from")
         if self.n_group > 1 and self.n_routed_experts // self.n_group < 2:
-            raise ConfigError("config.json: `n_group` leaves fewer than 2 experts per group (group score is a top-2 sum)")
+            raise ConfigError("config.json: `n_group` leaves fewer than 2 experts per group "
+                              "(group score is a top-2 sum)")
         if not 0 <= self.first_k_dense_replace <= self.num_layers:
             raise ConfigError(f"config.json: `first_k_dense_replace` must lie in [0, num_hidden_layers], "
                               f"got {self.first_k_dense_replace}")
@@ -296,7 +297,8 @@ def _parse_rope(text: dict[str, Any], source: str, where: str) -> RopeConfig:
     max_pos = text.get("max_position_embeddings")
     original = params.get("original_max_position_embeddings", text.get("original_max_position_embeddings", max_pos))
     if not isinstance(original, int) or original <= 0:
-        raise ConfigError(f"{source}: `{where}rope_scaling.original_max_position_embeddings` must be a positive integer")
+        raise ConfigError(f"{source}: `{where}rope_scaling.original_max_position_embeddings` "
+                          "must be a positive integer")
     factor = params.get("factor")
     if factor is None:
         factor = max_pos / original
@@ -348,10 +350,12 @@ def _parse_quant(q: dict[str, Any], source: str) -> QuantConfig:
                 raise ConfigError(f"{source}: `{key}.actorder` = {w.get('actorder')!r} is not served")
             sizes.add(w["group_size"])
         if len(sizes) != 1:
-            raise ConfigError(f"{source}: `quantization_config.config_groups` must give one group_size, got {sorted(sizes)}")
+            raise ConfigError(f"{source}: `quantization_config.config_groups` must give one group_size, "
+                              f"got {sorted(sizes)}")
         (size,) = sizes
         if size <= 0 or size % 8:
-            raise ConfigError(f"{source}: `quantization_config` group_size must be a positive multiple of 8, got {size}")
+            raise ConfigError(f"{source}: `quantization_config` group_size must be a positive multiple of 8, "
+                              f"got {size}")
         return QuantConfig(kind="int4", group_size=size)
     raise ConfigError(f"{source}: `quantization_config.quant_method` = {method!r} is not served "
                       f"(served: compressed-tensors pack-quantized, fp8)")

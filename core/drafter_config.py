@@ -38,7 +38,8 @@ class DrafterConfig:
         for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "num_layers",
                      "vocab_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
-                raise ConfigError(f"drafter config.json: `{name}` must be a positive integer, got {getattr(self, name)!r}")
+                raise ConfigError(f"drafter config.json: `{name}` must be a positive integer, "
+                                  f"got {getattr(self, name)!r}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"drafter config.json: `num_key_value_heads` ({self.num_kv_heads}) must divide "
                               f"`num_attention_heads` ({self.num_heads})")
@@ -49,7 +50,8 @@ class DrafterConfig:
         if not self.target_layer_ids:
             raise ConfigError("drafter config.json: `dflash_config.target_layer_ids` is empty")
         if not self.rms_norm_eps > 0 or not math.isfinite(self.rms_norm_eps):  # NaN fails `> 0`
-            raise ConfigError(f"drafter config.json: `rms_norm_eps` must be a positive number, got {self.rms_norm_eps!r}")
+            raise ConfigError(f"drafter config.json: `rms_norm_eps` must be a positive number, "
+                              f"got {self.rms_norm_eps!r}")
 
     @property
     def depth(self) -> int:

@@ -148,7 +148,8 @@ class Tokenizer:
         s = self.specials
         ids = []
         if system is not None:
-            ids += [s["<|im_system|>"], *self.encode("system"), s["<|im_middle|>"], *self.encode(system, allowed_special),
+            ids += [s["<|im_system|>"], *self.encode("system"), s["<|im_middle|>"],
+                    *self.encode(system, allowed_special),
                     s["<|im_end|>"]]
         ids += [s["<|im_user|>"], *self.encode("user"), s["<|im_middle|>"], *self.encode(user, allowed_special),
                 s["<|im_end|>"]]

@@ -104,16 +104,19 @@ def run_rank_bench(source: str = "kimi-k2.6", tp: int = 8, rank: int = 0, layers
             rows.append(row)
             torch.cuda.empty_cache()  # the session's caches are gone: give their memory back before the next
             if progress:
-                print(f"L={ctx} {row['mode']}: step {row['step_us']:.0f} us, T(N) {row['verify_us']:.0f} us", flush=True)
+                print(f"L={ctx} {row['mode']}: step {row['step_us']:.0f} us, T(N) {row['verify_us']:.0f} us",
+                      flush=True)
     mem.update(peak_gb=_gb(torch.cuda.max_memory_allocated()), reserved_gb=_gb(torch.cuda.memory_reserved()))
     cfg = target.cfg
     return {
-        "benchmark": "k26-rank", "source": source, "preset": preset, "tp": target.plan.tp, "rank": rank, "layers": cfg.num_layers, "seed": seed,
+        "benchmark": "k26-rank", "source": source, "preset": preset, "tp": target.plan.tp, "rank": rank,
+        "layers": cfg.num_layers, "seed": seed,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "git_commit": git_commit(),
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "iters": iters,
         "bandwidth_bytes_per_s": round(copy_bytes_per_s(dev), -9),
         "bandwidth_source": "this GPU's device copy (bytes read + written), measured in this run",
-        "load_s": round(load_s, 1), "loaded_by": "drawn in GPU memory" if preset == source else "read_rank", "memory": mem, "rows": rows, "profiles": profiles,
+        "load_s": round(load_s, 1), "loaded_by": "drawn in GPU memory" if preset == source else "read_rank",
+        "memory": mem, "rows": rows, "profiles": profiles,
         "collectives_model": _collectives_model(rows, cfg.num_layers, drafter),
         "notes": ["the rank runs alone (SoloRankComm): collectives cost nothing in the measured times",
                   "random weights: the drafter never agrees with the target, so tau is ~1 here; the per-round "

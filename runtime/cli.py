@@ -132,7 +132,8 @@ def run(
     tp: int = typer.Option(1, "--tp", help="tensor-parallel ranks: starts one process per rank (or runs as one "
                            "rank of torchrun's)"),
     ep: bool = typer.Option(False, "--ep", help="with --tp: routed experts whole per rank (expert parallel)"),
-    dtype: str = typer.Option("auto", "--dtype", help="auto (fp32 on CPU, bf16 on CUDA) | float32 | float64 | bfloat16"),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (fp32 on CPU, bf16 on CUDA) "
+                              "| float32 | float64 | bfloat16"),
     build: bool = typer.Option(False, "--build", help="take a checkpoint dir through `kdtree build`'s cache "
                                "(built once, then a cache hit) and run the artifact; every load of a checkpoint "
                                "dir does, so the flag only says it"),
@@ -429,7 +430,8 @@ def serve(
                                          "(chosen per round on the device; a request's `budget` overrides it; "
                                          "default: auto on cuda, 16 on cpu)"),
     graphs: bool = typer.Option(True, "--graphs/--no-graphs", help="CUDA: replay captured graphs of a round"),
-    dtype: str = typer.Option("auto", "--dtype", help="auto (fp32 on CPU, bf16 on CUDA) | float32 | float64 | bfloat16"),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (fp32 on CPU, bf16 on CUDA) "
+                              "| float32 | float64 | bfloat16"),
     name: Optional[str] = typer.Option(None, "--served-model-name", help="model id of /v1/models (default: "
                                        "the folder's name)"),
 ) -> None:

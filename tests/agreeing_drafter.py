@@ -50,7 +50,8 @@ class AgreeingDrafter:
         miss = torch.rand(b, depth, generator=self.gen) < self.miss_prob
         other = (greedy + 1 + torch.randint(vocab - 1, (b, depth), generator=self.gen)) % vocab
         top = logits.gather(2, greedy[..., None])[..., 0] + 1.0
-        logits.scatter_(2, other[..., None], torch.where(miss, top, logits.gather(2, other[..., None])[..., 0])[..., None])
+        logits.scatter_(2, other[..., None],
+                        torch.where(miss, top, logits.gather(2, other[..., None])[..., 0])[..., None])
         return logits.to(bonus.device)
 
     def _append(self, cache: LatentCache, ids: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:

@@ -421,7 +421,8 @@ def test_tree_accept_kernel_on_gpu_many_shapes():
         cases.append(dict(meta, ok=ok, longest=longest, capped=capped))
     for n in (1, 2, 1025, 2049):  # edge sizes: root only, one node, B = 1024, beyond one 2048 block
         tok = torch.randint(0, 3, (3, n))
-        par = torch.randint(-1, max(n - 1, 1), (3, n), dtype=torch.int32).minimum(torch.arange(n, dtype=torch.int32) - 1)
+        par = (torch.randint(-1, max(n - 1, 1), (3, n), dtype=torch.int32)
+               .minimum(torch.arange(n, dtype=torch.int32) - 1))
         post = torch.randint(0, 3, (3, n))
         for a in (1, 5, 64):
             ok, longest, capped = run_tree_accept_case(tree_accept, post, tok, par, a, "cuda")

@@ -23,7 +23,8 @@ def _state(rng: random.Random, g: torch.Generator) -> dict:
     scores[:, 0] = 0
     live = (torch.rand(b, generator=g) < (0.0 if rng.random() < 0.15 else 0.7)).to(torch.int32)
     covered = torch.rand(nb, generator=g) < rng.choice([0.0, 0.5, 1.0])
-    return {"scores": scores, "live": live, "sizes": torch.tensor(buckets), "seen": torch.rand(2, nb, generator=g) + 0.2,
+    return {"scores": scores, "live": live, "sizes": torch.tensor(buckets),
+            "seen": torch.rand(2, nb, generator=g) + 0.2,
             "covered": covered, "force": torch.tensor([rng.choice([-1, -1, -1, rng.randrange(nb)])]),
             "cap_cost": torch.rand(nb, nb, generator=g) * 500 + 50, "value": torch.rand(2, nb, generator=g),
             "cap": rng.choice([nb - 1, rng.randrange(nb)]), "min_cap": rng.randrange(nb),

@@ -127,7 +127,8 @@ def test_generate_streams_the_text_of_kdtree_run(tiny):
     out = json.loads(r.stdout)
     assert "".join(pieces) == out["text"] and len(pieces) >= 2
     ids = eng.encode("Hello world")
-    assert out["token_ids"] == decode(eng.runner.target, None, [ids], SamplingParams(12, stop_ids=eng.stop_ids()[0]))[0][0]
+    assert out["token_ids"] == decode(eng.runner.target, None, [ids],
+                                      SamplingParams(12, stop_ids=eng.stop_ids()[0]))[0][0]
     r = CliRunner().invoke(app, ["run", path, "--prompt", "Hello world", "--max-new-tokens", "12"])
     assert r.exit_code == 0 and r.stdout.rstrip("\n") == out["text"]
     assert eng.last_stats["graphs"] is False  # CPU: eager

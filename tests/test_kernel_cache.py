@@ -55,7 +55,8 @@ def test_pack_unpack_roundtrip(tmp_path):
     group = json.loads((dest / "KEYA" / f"{GROUP_PREFIX}rms_norm_kernel.json").read_text())
     for child, path in group["child_paths"].items():
         assert Path(path) == dest / "KEYA" / child and Path(path).is_file()
-    assert (dest / "KEYA" / "rms_norm_kernel.cubin").read_bytes() == (src / "KEYA" / "rms_norm_kernel.cubin").read_bytes()
+    assert ((dest / "KEYA" / "rms_norm_kernel.cubin").read_bytes()
+            == (src / "KEYA" / "rms_norm_kernel.cubin").read_bytes())
     assert not list(dest.rglob("*.tmp"))
     assert unpack(packed, dest)["copied"] == 0  # present already: nothing rewritten
     # a file the user's cache already has (its own JIT compile of the same key) is kept as is

@@ -3,7 +3,8 @@ kernel that would not build fails here and not first on the GPU: the MLA absorpt
 the round's emission, the older rope kernel that shares their rounding (_rotate), the MoE routing kernel with
 the shared expert's activation (with and without the list of active experts), the MoE combine (and with the
 shared expert's down projection), the TP greedy token's two kernels, the drafter's attention, K/V store and block,
-the residual norm, SiLU * up, the vocab-parallel embedding and one rank's first stage (the layer kernels with programmatic dependent
+the residual norm, SiLU * up, the vocab-parallel embedding and one rank's first stage
+(the layer kernels with programmatic dependent
 launch, as sm_90 launches them), at the specialisations the runtime launches (bf16 K2.6 shapes at t = 1 .. 64,
 the fp32 tiny models).  Each gives an ELF cubin; the rope tables' kernels must not use the approximate cos / sin."""
 

@@ -7,7 +7,8 @@ bf16 / fp16 must be bit-identical except where the RMS reduction's order shows (
 storage dtype on a few elements); fp32 within 2e-6 relative.
 
 CPU: the Triton launchers under TRITON_INTERPRET=1 in a subprocess (the interpreter is chosen when
-triton is imported), a few cases per op, fp16 and fp32 (the interpreter truncates fp32 -> bf16).  GPU (-m gpu): hundreds of cases per op, and the ops
+triton is imported), a few cases per op, fp16 and fp32 (the interpreter truncates fp32 -> bf16).
+GPU (-m gpu): hundreds of cases per op, and the ops
 dispatching to the kernels.
 """
 

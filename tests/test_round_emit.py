@@ -1,7 +1,8 @@
 """round_emit: the Triton kernel against the torch reference (reference.py) on random rounds: stop tokens at
 random slots (or none), max_new reached inside the round or not, frozen requests (count 0, live 0), AR rounds
 (one candidate, count and bonus written too), tree rounds (the candidates gathered along the accepted path, the
-drafter's context written, frozen requests' counts zeroed).  CPU: the interpreter in a subprocess; GPU (-m gpu): more cases.
+drafter's context written, frozen requests' counts zeroed).
+CPU: the interpreter in a subprocess; GPU (-m gpu): more cases.
 Every output must equal the reference's bit for bit (integers)."""
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ def test_reference_tree_round_takes_the_path_then_the_bonus():
     count, live = torch.tensor([2, 3], dtype=torch.int32), torch.tensor([1, 0], dtype=torch.int32)
     ctx, out = torch.zeros(2, 3, dtype=torch.int64), torch.full((2, 9), -5)
     produced, max_new = torch.zeros(2, dtype=torch.int32), torch.full((2,), 100, dtype=torch.int32)
-    round_emit_reference(None, count, torch.full((2, 1), -1), produced, max_new, live, torch.zeros(2, dtype=torch.int64),
+    round_emit_reference(None, count, torch.full((2, 1), -1), produced, max_new, live,
+                         torch.zeros(2, dtype=torch.int64),
                          out, torch.tensor([7, 8]), tokens, path_idx, ctx)
     assert ctx.tolist() == [[10, 12, 14], [20, 21, 23]] and count.tolist() == [2, 0]
     assert out[0, :3].tolist() == [12, 7, 10] and produced.tolist() == [2, 0]  # slot 1 is the last accepted: bonus

@@ -102,7 +102,8 @@ def test_loss_goes_down_and_resume_is_exact(runs):
     drafter = [r["loss"] for r in rows if r["phase"] == "drafter"]
     assert len(target) == len(drafter) == STEPS
     assert sum(target[-2:]) < sum(target[:2]) and sum(drafter[-2:]) < sum(drafter[:2])
-    assert (base / "full" / "loss.jsonl").read_text().count("\n") == (base / "resumed" / "loss.jsonl").read_text().count("\n")
+    assert ((base / "full" / "loss.jsonl").read_text().count("\n")
+            == (base / "resumed" / "loss.jsonl").read_text().count("\n"))
     for phase in ("target", "drafter"):
         a = torch.load(base / "full" / "ckpt" / f"{phase}.pt", weights_only=False)
         b = torch.load(base / "resumed" / "ckpt" / f"{phase}.pt", weights_only=False)

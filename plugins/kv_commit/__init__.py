@@ -26,13 +26,15 @@ def kv_commit(cache: torch.Tensor, cache_lens: torch.Tensor, scratch: torch.Tens
 def kv_commit_op(cache: torch.Tensor, cache_lens: torch.Tensor, scratch: torch.Tensor, accept_idx: torch.Tensor,
                  accept_len: torch.Tensor, feats: torch.Tensor | None, ctx_feats: torch.Tensor | None,
                  advance: bool) -> None:
-    """The registered op (no defaults: call kv_commit()).  Appends scratch[:, r, accept_idx[r, :accept_len[r]]] to cache[:, r], advances cache_lens and,
+    """The registered op (no defaults: call kv_commit()).  Appends scratch[:, r, accept_idx[r, :accept_len[r]]] to
+    cache[:, r], advances cache_lens and,
     given feats [b, n, f], gathers the accepted rows into ctx_feats [b, a, f]."""
     y, b, l_max, d_qk = cache.shape
     if scratch.dim() != 4 or scratch.shape[0] != y or scratch.shape[1] != b or scratch.shape[3] != d_qk:
         raise ValueError(f"kv_commit: scratch must be [{y}, {b}, n, {d_qk}], got {tuple(scratch.shape)}")
     if accept_idx.dim() != 2 or accept_idx.shape[0] != b or accept_idx.dtype != torch.int32:
-        raise ValueError(f"kv_commit: accept_idx must be int32 [{b}, a], got {accept_idx.dtype} {tuple(accept_idx.shape)}")
+        raise ValueError(f"kv_commit: accept_idx must be int32 [{b}, a], got "
+                         f"{accept_idx.dtype} {tuple(accept_idx.shape)}")
     if accept_len.shape != (b,) or accept_len.dtype != torch.int32 or cache_lens.shape != (b,) \
             or cache_lens.dtype != torch.int32:
         raise ValueError("kv_commit: accept_len and cache_lens must be int32 [b]")

@@ -11,7 +11,8 @@ Shapes: y layers, b requests, l_max cache capacity, n tree nodes, a accept capac
     ctx_feats   [b, a, f] or None    written: ctx_feats[r, j] = feats[r, accept_idx[r, j]] for j < accept_len[r]
 
 cache[:, r, cache_lens[r] + j] = scratch[:, r, accept_idx[r, j]] for j < accept_len[r], then
-cache_lens[r] += accept_len[r] (unless advance is False: an AR step's round_emit advances it, one launch fewer).  The scratch is separate from the cache, so the copy never reads a
+cache_lens[r] += accept_len[r] (unless advance is False: an AR step's round_emit advances it, one launch fewer).
+The scratch is separate from the cache, so the copy never reads a
 row it has already overwritten.
 """
 

@@ -83,7 +83,8 @@ def _rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
                  delta2: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual step of a layer: x, delta (, delta2) [..., d] -> (s = x + (delta + delta2), rms_norm(s) * weight)."""
+    """The residual step of a layer: x, delta (, delta2) [..., d] -> (s = x + (delta + delta2),
+    rms_norm(s) * weight)."""
     if not _fused(x, delta, delta2, weight):
         return add_rms_norm_reference(x, delta, delta2, weight, eps)
     return add_rms_norm_op(x, delta, delta2, weight, eps)

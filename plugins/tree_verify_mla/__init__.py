@@ -22,7 +22,8 @@ def check_inputs(q, cache, cache_lens, tree_kv, tree_mask, out, lse) -> None:
     if tree_kv.shape != (b, n, d_qk):
         raise ValueError(f"tree_verify_mla: tree_kv must be [{b}, {n}, {d_qk}], got {tuple(tree_kv.shape)}")
     if cache_lens.shape != (b,) or cache_lens.dtype != torch.int32:
-        raise ValueError(f"tree_verify_mla: cache_lens must be int32 [{b}], got {cache_lens.dtype} {tuple(cache_lens.shape)}")
+        raise ValueError(f"tree_verify_mla: cache_lens must be int32 [{b}], got "
+                         f"{cache_lens.dtype} {tuple(cache_lens.shape)}")
     w = (n + 63) // 64
     if tree_mask.shape != (b, n, w) or tree_mask.dtype != torch.int64:
         raise ValueError(f"tree_verify_mla: tree_mask must be int64 [{b}, {n}, {w}], got {tree_mask.dtype} "

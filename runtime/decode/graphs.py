@@ -69,7 +69,8 @@ class GraphPool:
 def capture_graph(fn: Callable[[], None], pool: GraphPool, name: str, warmup: int = 2,
                   keep_graph: bool = False) -> torch.cuda.CUDAGraph:
     """fn() captured into a torch CUDAGraph on the pool's stream and memory pool, after `warmup` eager calls of
-    fn on the capture stream (lazy init: Triton compiles, cuBLAS handles, outside the capture).  keep_graph: keep the cudaGraph_t (raw_cuda_graph())
+    fn on the capture stream (lazy init: Triton compiles, cuBLAS handles, outside the capture).
+    keep_graph: keep the cudaGraph_t (raw_cuda_graph())
     for composing (runtime/decode/conditional.py) instead of instantiating it."""
     stream = pool.stream
     stream.wait_stream(torch.cuda.current_stream(pool.device))
