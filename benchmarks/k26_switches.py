@@ -26,6 +26,8 @@ default (DEFAULT_ON), which are set again after the run):
   moe_early the MoE's down kernel loads its weights before its PDL wait (launch_v3.EARLY_WEIGHTS; on by default)
   moe_one   the 16-warp gate_up at t = 1 takes token 0 without reading the lists first (launch_v3.ONE_TOKEN)
   moe_one_launch at t = 1 the MoE's gate_up and down in one grid (launch_v3.ONE_LAUNCH, moe_v3.cu's kdtree_moe_v3_one)
+  moe_one_shared with moe_one_launch: that grid also forms the shared expert's down product, the combine adds it
+            (launch_v3.ONE_SHARED; on by default, inert without moe_one_launch)
   skinny_wgmma GEMMs of 2..32 tokens (DDTree rounds, the drafter's block) on skinny_wgmma.cu, sm_90
             (runtime.model.layers.SKINNY_WGMMA; on by default: DDTree-16 -1.8 % at 4K, call 12)
   wgmma_kb4 with skinny_wgmma: four 64-column boxes a TMA stage (512 contiguous bytes of each weight row at once,
@@ -117,6 +119,7 @@ _FLAGS = {"skinny": ("runtime.model.layers", "SKINNY_GEMM"),
           "moe_early": ("plugins.moe_w4a16.launch_v3", "EARLY_WEIGHTS"),
           "moe_one": ("plugins.moe_w4a16.launch_v3", "ONE_TOKEN"),
           "moe_one_launch": ("plugins.moe_w4a16.launch_v3", "ONE_LAUNCH"),
+          "moe_one_shared": ("plugins.moe_w4a16.launch_v3", "ONE_SHARED"),
           "route_stores": ("plugins.moe_w4a16.route_kernel", "ONE_TOKEN_STORES"),
           "skinny_wgmma": ("runtime.model.layers", "SKINNY_WGMMA"),
           "wgmma_kb4": ("plugins.skinny_gemm.wgmma_launch", "KB4"),
@@ -138,7 +141,7 @@ SWITCHES = {"moe_pf": _set_moe_pf, "skinny_pf": _set_skinny_pf,
 # the runtime's defaults among SWITCHES
 DEFAULT_ON = frozenset({"skinny", "moe_early", "skinny_early", "glue_early", "moe_w16", "attn_long", "attn_wgmma",
                         "skinny_wgmma", "route_stores", "absorb_tree", "attn_early", "attn_wgmma_ar",
-                        "attn_early2", "attn_wgmma_wide", "moe_one"})
+                        "attn_early2", "attn_wgmma_wide", "moe_one", "moe_one_shared"})
 
 
 def parse_settings(text: str) -> list[tuple[str, frozenset[str]]]:

@@ -117,10 +117,13 @@ def specialisations() -> list:
     # ... with the shared expert's down projection (K2.6 TP8: i' 256; token tiles of 16 and 64)
     t = t | {"h_ptr": "*bf16", "w_ptr": "*bf16"}
     for bt in (16, 64):
-        c = dict(K=8, BT=bt, BD=64, BI=128, N_KI=2, BC=512, DOT_PREC="tf32", PDL=True, EARLY=False)
+        c = dict(K=8, BT=bt, BD=64, BI=128, N_KI=2, BC=512, DOT_PREC="tf32", PDL=True, EARLY=False, SHARED_F=False)
         out.append(kernel(f"moe_combine_shared_bf16_bt{bt}", combine_shared_kernel, t, c, 4))
     # ... with the shared product before the PDL wait (launch_v3.EARLY_WEIGHTS)
     out.append(kernel("moe_combine_shared_early_bf16_bt16", combine_shared_kernel, t, c | dict(BT=16, EARLY=True), 4))
+    # ... adding the product the one-token grid formed (fp32 [t, d]: launch_v3.ONE_SHARED)
+    c = dict(K=8, BT=1, BD=1024, BI=16, N_KI=1, BC=512, DOT_PREC="ieee", PDL=True, SHARED_F=True)
+    out.append(kernel("moe_combine_shared_f_bf16", combine_shared_kernel, t | {"h_ptr": "*fp32"}, c, 4))
     # the TP greedy token: each rank's (max, index) pairs, then the pick across ranks
     out.append(kernel("vocab_argmax_local", vocab_argmax_local_kernel, {"x_ptr": "*fp32", "pair_ptr": "*fp64"},
                       dict(BLOCK_V=4096, PDL=True), 8))
@@ -158,7 +161,7 @@ def test_round_kernels_compile_for_sm90(tmp_path):
                           text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     recs = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(recs) == 42
+    assert len(recs) == 43
     for r in recs:
         assert (tmp_path / r["cubin"]).read_bytes()[:4] == b"\x7fELF", r
         if "_early" in r["name"]:  # weights (the MoE combine's, layer_fusion's), then the PDL wait

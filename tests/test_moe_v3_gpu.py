@@ -112,6 +112,10 @@ def _case(t, e, d, i, k, n_group, topk_group, e_start, e_local, seed, dev) -> di
                                         e_start, ws, gate_up, h2, down)
         want = y.float() + h.float() @ down.float().t()  # the routed output as returned, plus the fp32 product
         down_rel = ((y2.float() - want).norm() / want.norm().clamp_min(1e-20)).item()
+        # ONE_LAUNCH flipped: at t = 1 the one-token grid forms the product where it applies (ONE_SHARED)
+        y2 = _flipped("ONE_LAUNCH", lambda: torch.ops.kdtree.moe_w4a16(
+            x, logits, None, bias, w13, s13, w2, s2, k, n_group, topk_group, True, 2.5, e_start, ws, gate_up, h2, down))
+        down_rel = max(down_rel, ((y2.float() - want).norm() / want.norm().clamp_min(1e-20)).item())
     return {"t": t, "e": e, "d": d, "i": i, "k": k, "n_group": n_group, "topk_group": topk_group,
             "e_start": e_start, "e_local": e_local, "seed": seed, "rel": rel, "other_gate_up_rel": rel_w,
             "next_call_rel": rel_b,
@@ -253,6 +257,66 @@ def test_one_launch_equals_the_two_kernels(shape, monkeypatch):
         out = call()
     for _ in range(2):  # replays on new tokens: each equals the eager call's bits
         x.copy_(torch.randn(1, d, device=dev).to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, call()) and not ws.sync.any()
+
+
+@pytest.mark.parametrize("shape", ONE_SHAPES)
+def test_one_launch_forms_the_shared_experts_product(shape, monkeypatch):
+    """launch_v3.ONE_SHARED: the one-token grid also forms the shared expert's down product (fp32, into the
+    workspace's shared_f) and the combine adds it.  Off, the grid with the shared expert gives the two kernels' bits;
+    on, shared_f is the fp32 product of the routing kernel's h and the weights, y is within bf16 rounding of the
+    two kernels' and of the reference; three seeds, fresh random data, a poisoned workspace, a graph replayed on new
+    tokens.  (The combine's own product sums in another order: the same value, not the same bits.)"""
+    from plugins.common.device import device_facts
+    e, d, i, k, e_start, e_local = shape
+    i_s = 2 * i if i < 256 else i  # the shared expert's columns on the rank (K2.6 TP8: 256)
+    dev = torch.device("cuda")
+    (w13, s13), (w2, s2) = (random_fragments(e_local, 2 * i, d, dev, torch.Generator(device=dev).manual_seed(d)),
+                            random_fragments(e_local, d, i, dev, torch.Generator(device=dev).manual_seed(i + 1)))
+    monkeypatch.setattr(launch_v3, "ONE_LAUNCH", True)
+    if not launch_v3.one_launch_applies(1, k, w13.shape[1], w13.shape[2], w2.shape[1], w2.shape[2],
+                                        device_facts(dev)):
+        pytest.skip("kdtree_moe_v3_one runs on an sm_90 GPU of at least top_k x w13's row pairs SMs")
+    ws = MoEWorkspace.allocate(1, k, e_local, d, i, torch.bfloat16, dev)
+    ws.buffer.fill_(0xFF)
+    ws.counts.zero_()
+    ws.sync.zero_()
+    for seed in range(3):
+        g = torch.Generator(device=dev).manual_seed(200 * seed + e_local)
+        x = torch.randn(1, d, device=dev, generator=g).to(torch.bfloat16)
+        both = torch.randn(1, e + 2 * i_s, device=dev, generator=g) * 2  # router logits | shared gate | up
+        logits, gate_up = both[:, :e], both[:, e:]
+        bias = torch.randn(e, device=dev, generator=g) * 0.1
+        down = (torch.randn(d, i_s, device=dev, generator=g) * 0.05).to(torch.bfloat16)  # [d, i'] shared down
+        h = torch.empty(1, i_s, device=dev, dtype=torch.bfloat16)
+        call = lambda: moe_w4a16(x, logits, None, bias, w13, s13, w2, s2, k, 1, 1, True, 2.5, e_start,  # noqa: E731
+                                 ws.buffer, gate_up, h, down)
+        monkeypatch.setattr(launch_v3, "ONE_SHARED", False)
+        plain = call()
+        monkeypatch.setattr(launch_v3, "ONE_LAUNCH", False)
+        two = call()
+        monkeypatch.setattr(launch_v3, "ONE_LAUNCH", True)
+        assert torch.equal(plain, two), (shape, seed)
+        monkeypatch.setattr(launch_v3, "ONE_SHARED", True)
+        ws.shared_f.fill_(float("nan"))
+        one = call()
+        assert torch.equal(one, call()) and not (ws.counts.any() or ws.sync.any())
+        product = h.float() @ down.float().t()  # [1, d] the fp32 product
+        assert ((ws.shared_f - product[0]).norm() / product.norm()).item() < 1e-5, (shape, seed)
+        assert ((one.float() - two.float()).norm() / two.float().norm()).item() < 1e-2, (shape, seed)
+        idx, tw = route_reference(logits, bias, k, 1, 1, True, 2.5)
+        ref = experts_reference(x.float(), idx, tw, dequantize_fragments(w13, s13, d, True),
+                                dequantize_fragments(w2, s2, i, False), e_start) + product
+        assert ((one.float() - ref).norm() / ref.norm().clamp_min(1e-20)).item() < 2e-2, (shape, seed)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        out = call()
+    for _ in range(2):  # replays on new tokens and shared activations: each equals the eager call's bits
+        x.copy_(torch.randn(1, d, device=dev).to(torch.bfloat16))
+        gate_up.copy_(torch.randn(1, 2 * i_s, device=dev) * 2)
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, call()) and not ws.sync.any()

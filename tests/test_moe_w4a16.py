@@ -235,6 +235,23 @@ def _interp_case(t, e, d, i, k, n_group, topk_group, e_start, e_local, int4, dty
             launch_combine(outs, idx.to(torch.int32).reshape(-1), ys[-1], counts, e_start, e_local, k, False, shared_h,
                            down, early=early)
         res["combine_early_equal"] = torch.equal(*ys) and not counts.any().item()
+        # the shared product formed by the previous kernel (shared_f, fp32: kdtree_moe_v3_one's ONE_SHARED), added
+        # as the combine adds its own: y = bf16(bf16(the local slots' fp32 sum in slot order) + shared_f)
+        shared_f = torch.randn(t, d, generator=g)  # [t, d] fp32
+        local = ((idx >= e_start) & (idx < e_start + e_local)).reshape(-1)  # [t * k] slots of this rank's experts
+        routed = torch.zeros(t, d)
+        for j in range(k):
+            routed += outs.view(t, k, d)[:, j].float() * local.view(t, k)[:, j, None]
+        if dtype == torch.bfloat16:  # the interpreter's fp32 -> bf16 truncates (module doc)
+            rnd = lambda v: (v.view(torch.int32) & -65536).view(torch.float32).to(dtype)  # noqa: E731
+        else:
+            rnd = lambda v: v.to(dtype)  # noqa: E731
+        want_f = rnd(rnd(routed).float() + shared_f)
+        counts.fill_(1)
+        y_f = torch.empty(t, d, dtype=dtype)
+        launch_combine(outs, idx.to(torch.int32).reshape(-1), y_f, counts, e_start, e_local, k, False,
+                       shared_f=shared_f)
+        res["combine_shared_f_equal"] = torch.equal(y_f, want_f) and not counts.any().item()
     # the routing kernel without the active-expert list (v3's form): the same picks, weights, counts and lists
     import plugins.moe_w4a16.route_kernel as route_module
     from plugins.moe_w4a16.route_kernel import launch_route
@@ -309,7 +326,7 @@ def test_triton_interpreter_matches_reference(interp_results, case):
     if case in SHARED_DOWN_CASES:  # the combine's shared down projection: the GEMM-with-beta-1 reference
         assert r["shared_down_rel"] < (1e-6 if r["dtype"] == "torch.float32" else 2e-2), r
         assert r["shared_down_moved"] > 1e-2, r
-        assert r["combine_early_equal"], r
+        assert r["combine_early_equal"] and r["combine_shared_f_equal"], r
 
 
 # ---------------------------------------------------------------- GPU

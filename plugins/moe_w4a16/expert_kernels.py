@@ -280,7 +280,8 @@ def _shared_down_tile(h_ptr, w_ptr, rt, rd, tmask, dmask, I, stride_h, BT: tl.co
 @triton.jit
 def combine_shared_kernel(out_ptr, idx_ptr, y_ptr, counts_ptr, h_ptr, w_ptr, T, D, I, stride_h, e_start, e_local,
                           K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BI: tl.constexpr, N_KI: tl.constexpr,
-                          BC: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr = False):
+                          BC: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr = False,
+                          SHARED_F: tl.constexpr = False):
     """combine_kernel with the shared expert's down projection folded in: for the tile of BT tokens and BD columns,
     y = round(round(sum of the local slots of out, fp32, slot order) + h [t, I] . w [D, I]^T in fp32): the routed
     output rounded as combine_kernel returns it, then the GEMM with beta = 1 (reference.shared_down_reference).
@@ -288,11 +289,14 @@ def combine_shared_kernel(out_ptr, idx_ptr, y_ptr, counts_ptr, h_ptr, w_ptr, T, 
     EARLY: the shared product before the PDL wait, so its weight stream overlaps the down kernel's tail.  h is the
     route kernel's output, three launches back: every kernel between lets its dependents launch only after its own
     wait, so the route kernel has completed whenever this grid runs.  Only out (the down kernel's) and the counts
-    zeroing wait.  The same arithmetic either way."""
+    zeroing wait.  The same arithmetic either way.  SHARED_F: h_ptr is the product itself, fp32 [T, D] (row stride
+    stride_h), formed by the previous kernel: loaded after the wait and added the same way (w_ptr unused)."""
     rt = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)  # [BT] tokens
     rd = tl.program_id(1) * BD + tl.arange(0, BD)  # [BD] columns
     tmask, dmask = rt < T, rd < D
-    if EARLY:
+    if SHARED_F:
+        pass  # the product is loaded after the wait
+    elif EARLY:
         shared = _shared_down_tile(h_ptr, w_ptr, rt, rd, tmask, dmask, I, stride_h, BT, BD, BI, N_KI, DOT_PREC)
     pdl_prologue(PDL)  # counts are zeroed below: after the down kernel, its last reader, completed
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
@@ -305,7 +309,10 @@ def combine_shared_kernel(out_ptr, idx_ptr, y_ptr, counts_ptr, h_ptr, w_ptr, T, 
         v = tl.load(out_ptr + (rt * K + j)[:, None] * D + rd[None, :], mask=ok[:, None] & dmask[None, :], other=0.0)
         acc += v.to(tl.float32)
     routed = acc.to(y_ptr.dtype.element_ty).to(tl.float32)  # [BT, BD] the routed output, rounded
-    if not EARLY:
+    if SHARED_F:
+        shared = tl.load(h_ptr + rt[:, None] * stride_h + rd[None, :], mask=tmask[:, None] & dmask[None, :],
+                         other=0.0).to(tl.float32)
+    elif not EARLY:
         shared = _shared_down_tile(h_ptr, w_ptr, rt, rd, tmask, dmask, I, stride_h, BT, BD, BI, N_KI, DOT_PREC)
     tl.store(y_ptr + rt[:, None] * D + rd[None, :], (routed + shared).to(y_ptr.dtype.element_ty),
              mask=tmask[:, None] & dmask[None, :])

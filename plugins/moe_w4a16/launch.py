@@ -132,12 +132,21 @@ def moe_w4a16_triton(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
 
 def launch_combine(out: torch.Tensor, topk_idx: torch.Tensor, y: torch.Tensor, counts: torch.Tensor, e_start: int,
                    e_local: int, top_k: int, pdl: bool, shared_h: torch.Tensor | None = None,
-                   shared_down: torch.Tensor | None = None, bd: int = 1024, early: bool = False) -> None:
+                   shared_down: torch.Tensor | None = None, bd: int = 1024, early: bool = False,
+                   shared_f: torch.Tensor | None = None) -> None:
     """The op's last launch: y [t, d] = the sum of each token's local slots of out [t * top_k, d] (and, with
     shared_down [d, i'], + shared_h [t, i'] . shared_down^T in the same kernel); re-zeroes counts for the next call.
     bd: columns per program of the plain combine.  early (with shared_down): the shared product before the
-    PDL wait (combine_shared_kernel's EARLY)."""
+    PDL wait (combine_shared_kernel's EARLY).  shared_f [t, d] fp32 (instead of shared_h / shared_down): that
+    product, formed by the previous kernel (moe_v3.cu's kdtree_moe_v3_one), added the same way."""
     t, d = y.shape
+    if shared_f is not None:
+        bd = min(256, next_pow2(d))  # loads only: more programs, fewer loads each (d / 256 = 28 at K2.6)
+        combine_shared_kernel[(t, cdiv(d, bd))](
+            out, topk_idx, y, counts, shared_f, shared_f, t, d, 0, shared_f.stride(0), e_start, e_local, K=top_k,
+            BT=1, BD=bd, BI=16, N_KI=1, BC=next_pow2(e_local + 1), DOT_PREC="ieee", num_warps=4, SHARED_F=True,
+            **pdl_args(pdl))
+        return
     if shared_down is None:
         bd = min(bd, next_pow2(d))
         combine_kernel[(t, cdiv(d, bd))](out, topk_idx, y, counts, d, e_start, e_local, K=top_k, BD=bd,

@@ -102,6 +102,11 @@ ONE_TOKEN = env_flag("KDTREE_MOE_ONE_TOKEN", True)
 # its math after a per-pick counter says the pick's h row is whole, instead of a second grid that can start only when
 # gate_up's CTAs leave their SMs.  The same h and out bits as the two kernels (tests/test_moe_v3_gpu.py).
 ONE_LAUNCH = env_flag("KDTREE_MOE_ONE_LAUNCH", False)
+# KDTREE_MOE_ONE_SHARED (on; only with ONE_LAUNCH; k26_switches moe_one_shared): the one-token grid also forms the
+# shared expert's down product (fp32, into the workspace's shared_f) while its CTAs wait for each other, and the
+# combine only adds it: measured with ONE_LAUNCH alone (H100, 40 layers, k26-switches-h100.json), the combine's own
+# product could not start before the grid left the SMs (combine 2.85 -> 4.75 µs a layer, AR step level).
+ONE_SHARED = env_flag("KDTREE_MOE_ONE_SHARED", True)
 # NT for every t (1, 2 or 4; down takes min(NT, 2)): the benchmark's other choice; None: token_tile(t)
 TOKEN_TILE_OVERRIDE: int | None = None
 DOWN_P = {1: 8, 2: 4}
@@ -133,10 +138,27 @@ def gate_up_kernel(nt: int, n_groups: int, n_items: int, sms: int) -> tuple[str,
     return (name, W16) if name is not None else (gate_up_variant(nt, n_groups), WARPS)
 
 
-def one_smem(c2: int) -> int:
+def one_smem(c2: int, sd_rows: int = 0, i_s: int = 0) -> int:
     """kdtree_moe_v3_one's shared memory: the warps' partial sums [16][2][4][32] fp32, h staged [8][16] bf16, down's
-    rows staged [16][8][32] bf16, and down's words [16][c2][32] uint4 and scales [16][c2][32] uint2."""
-    return W16 * 256 * 4 + 8 * 16 * 2 + W16 * 8 * 32 * 2 + W16 * c2 * 32 * (16 + 8)
+    rows staged [16][8][32] bf16, down's words [16][c2][32] uint4 and scales [16][c2][32] uint2, and the shared
+    expert's weight rows [sd_rows][i_s] bf16 (ONE_SHARED)."""
+    return W16 * 256 * 4 + 8 * 16 * 2 + W16 * 8 * 32 * 2 + W16 * c2 * 32 * (16 + 8) + sd_rows * i_s * 2
+
+
+def one_shared_rows(grid: int, c2: int, x: torch.Tensor, shared_h: torch.Tensor | None,
+                    shared_down: torch.Tensor | None) -> int:
+    """Rows of the shared expert's down product each CTA of kdtree_moe_v3_one forms (ONE_SHARED), or 0 where the
+    combine forms it: bf16 shared_h [1, i'] and shared_down [d, i'] with contiguous rows, i' % 8 == 0 and 16-byte
+    aligned (the kernel reads both in 16-byte pieces), and the rows' weights within the SM's shared memory."""
+    if not ONE_SHARED or shared_h is None or shared_down is None:
+        return 0
+    d, i_s = shared_down.shape
+    rows = cdiv(d, grid)
+    ok = (shared_h.dtype == shared_down.dtype == torch.bfloat16 and shared_h.dim() == 2 and shared_h.shape[1] == i_s
+          and shared_h.stride(1) == 1 and shared_down.is_contiguous() and d == x.shape[1] and i_s % 8 == 0
+          and shared_h.data_ptr() % 16 == 0 and shared_down.data_ptr() % 16 == 0
+          and one_smem(c2, rows, i_s) <= 227 * 1024)
+    return rows if ok else 0
 
 
 def one_launch_applies(t: int, top_k: int, pairs13: int, c1: int, pairs2: int, c2: int, facts: DeviceFacts) -> bool:
@@ -320,11 +342,20 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
         launch_wgmma.gate_up(w13, w13_scale, x, ws.counts, ws.lists, ws.h, t, top_k, e_local, i)
         launch_wgmma.down(w2, w2_scale, ws.h, ws.topk_w, ws.counts, ws.lists, ws.out, t, top_k, e_local, i)
     elif one_launch_applies(t, top_k, pairs13, c1, pairs2, c2, facts):  # one token: both GEMMs in one grid
-        _launch(mod, "kdtree_moe_v3_one", top_k * pairs13, one_smem(c2),
+        grid = top_k * pairs13
+        sd_rows = one_shared_rows(grid, c2, x, shared_h, shared_down)  # and the shared expert's down product
+        i_s = shared_down.shape[1] if sd_rows else 0
+        _launch(mod, "kdtree_moe_v3_one", grid, one_smem(c2, sd_rows, i_s),
                 (w13.data_ptr(), w13_scale.data_ptr(), w2.data_ptr(), w2_scale.data_ptr(), x.data_ptr(),
                  ws.topk_idx.data_ptr(), ws.topk_w.data_ptr(), ws.h.data_ptr(), ws.out.data_ptr(), ws.sync.data_ptr(),
-                 top_k, e_start, e_local, d // GROUP, c1, pairs13, i, i // GROUP, c2, pairs2, d),
-                (ptr,) * 10 + (i32,) * 11, W16)
+                 top_k, e_start, e_local, d // GROUP, c1, pairs13, i, i // GROUP, c2, pairs2, d,
+                 shared_down.data_ptr() if sd_rows else 0, shared_h.data_ptr() if sd_rows else 0,
+                 ws.shared_f.data_ptr(), i_s, sd_rows),
+                (ptr,) * 10 + (i32,) * 11 + (ptr,) * 3 + (i32,) * 2, W16)
+        if sd_rows:  # the combine adds the grid's product
+            launch_combine(ws.out, ws.topk_idx, y, ws.counts, e_start, e_local, top_k,
+                           mod.pdl and not pdl_refused(mod.index), shared_f=ws.shared_f.view(1, d))
+            return y
     else:
         pf = ((PF_L2 * pf_on | PF_ONE * ONE_TOKEN,), (i32,))  # the flags argument (values, ctypes) of both
         nt = TOKEN_TILE_OVERRIDE or token_tile(t)

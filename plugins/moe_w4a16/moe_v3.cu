@@ -491,14 +491,46 @@ __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2,
 // within the SMs, and a CTA takes a whole SM's registers), so the wait ends; a wait past ~1-2 s traps (a launch error,
 // not a hang).  The last CTA of pick k past the wait (sync[top_k + k] its arrivals) zeroes both words for the next
 // call.  The expert comes from topk_idx (the route kernel's output, through L2): neither the counts nor the lists.
+// With the shared expert's down weights (sd_w [d, i_s] bf16, launch_v3.ONE_SHARED) CTA b also forms rows
+// b sd_rows .. of shared_h [i_s] . sd_w^T into sd_out [d] fp32 (one_shared_rows) while it waits for pick k's other
+// CTAs, its weight rows copied into shared memory with down's; the combine then adds sd_out instead of forming the
+// product itself (which it cannot start before this grid leaves the SMs).  Every CTA does its rows, local pick or not.
 #define ONE_P 7  // gate_up's ring depth: GATE_UP_W16's (launch_v3.GATE_UP_W16_P), whose bits it keeps
+
+// kdtree_moe_v3_one's shared-expert rows: sd_out[r0 + r] = sum over i_s of sd_h[c] * s_sd[r][c] in fp32, for r <
+// n_sd; warp w takes rows w, w + 16, ..., lane l the 8-column chunks l, l + 32, ... (products in column order within a
+// chunk, chunks in order within a lane, then the lanes' butterfly sum).  Waits for this thread's cp.async copies and
+// then the CTA's, so every thread of the CTA calls it.
+__device__ __forceinline__ void one_shared_rows(const uint4* s_sd, const uint4* __restrict__ sd_h,
+                                                float* __restrict__ sd_out, int r0, int n_sd, int i_s, int warp,
+                                                int lane) {
+    cp_async_wait_all();
+    __syncthreads();
+    const int chunks = i_s / 8;
+    for (int r = warp; r < n_sd; r += 16) {
+        float acc = 0.f;
+        for (int c = lane; c < chunks; c += 32) {
+            const uint4 wv = s_sd[r * chunks + c], hv = sd_h[c];
+            const u32 wa[4] = {wv.x, wv.y, wv.z, wv.w}, ha[4] = {hv.x, hv.y, hv.z, hv.w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                acc = fmaf(__uint_as_float(ha[j] << 16), __uint_as_float(wa[j] << 16), acc);
+                acc = fmaf(__uint_as_float(ha[j] & 0xffff0000u), __uint_as_float(wa[j] & 0xffff0000u), acc);
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        if (lane == 0) sd_out[r0 + r] = acc;
+    }
+}
 
 extern "C" __global__ void __launch_bounds__(16 * 32, 1) kdtree_moe_v3_one(
     const uint4* __restrict__ w13, const uint2* __restrict__ s13, const uint4* __restrict__ w2,
     const uint2* __restrict__ s2, const uint4* __restrict__ x, const int* __restrict__ topk_idx,
     const float* __restrict__ topk_w, u16* __restrict__ h, u16* __restrict__ out, int* __restrict__ sync, int top_k,
     int e_start, int e_local, int c_real13, int n_groups13, int n_pairs13, int inter, int c_real2, int n_groups2,
-    int n_pairs2, int d) {
+    int n_pairs2, int d, const uint4* __restrict__ sd_w, const uint4* __restrict__ sd_h, float* __restrict__ sd_out,
+    int i_s, int sd_rows) {
     constexpr int W = 16, P = ONE_P;
     extern __shared__ __align__(16) unsigned char smem[];
     float* s_red = reinterpret_cast<float*>(smem);                // [W][2 m][4][32] gate_up's partial sums
@@ -508,9 +540,18 @@ extern "C" __global__ void __launch_bounds__(16 * 32, 1) kdtree_moe_v3_one(
     uint2* s_s2 = reinterpret_cast<uint2*>(s_w2 + W * n_groups2 * 32);  // [W][n_groups2][32 lanes] its scales
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, u = lane & 3;
     const int k = blockIdx.x / n_pairs13, p = blockIdx.x % n_pairs13, q = p + n_pairs13 * warp;
+    // the shared expert's rows r0 .. r0 + n_sd of sd_w (contiguous), into shared memory before the wait: constants
+    uint4* s_sd = reinterpret_cast<uint4*>(s_s2 + W * n_groups2 * 32);  // [n_sd][i_s / 8] uint4
+    const int r0 = blockIdx.x * sd_rows, n_sd = sd_w == nullptr ? 0 : max(0, min(sd_rows, d - r0));
+    for (int j = tid; j < n_sd * (i_s / 8); j += W * 32)
+        cp_async16(smem_u32(s_sd + j), sd_w + (long)r0 * (i_s / 8) + j, 16);
     pdl_prologue();  // topk_idx / topk_w from the route kernel, this grid's predecessor
     const int e = ld_count(topk_idx + k) - e_start;
-    if (e < 0 || e >= e_local) return;  // not a local expert: uniform over the CTA and over pick k's CTAs
+    if (e < 0 || e >= e_local) {  // not a local expert: uniform over the CTA and over pick k's CTAs
+        cp_async_commit();
+        one_shared_rows(s_sd, sd_h, sd_out, r0, n_sd, i_s, warp, lane);
+        return;
+    }
 
     const bool has_down = q < n_pairs2;
     if (has_down) {  // this lane's words and scales of down's row pair q, in group order
@@ -549,9 +590,12 @@ extern "C" __global__ void __launch_bounds__(16 * 32, 1) kdtree_moe_v3_one(
         *reinterpret_cast<uint4*>(h + (long)k * inter + p * 16 + 8 * tid) =
             *reinterpret_cast<const uint4*>(s_h + 8 * tid);
     __syncthreads();
-    if (tid == 0) {  // publish this CTA's h rows, then wait for pick k's other CTAs'
+    if (tid == 0) {  // publish this CTA's h rows
         __threadfence();
         atomicAdd(sync + k, 1);
+    }
+    one_shared_rows(s_sd, sd_h, sd_out, r0, n_sd, i_s, warp, lane);  // while pick k's other CTAs finish theirs
+    if (tid == 0) {  // wait for pick k's other CTAs' h rows
         for (long spins = 0; ld_acquire_gpu(sync + k) < n_pairs13; ++spins) {
             if (spins > (1l << 21)) __trap();  // ~1-2 s of polls: a CTA of the grid never ran (not resident at once)
             __nanosleep(32);

@@ -36,6 +36,7 @@ class MoEWorkspace:
     out: torch.Tensor       # [t * K, d] x's dtype: weighted expert output per slot
     part: torch.Tensor      # [s, t * K, 2i] fp32 gate|up partial sums per k split
     h: torch.Tensor         # [t * K, i] x's dtype: silu(gate) * up per slot
+    shared_f: torch.Tensor  # [d] fp32 one token's shared-expert down product, from kdtree_moe_v3_one (ONE_SHARED)
 
     @classmethod
     def allocate(cls, max_tokens: int, top_k: int, e_local: int, d: int, i: int, dtype: torch.dtype, device,
@@ -69,4 +70,4 @@ def _specs(t: int, top_k: int, e_local: int, d: int, i: int, dtype: torch.dtype,
     n_slots, i32 = t * top_k, torch.int32
     return [((e_local + 1,), i32), ((2 * top_k,), i32), ((e_local,), i32), ((e_local, t), i32), ((n_slots,), i32),
             ((n_slots,), torch.float32), ((n_slots, d), dtype), ((splits, n_slots, 2 * i), torch.float32),
-            ((n_slots, i), dtype)]
+            ((n_slots, i), dtype), ((d,), torch.float32)]
