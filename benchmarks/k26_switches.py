@@ -141,7 +141,7 @@ SWITCHES = {"moe_pf": _set_moe_pf, "skinny_pf": _set_skinny_pf,
 # the runtime's defaults among SWITCHES
 DEFAULT_ON = frozenset({"skinny", "moe_early", "skinny_early", "glue_early", "moe_w16", "attn_long", "attn_wgmma",
                         "skinny_wgmma", "route_stores", "absorb_tree", "attn_early", "attn_wgmma_ar",
-                        "attn_early2", "attn_wgmma_wide", "moe_one", "moe_one_shared"})
+                        "attn_early2", "attn_wgmma_wide", "moe_one", "moe_one_shared", "moe_one_launch"})
 
 
 def parse_settings(text: str) -> list[tuple[str, frozenset[str]]]:

@@ -132,7 +132,7 @@ def test_switches_ab_on_artifact(k26_art, tmp_path, monkeypatch):
         assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("ar_step_us", "ddtree8_step_us", "ddtree8_drafter_us"))
         assert r["ar_kernels_per_layer"] > 0 and r["ddtree8_classes"]["moe_experts"]["kernels"] > 0  # --profile
     assert layers.SKINNY_GEMM and layers.SKINNY_MAX_TOKENS == 1  # the defaults again
-    assert launch_v3.USE_W16 and launch_v3.EARLY_WEIGHTS and skinny_launch.EARLY_WEIGHTS and not launch_v3.ONE_LAUNCH
+    assert launch_v3.USE_W16 and launch_v3.EARLY_WEIGHTS and skinny_launch.EARLY_WEIGHTS and launch_v3.ONE_LAUNCH
     from plugins.layer_fusion import kernel as fusion_kernel
     assert fusion_kernel.EARLY_WEIGHTS
 

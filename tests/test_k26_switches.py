@@ -14,7 +14,8 @@ def test_switch_settings_parse_and_name_unknown_switches():
                                                                  "moe_w16", "attn_long", "attn_wgmma", "skinny_wgmma",
                                                                  "route_stores", "absorb_tree", "attn_early",
                                                                  "attn_wgmma_ar", "attn_early2",
-                                                                 "attn_wgmma_wide", "moe_one", "moe_one_shared"}))]
+                                                                 "attn_wgmma_wide", "moe_one", "moe_one_shared",
+                                                                 "moe_one_launch"}))]
     with pytest.raises(ValueError, match=r"unknown switch \['turbo'\]"):
         parse_settings("base,skinny+turbo")
     (name, parts), = parse_settings("default+moe_pf")  # a named set joins switches as one

@@ -318,18 +318,25 @@ def test_prefetch_variable_names_the_kernels(monkeypatch):
 
 
 def test_one_launch_takes_one_token_on_hopper_only(monkeypatch):
-    """launch_v3.one_launch_applies: off by default (ONE_LAUNCH, until measured); on, the K2.6 TP8 rank's t = 1
+    """launch_v3.one_launch_applies: on by default (ONE_LAUNCH), the K2.6 TP8 rank's t = 1
     (8 picks x 16 row pairs = 128 CTAs, 224 k groups, 224 down row pairs over 16 warps x 16 CTAs) on a 132-SM sm_90
     GPU; not a second token, not fewer SMs than CTAs (114: every CTA must be resident at once), not sm_120, not the
-    EP8 rank's whole experts (1024 CTAs), not k groups 16 x 7 do not divide (the tiny models)."""
+    EP8 rank's whole experts (1024 CTAs), not k groups 16 x 7 do not divide (the tiny models), not under MPS with an
+    SM share; off (KDTREE_MOE_ONE_LAUNCH=0), never."""
     from plugins.common.device import facts_for
     from plugins.moe_w4a16 import launch_v3
     from plugins.moe_w4a16.launch_v3 import one_launch_applies, one_smem
     h200, h100_pcie, blackwell = facts_for(132, (9, 0)), facts_for(114, (9, 0)), facts_for(188, (12, 0))
     k26 = (8, 16, 224, 224, 8)  # top_k, w13 row pairs, k groups, w2 row pairs, k groups (i = 256 padded)
-    assert not launch_v3.ONE_LAUNCH and not one_launch_applies(1, *k26, h200)
+    monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", raising=False)
+    assert launch_v3.ONE_LAUNCH and one_launch_applies(1, *k26, h200)
+    for share, taken in (("50", False), ("100", True), ("x", False)):
+        monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", share)
+        assert one_launch_applies(1, *k26, h200) == taken, share
+    monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+    monkeypatch.setattr(launch_v3, "ONE_LAUNCH", False)
+    assert not one_launch_applies(1, *k26, h200)
     monkeypatch.setattr(launch_v3, "ONE_LAUNCH", True)
-    assert one_launch_applies(1, *k26, h200)
     assert not one_launch_applies(2, *k26, h200)
     assert not one_launch_applies(1, *k26, h100_pcie) and not one_launch_applies(1, *k26, blackwell)
     assert not one_launch_applies(1, 8, 128, 224, 224, 64, h200)  # EP8: i = 2048

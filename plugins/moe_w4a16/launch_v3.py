@@ -97,11 +97,13 @@ USE_W16 = True
 # gate_up, one L2 round trip and a CTA barrier): -0.5 .. -0.8 µs a layer, AR step ~-0.8 %, DDTree rounds unchanged;
 # measured (H100, K2.6 rank at 40 layers, 4K; k26-switches-h100.json call 21): AR step -1.3 %, DDTree-16 level.
 ONE_TOKEN = env_flag("KDTREE_MOE_ONE_TOKEN", True)
-# KDTREE_MOE_ONE_LAUNCH=1 (off until measured; k26_switches moe_one_launch): at t = 1 gate_up and down in one launch
+# KDTREE_MOE_ONE_LAUNCH (on; =0 turns it off; k26_switches moe_one_launch): at t = 1 gate_up and down in one launch
 # (moe_v3.cu's kdtree_moe_v3_one, one_launch_applies): down's weights copied into shared memory while gate_up streams,
 # its math after a per-pick counter says the pick's h row is whole, instead of a second grid that can start only when
-# gate_up's CTAs leave their SMs.  The same h and out bits as the two kernels (tests/test_moe_v3_gpu.py).
-ONE_LAUNCH = env_flag("KDTREE_MOE_ONE_LAUNCH", False)
+# gate_up's CTAs leave their SMs.  The same h and out bits as the two kernels (tests/test_moe_v3_gpu.py).  Its waits
+# need every CTA resident at once: not taken under MPS with an SM share (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE < 100).
+# Measured with ONE_SHARED (H100, K2.6 rank at 40 layers, 4K; k26-switches-h100.json): AR step -2.7 %, DDTree level.
+ONE_LAUNCH = env_flag("KDTREE_MOE_ONE_LAUNCH", True)
 # KDTREE_MOE_ONE_SHARED (on; only with ONE_LAUNCH; k26_switches moe_one_shared): the one-token grid also forms the
 # shared expert's down product (fp32, into the workspace's shared_f) while its CTAs wait for each other, and the
 # combine only adds it: measured with ONE_LAUNCH alone (H100, 40 layers, k26-switches-h100.json), the combine's own
@@ -161,12 +163,22 @@ def one_shared_rows(grid: int, c2: int, x: torch.Tensor, shared_h: torch.Tensor 
     return rows if ok else 0
 
 
+def _mps_share() -> bool:
+    """Whether this process runs under MPS with a share of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE below 100):
+    then fewer SMs than the device's may hold its CTAs, and kdtree_moe_v3_one's waits need all of them at once."""
+    value = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "").strip()
+    try:
+        return bool(value) and float(value) < 100
+    except ValueError:
+        return True  # unreadable: assume a share
+
+
 def one_launch_applies(t: int, top_k: int, pairs13: int, c1: int, pairs2: int, c2: int, facts: DeviceFacts) -> bool:
     """Whether kdtree_moe_v3_one takes this call (ONE_LAUNCH on): one token on a Hopper GPU (sm_90: the GPU it was
     written for, whose SM holds its ~123 KB of shared memory); a CTA per (pick, w13 row pair), all resident at once
     (at most the SMs: its waits need every CTA running); 16 warps x the ring depth dividing the k groups; down's row
-    pairs one a warp of the pick's CTAs."""
-    return (ONE_LAUNCH and t == 1 and facts.arch == "sm_90" and top_k * pairs13 <= facts.sms
+    pairs one a warp of the pick's CTAs; not under MPS with an SM share (_mps_share)."""
+    return (ONE_LAUNCH and t == 1 and facts.arch == "sm_90" and top_k * pairs13 <= facts.sms and not _mps_share()
             and c1 % (W16 * GATE_UP_W16_P[1]) == 0 and pairs2 <= W16 * pairs13 and one_smem(c2) <= 227 * 1024)
 
 
