@@ -28,6 +28,7 @@ default (DEFAULT_ON), which are set again after the run):
   moe_one_launch at t = 1 the MoE's gate_up and down in one grid (launch_v3.ONE_LAUNCH, moe_v3.cu's kdtree_moe_v3_one)
   moe_one_shared with moe_one_launch: that grid also forms the shared expert's down product, the combine adds it
             (launch_v3.ONE_SHARED; on by default, inert without moe_one_launch)
+  moe_one_combine with moe_one_launch: that grid also sums the rows into y, no combine launch (launch_v3.ONE_COMBINE)
   skinny_wgmma GEMMs of 2..32 tokens (DDTree rounds, the drafter's block) on skinny_wgmma.cu, sm_90
             (runtime.model.layers.SKINNY_WGMMA; on by default: DDTree-16 -1.8 % at 4K, call 12)
   wgmma_kb4 with skinny_wgmma: four 64-column boxes a TMA stage (512 contiguous bytes of each weight row at once,
@@ -120,6 +121,7 @@ _FLAGS = {"skinny": ("runtime.model.layers", "SKINNY_GEMM"),
           "moe_one": ("plugins.moe_w4a16.launch_v3", "ONE_TOKEN"),
           "moe_one_launch": ("plugins.moe_w4a16.launch_v3", "ONE_LAUNCH"),
           "moe_one_shared": ("plugins.moe_w4a16.launch_v3", "ONE_SHARED"),
+          "moe_one_combine": ("plugins.moe_w4a16.launch_v3", "ONE_COMBINE"),
           "route_stores": ("plugins.moe_w4a16.route_kernel", "ONE_TOKEN_STORES"),
           "skinny_wgmma": ("runtime.model.layers", "SKINNY_WGMMA"),
           "wgmma_kb4": ("plugins.skinny_gemm.wgmma_launch", "KB4"),

@@ -247,10 +247,15 @@ def test_one_launch_equals_the_two_kernels(shape, monkeypatch):
         two = call()
         monkeypatch.setattr(launch_v3, "ONE_LAUNCH", True)
         assert torch.equal(one, two), (shape, seed)
+        monkeypatch.setattr(launch_v3, "ONE_COMBINE", True)  # the combine in the grid too: the same bits
+        assert torch.equal(one, call()) and not (ws.counts.any() or ws.sync.any()), (shape, seed)
+        monkeypatch.setattr(launch_v3, "ONE_COMBINE", False)
         idx, tw = route_reference(logits, bias, k, 1, 1, True, 2.5)
         ref = experts_reference(x.float(), idx, tw, dequantize_fragments(w13, s13, d, True),
                                 dequantize_fragments(w2, s2, i, False), e_start)
         assert ((one.float() - ref).norm() / ref.norm().clamp_min(1e-20)).item() < 2e-2
+    _replays_equal(call, ws, x)
+    monkeypatch.setattr(launch_v3, "ONE_COMBINE", True)
     _replays_equal(call, ws, x)
 
 
@@ -276,7 +281,8 @@ def test_one_launch_forms_the_shared_experts_product(shape, monkeypatch):
     on, shared_f is the fp32 product of the routing kernel's h and the weights (or, where the rows' weights would
     not fit in shared memory, the combine forms it: the two kernels' bits), y is within bf16 rounding of the
     two kernels' and of the reference; three seeds, fresh random data, a poisoned workspace, a graph replayed on new
-    tokens.  (The combine's own product sums in another order: the same value, not the same bits.)"""
+    tokens.  (The combine's own product sums in another order: the same value, not the same bits.)  With ONE_COMBINE
+    the grid also sums the rows into y: the combine kernel's bits, the counts and tickets zeroed."""
     from plugins.common.device import device_facts
     e, d, i, k, e_start, e_local = shape
     i_s = 2 * i if i < 256 else i  # the shared expert's columns on the rank (K2.6 TP8: 256)
@@ -312,13 +318,18 @@ def test_one_launch_forms_the_shared_experts_product(shape, monkeypatch):
         one = call()
         assert torch.equal(one, call()) and not (ws.counts.any() or ws.sync.any())
         product = h.float() @ down.float().t()  # [1, d] the fp32 product
-        if launch_v3.one_shared_rows(k * w13.shape[1], w2.shape[2], x, h, down) == 0:  # rows past shared memory
+        if launch_v3.one_shared_rows(k, w13.shape[1], w2.shape[1], w2.shape[2], x, h, down) == 0:  # past smem
             assert torch.equal(one, two), (shape, seed)  # the combine forms the product itself
         else:
             assert ((ws.shared_f - product[0]).norm() / product.norm()).item() < 1e-5, (shape, seed)
+        monkeypatch.setattr(launch_v3, "ONE_COMBINE", True)  # the combine in the grid too: the same bits
+        assert torch.equal(one, call()) and not (ws.counts.any() or ws.sync.any()), (shape, seed)
+        monkeypatch.setattr(launch_v3, "ONE_COMBINE", False)
         assert ((one.float() - two.float()).norm() / two.float().norm()).item() < 1e-2, (shape, seed)
         idx, tw = route_reference(logits, bias, k, 1, 1, True, 2.5)
         ref = experts_reference(x.float(), idx, tw, dequantize_fragments(w13, s13, d, True),
                                 dequantize_fragments(w2, s2, i, False), e_start) + product
         assert ((one.float() - ref).norm() / ref.norm().clamp_min(1e-20)).item() < 2e-2, (shape, seed)
     _replays_equal(call, ws, x, gate_up)  # new tokens and shared gate | up
+    monkeypatch.setattr(launch_v3, "ONE_COMBINE", True)
+    _replays_equal(call, ws, x, gate_up)

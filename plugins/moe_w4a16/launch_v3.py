@@ -109,6 +109,12 @@ ONE_LAUNCH = env_flag("KDTREE_MOE_ONE_LAUNCH", True)
 # combine only adds it: measured with ONE_LAUNCH alone (H100, 40 layers, k26-switches-h100.json), the combine's own
 # product could not start before the grid left the SMs (combine 2.85 -> 4.75 µs a layer, AR step level).
 ONE_SHARED = env_flag("KDTREE_MOE_ONE_SHARED", True)
+# KDTREE_MOE_ONE_COMBINE=1 (off until measured; with ONE_LAUNCH; k26_switches moe_one_combine): the one-token grid
+# also does the combine (the last of a row pair's top_k CTAs sums its rows into y, moe_v3.cu's one_combine_rows; the
+# same bits as the combine kernel) and re-zeroes the routing counts: no combine launch.  Taken where the grid forms
+# the shared product (ONE_SHARED) or there is no shared expert.
+ONE_COMBINE = env_flag("KDTREE_MOE_ONE_COMBINE", False)
+ONE_SMEM_MAX = 227 * 1024 - 64  # the SM's 227 KB a CTA, less kdtree_moe_v3_one's static shared int (and slack)
 # NT for every t (1, 2 or 4; down takes min(NT, 2)): the benchmark's other choice; None: token_tile(t)
 TOKEN_TILE_OVERRIDE: int | None = None
 DOWN_P = {1: 8, 2: 4}
@@ -147,19 +153,20 @@ def one_smem(c2: int, sd_rows: int = 0, i_s: int = 0) -> int:
     return W16 * 256 * 4 + 8 * 16 * 2 + W16 * 8 * 32 * 2 + W16 * c2 * 32 * (16 + 8) + sd_rows * i_s * 2
 
 
-def one_shared_rows(grid: int, c2: int, x: torch.Tensor, shared_h: torch.Tensor | None,
+def one_shared_rows(top_k: int, pairs13: int, pairs2: int, c2: int, x: torch.Tensor, shared_h: torch.Tensor | None,
                     shared_down: torch.Tensor | None) -> int:
-    """Rows of the shared expert's down product each CTA of kdtree_moe_v3_one forms (ONE_SHARED), or 0 where the
+    """Rows of the shared expert's down product each CTA of kdtree_moe_v3_one forms (ONE_SHARED): a top_k-th of the
+    rows of the down row pairs its warps take (p, p + pairs13, ...: at most 32 cdiv(pairs2, pairs13)), or 0 where the
     combine forms it: bf16 shared_h [1, i'] and shared_down [d, i'] with contiguous rows, i' % 8 == 0 and 16-byte
     aligned (the kernel reads both in 16-byte pieces), and the rows' weights within the SM's shared memory."""
     if not ONE_SHARED or shared_h is None or shared_down is None:
         return 0
     d, i_s = shared_down.shape
-    rows = cdiv(d, grid)
+    rows = cdiv(32 * cdiv(pairs2, pairs13), top_k)
     ok = (shared_h.dtype == shared_down.dtype == torch.bfloat16 and shared_h.dim() == 2 and shared_h.shape[1] == i_s
           and shared_h.stride(1) == 1 and shared_down.is_contiguous() and d == x.shape[1] and i_s % 8 == 0
           and shared_h.data_ptr() % 16 == 0 and shared_down.data_ptr() % 16 == 0
-          and one_smem(c2, rows, i_s) <= 227 * 1024)
+          and one_smem(c2, rows, i_s) <= ONE_SMEM_MAX)
     return rows if ok else 0
 
 
@@ -179,7 +186,7 @@ def one_launch_applies(t: int, top_k: int, pairs13: int, c1: int, pairs2: int, c
     (at most the SMs: its waits need every CTA running); 16 warps x the ring depth dividing the k groups; down's row
     pairs one a warp of the pick's CTAs; not under MPS with an SM share (_mps_share)."""
     return (ONE_LAUNCH and t == 1 and facts.arch == "sm_90" and top_k * pairs13 <= facts.sms and not _mps_share()
-            and c1 % (W16 * GATE_UP_W16_P[1]) == 0 and pairs2 <= W16 * pairs13 and one_smem(c2) <= 227 * 1024)
+            and c1 % (W16 * GATE_UP_W16_P[1]) == 0 and pairs2 <= W16 * pairs13 and one_smem(c2) <= ONE_SMEM_MAX)
 
 
 def down_kernel(nt: int) -> str:
@@ -354,16 +361,18 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
         launch_wgmma.gate_up(w13, w13_scale, x, ws.counts, ws.lists, ws.h, t, top_k, e_local, i)
         launch_wgmma.down(w2, w2_scale, ws.h, ws.topk_w, ws.counts, ws.lists, ws.out, t, top_k, e_local, i)
     elif one_launch_applies(t, top_k, pairs13, c1, pairs2, c2, facts):  # one token: both GEMMs in one grid
-        grid = top_k * pairs13
-        sd_rows = one_shared_rows(grid, c2, x, shared_h, shared_down)  # and the shared expert's down product
+        sd_rows = one_shared_rows(top_k, pairs13, pairs2, c2, x, shared_h, shared_down)  # the shared product too
         i_s = shared_down.shape[1] if sd_rows else 0
-        _launch(mod, "kdtree_moe_v3_one", grid, one_smem(c2, sd_rows, i_s),
+        combine = ONE_COMBINE and (sd_rows > 0 or shared_down is None)  # and the combine
+        _launch(mod, "kdtree_moe_v3_one", top_k * pairs13, one_smem(c2, sd_rows, i_s),
                 (w13.data_ptr(), w13_scale.data_ptr(), w2.data_ptr(), w2_scale.data_ptr(), x.data_ptr(),
                  ws.topk_idx.data_ptr(), ws.topk_w.data_ptr(), ws.h.data_ptr(), ws.out.data_ptr(), ws.sync.data_ptr(),
                  top_k, e_start, e_local, d // GROUP, c1, pairs13, i, i // GROUP, c2, pairs2, d,
                  shared_down.data_ptr() if sd_rows else 0, shared_h.data_ptr() if sd_rows else 0,
-                 ws.shared_f.data_ptr(), i_s, sd_rows),
-                (ptr,) * 10 + (i32,) * 11 + (ptr,) * 3 + (i32,) * 2, W16)
+                 ws.shared_f.data_ptr(), i_s, sd_rows, y.data_ptr() if combine else 0, ws.counts.data_ptr()),
+                (ptr,) * 10 + (i32,) * 11 + (ptr,) * 3 + (i32,) * 2 + (ptr,) * 2, W16)
+        if combine:  # y is written, the counts zeroed
+            return y
         if sd_rows:  # the combine adds the grid's product
             launch_combine(ws.out, ws.topk_idx, y, ws.counts, e_start, e_local, top_k,
                            mod.pdl and not pdl_refused(mod.index), shared_f=ws.shared_f.view(1, d))

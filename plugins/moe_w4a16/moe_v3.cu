@@ -491,19 +491,29 @@ __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2,
 // within the SMs, and a CTA takes a whole SM's registers), so the wait ends; a wait past ~1-2 s traps (a launch error,
 // not a hang).  The last CTA of pick k past the wait (sync[top_k + k] its arrivals) zeroes both words for the next
 // call.  The expert comes from topk_idx (the route kernel's output, through L2): neither the counts nor the lists.
-// With the shared expert's down weights (sd_w [d, i_s] bf16, launch_v3.ONE_SHARED) CTA b also forms rows
-// b sd_rows .. of shared_h [i_s] . sd_w^T into sd_out [d] fp32 (one_shared_rows) while it waits for pick k's other
-// CTAs, its weight rows copied into shared memory with down's; the combine then adds sd_out instead of forming the
-// product itself (which it cannot start before this grid leaves the SMs).  Every CTA does its rows, local pick or not.
+// With the shared expert's down weights (sd_w [d, i_s] bf16, launch_v3.ONE_SHARED) CTA (k, p) also forms rows of
+// shared_h [i_s] . sd_w^T into sd_out [d] fp32 (one_shared_rows) while it waits for pick k's other CTAs, its weight
+// rows copied into shared memory with down's: slice k of the rows of p's down row pairs (p + n_pairs13 w, the pairs
+// its warps take: 32 m_p rows, sd_rows a pick).  The combine then adds sd_out instead of forming the product itself
+// (which it cannot start before this grid leaves the SMs).  Every CTA does its rows, local pick or not.
+// With y (launch_v3.ONE_COMBINE) the grid also does the combine: the top_k CTAs (k, p) of one p write the out rows and
+// the shared rows of the same row pairs, so after its rows each takes a ticket of sync[2 top_k + p] and the last sums
+// them into y (one_combine_rows: the combine kernel's arithmetic, the same bits); CTA 0 re-zeroes the routing counts.
 #define ONE_P 7  // gate_up's ring depth: GATE_UP_W16's (launch_v3.GATE_UP_W16_P), whose bits it keeps
 
-// kdtree_moe_v3_one's shared-expert rows: sd_out[r0 + r] = sum over i_s of sd_h[c] * s_sd[r][c] in fp32, for r <
-// n_sd; warp w takes rows w, w + 16, ..., lane l the 8-column chunks l, l + 32, ... (products in column order within a
-// chunk, chunks in order within a lane, then the lanes' butterfly sum).  Waits for this thread's cp.async copies and
+// Row pair p's rows: its row i (of 32 m_p, where m_p = the down row pairs p + n_pairs13 w < n_pairs2) is d's row
+__device__ __forceinline__ int one_group_row(int i, int p, int n_pairs13) {
+    return 32 * (p + n_pairs13 * (i >> 5)) + (i & 31);
+}
+
+// kdtree_moe_v3_one's shared-expert rows: for its slice's row r < n_sd (d's row one_group_row(r0 + r)),
+// sd_out[row] = sum over i_s of sd_h[c] * s_sd[r][c] in fp32; warp w takes rows w, w + 16, ..., lane l the 8-column
+// chunks l, l + 32, ... (products in column order within a chunk, chunks in order within a lane, then the lanes'
+// butterfly sum: a row's bits do not depend on which CTA forms it).  Waits for this thread's cp.async copies and
 // then the CTA's, so every thread of the CTA calls it.
 __device__ __forceinline__ void one_shared_rows(const uint4* s_sd, const uint4* __restrict__ sd_h,
-                                                float* __restrict__ sd_out, int r0, int n_sd, int i_s, int warp,
-                                                int lane) {
+                                                float* __restrict__ sd_out, int r0, int n_sd, int i_s, int p,
+                                                int n_pairs13, int warp, int lane) {
     cp_async_wait_all();
     __syncthreads();
     const int chunks = i_s / 8;
@@ -514,13 +524,51 @@ __device__ __forceinline__ void one_shared_rows(const uint4* s_sd, const uint4* 
             const u32 wa[4] = {wv.x, wv.y, wv.z, wv.w}, ha[4] = {hv.x, hv.y, hv.z, hv.w};
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                acc = fmaf(__uint_as_float(ha[j] << 16), __uint_as_float(wa[j] << 16), acc);
-                acc = fmaf(__uint_as_float(ha[j] & 0xffff0000u), __uint_as_float(wa[j] & 0xffff0000u), acc);
+                acc = fmaf(bf16_lo(ha[j]), bf16_lo(wa[j]), acc);
+                acc = fmaf(bf16_hi(ha[j]), bf16_hi(wa[j]), acc);
             }
         }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-        if (lane == 0) sd_out[r0 + r] = acc;
+        if (lane == 0) sd_out[one_group_row(r0 + r, p, n_pairs13)] = acc;
+    }
+}
+
+// The combine of row pair p's 32 m_p rows (ONE_COMBINE), by the last of its top_k CTAs: for 8 columns a thread,
+// y = bf16(bf16(the local slots' out rows summed in fp32 in slot order, + 0 for the others) + sd_out) (without the
+// shared expert, bf16 of the sum): combine_shared_kernel's (and combine_kernel's) arithmetic, the same bits.  out and
+// sd_out are other CTAs' stores, read through L2 after the ticket's fences.
+__device__ __forceinline__ void one_combine_rows(const u16* out, const int* topk_idx, const float* sd_out, u16* y,
+                                                 int top_k, int e_start, int e_local, int p, int n_pairs13,
+                                                 int n_pairs2, int d) {
+    const int m_p = p < n_pairs2 ? (n_pairs2 - p + n_pairs13 - 1) / n_pairs13 : 0;
+    for (int v = threadIdx.x; v < 4 * m_p; v += blockDim.x) {  // [m_p * 32 rows / 8]: 8 columns of y a thread
+        const int col = one_group_row(8 * v, p, n_pairs13);
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int j = 0; j < top_k; ++j) {
+            const int le = ld_cg_s32(topk_idx + j) - e_start;
+            const bool local = le >= 0 && le < e_local;
+            uint4 o = make_uint4(0u, 0u, 0u, 0u);
+            if (local) asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+                                    : "=r"(o.x), "=r"(o.y), "=r"(o.z), "=r"(o.w) : "l"(out + (long)j * d + col));
+            const u32 oa[4] = {o.x, o.y, o.z, o.w};
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                acc[2 * c] += bf16_lo(oa[c]);
+                acc[2 * c + 1] += bf16_hi(oa[c]);
+            }
+        }
+        u32 ya[4];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            float lo = acc[2 * c], hi = acc[2 * c + 1];
+            if (sd_out != nullptr) {
+                lo = __uint_as_float((u32)to_bf16(lo) << 16) + __ldcg(sd_out + col + 2 * c);
+                hi = __uint_as_float((u32)to_bf16(hi) << 16) + __ldcg(sd_out + col + 2 * c + 1);
+            }
+            ya[c] = (u32)to_bf16(lo) | ((u32)to_bf16(hi) << 16);
+        }
+        *reinterpret_cast<uint4*>(y + col) = make_uint4(ya[0], ya[1], ya[2], ya[3]);
     }
 }
 
@@ -530,8 +578,9 @@ extern "C" __global__ void __launch_bounds__(16 * 32, 1) kdtree_moe_v3_one(
     const float* __restrict__ topk_w, u16* __restrict__ h, u16* __restrict__ out, int* __restrict__ sync, int top_k,
     int e_start, int e_local, int c_real13, int n_groups13, int n_pairs13, int inter, int c_real2, int n_groups2,
     int n_pairs2, int d, const uint4* __restrict__ sd_w, const uint4* __restrict__ sd_h, float* __restrict__ sd_out,
-    int i_s, int sd_rows) {
+    int i_s, int sd_rows, u16* __restrict__ y, int* __restrict__ counts) {
     constexpr int W = 16, P = ONE_P;
+    __shared__ int s_last;  // last_arrival's flag
     extern __shared__ __align__(16) unsigned char smem[];
     float* s_red = reinterpret_cast<float*>(smem);                // [W][2 m][4][32] gate_up's partial sums
     u16* s_h = reinterpret_cast<u16*>(s_red + W * 2 * 128);      // [8 tokens][16 rows] bf16
@@ -540,16 +589,23 @@ extern "C" __global__ void __launch_bounds__(16 * 32, 1) kdtree_moe_v3_one(
     uint2* s_s2 = reinterpret_cast<uint2*>(s_w2 + W * n_groups2 * 32);  // [W][n_groups2][32 lanes] its scales
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, u = lane & 3;
     const int k = blockIdx.x / n_pairs13, p = blockIdx.x % n_pairs13, q = p + n_pairs13 * warp;
-    // the shared expert's rows r0 .. r0 + n_sd of sd_w (contiguous), into shared memory before the wait: constants
+    // slice k of row pair p's rows of sd_w, into shared memory before the wait: constants
     uint4* s_sd = reinterpret_cast<uint4*>(s_s2 + W * n_groups2 * 32);  // [n_sd][i_s / 8] uint4
-    const int r0 = blockIdx.x * sd_rows, n_sd = sd_w == nullptr ? 0 : max(0, min(sd_rows, d - r0));
-    for (int j = tid; j < n_sd * (i_s / 8); j += W * 32)
-        cp_async16(smem_u32(s_sd + j), sd_w + (long)r0 * (i_s / 8) + j, 16);
+    const int m_p = p < n_pairs2 ? (n_pairs2 - p + n_pairs13 - 1) / n_pairs13 : 0;
+    const int r0 = k * sd_rows, n_sd = sd_w == nullptr ? 0 : max(0, min(sd_rows, 32 * m_p - r0));
+    const int cpr = i_s / 8;  // 16-byte pieces a row
+    for (int j = tid; j < n_sd * cpr; j += W * 32)
+        cp_async16(smem_u32(s_sd + j), sd_w + (long)one_group_row(r0 + j / cpr, p, n_pairs13) * cpr + j % cpr, 16);
     pdl_prologue();  // topk_idx / topk_w from the route kernel, this grid's predecessor
+    if (y != nullptr && blockIdx.x == 0)  // the routing counts back to zero for the next call (nothing here reads them)
+        for (int j = tid; j <= e_local; j += W * 32) counts[j] = 0;
     const int e = ld_count(topk_idx + k) - e_start;
     if (e < 0 || e >= e_local) {  // not a local expert: uniform over the CTA and over pick k's CTAs
         cp_async_commit();
-        one_shared_rows(s_sd, sd_h, sd_out, r0, n_sd, i_s, warp, lane);
+        one_shared_rows(s_sd, sd_h, sd_out, r0, n_sd, i_s, p, n_pairs13, warp, lane);
+        if (y != nullptr && last_arrival(sync + 2 * top_k + p, top_k, &s_last))
+            one_combine_rows(out, topk_idx, sd_w == nullptr ? nullptr : sd_out, y, top_k, e_start, e_local, p,
+                             n_pairs13, n_pairs2, d);
         return;
     }
 
@@ -594,7 +650,7 @@ extern "C" __global__ void __launch_bounds__(16 * 32, 1) kdtree_moe_v3_one(
         __threadfence();
         atomicAdd(sync + k, 1);
     }
-    one_shared_rows(s_sd, sd_h, sd_out, r0, n_sd, i_s, warp, lane);  // while pick k's other CTAs finish theirs
+    one_shared_rows(s_sd, sd_h, sd_out, r0, n_sd, i_s, p, n_pairs13, warp, lane);  // while pick k's other CTAs work
     if (tid == 0) {  // wait for pick k's other CTAs' h rows
         for (long spins = 0; ld_acquire_gpu(sync + k) < n_pairs13; ++spins) {
             if (spins > (1l << 21)) __trap();  // ~1-2 s of polls: a CTA of the grid never ran (not resident at once)
@@ -606,21 +662,25 @@ extern "C" __global__ void __launch_bounds__(16 * 32, 1) kdtree_moe_v3_one(
         }
     }
     __syncthreads();
-    if (!has_down) return;
+    if (!has_down && y == nullptr) return;
 
-    // down: row pair q over the whole k from shared memory, h row k through L2 at token column 0
-    cp_async_wait_all();
-    __syncwarp();
-    const uint4* hx = g == 0 ? reinterpret_cast<const uint4*>(h) + (long)k * c_real2 * 4 + u : nullptr;
-    const uint4* sw = s_w2 + warp * n_groups2 * 32 + lane;
-    const uint2* ss = s_s2 + warp * n_groups2 * 32 + lane;
-    for (int c = 0; c < n_groups2; ++c) {
-        const uint4 xv[1] = {ld_tokens_or_zero<true>(hx + 4 * c, hx != nullptr && c < c_real2)};
-        group_mma<1>(acc, sw[c * 32], ss[c * 32], xv);
+    if (has_down) {  // down: row pair q over the whole k from shared memory, h row k through L2 at token column 0
+        cp_async_wait_all();
+        __syncwarp();
+        const uint4* hx = g == 0 ? reinterpret_cast<const uint4*>(h) + (long)k * c_real2 * 4 + u : nullptr;
+        const uint4* sw = s_w2 + warp * n_groups2 * 32 + lane;
+        const uint2* ss = s_s2 + warp * n_groups2 * 32 + lane;
+        for (int c = 0; c < n_groups2; ++c) {
+            const uint4 xv[1] = {ld_tokens_or_zero<true>(hx + 4 * c, hx != nullptr && c < c_real2)};
+            group_mma<1>(acc, sw[c * 32], ss[c * 32], xv);
+        }
+        const float my_w[1] = {g == 0 ? ld_cg_f32(topk_w + k) : 0.f};  // token column 0 is slot k, the others none
+        const int my_slot[1] = {g == 0 ? k : -1};
+        store_out_rows<1>(acc, my_w, my_slot, s_o + warp * 8 * 32, out, d, q);
     }
-    const float my_w[1] = {g == 0 ? ld_cg_f32(topk_w + k) : 0.f};  // token column 0 is slot k, the others none
-    const int my_slot[1] = {g == 0 ? k : -1};
-    store_out_rows<1>(acc, my_w, my_slot, s_o + warp * 8 * 32, out, d, q);
+    if (y != nullptr && last_arrival(sync + 2 * top_k + p, top_k, &s_last))  // every CTA of the grid reaches it
+        one_combine_rows(out, topk_idx, sd_w == nullptr ? nullptr : sd_out, y, top_k, e_start, e_local, p, n_pairs13,
+                         n_pairs2, d);
 }
 
 #define GATE_UP(NT, P, MINB)                                                                                    \
