@@ -27,7 +27,8 @@ class MoEWorkspace:
     capacity; pass .buffer to kdtree::moe_w4a16, which carves its call's views with carve)."""
     buffer: torch.Tensor    # [nbytes] uint8: every view below, 256-byte aligned
     counts: torch.Tensor    # [e_local + 1] int32 tokens per local expert | number of active experts: zero between
-    #                         calls (allocate zeroes it; each call's combine kernel re-zeroes it after its last read)
+    #                         calls (allocate zeroes it; each call's combine kernel, or kdtree_moe_v3_one with
+    #                         launch_v3.ONE_COMBINE, re-zeroes it after its last read)
     sync: torch.Tensor      # [2 K + 2i / 32] int32 kdtree_moe_v3_one's per-pick h counters and arrivals, then its
     #                         per-row-pair combine tickets: zero between calls
     active: torch.Tensor    # [e_local] int32 local ids of the active experts
@@ -70,6 +71,5 @@ def _specs(t: int, top_k: int, e_local: int, d: int, i: int, dtype: torch.dtype,
     """(shape, dtype) of the views, in MoEWorkspace's field order."""
     n_slots, i32 = t * top_k, torch.int32
     return [((e_local + 1,), i32), ((2 * top_k + cdiv(2 * i, 32),), i32), ((e_local,), i32), ((e_local, t), i32),
-            ((n_slots,), i32),
-            ((n_slots,), torch.float32), ((n_slots, d), dtype), ((splits, n_slots, 2 * i), torch.float32),
-            ((n_slots, i), dtype), ((d,), torch.float32)]
+            ((n_slots,), i32), ((n_slots,), torch.float32), ((n_slots, d), dtype),
+            ((splits, n_slots, 2 * i), torch.float32), ((n_slots, i), dtype), ((d,), torch.float32)]
