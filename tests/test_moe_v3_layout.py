@@ -346,17 +346,20 @@ def test_one_launch_takes_one_token_on_hopper_only(monkeypatch):
 
 
 def test_one_launch_shared_rows_cover_d_once():
-    """kdtree_moe_v3_one's shared-expert rows (ONE_SHARED): CTA (k, p) takes slice k (launch_v3.one_shared_rows rows)
-    of the rows of the down row pairs p, p + pairs13, ... (moe_v3.cu's one_group_row), the pairs its warps and the
-    combine's last CTA of p take; over the grid every row of d once, for K2.6 TP8 (56 rows a CTA) and ragged shapes."""
+    """kdtree_moe_v3_one's shared-expert rows (ONE_SHARED) with the combine (ONE_COMBINE): CTA (k, p) takes slice k
+    (launch_v3.one_shared_rows rows) of the rows of the down row pairs p, p + pairs13, ... (moe_v3.cu's one_group_row),
+    the pairs its warps and the combine's last CTA of p take; over the grid every row of d once, for K2.6 TP8 (56 rows
+    a CTA) and ragged shapes.  Without the combine, d in ranges over the grid."""
     import torch
     from plugins.moe_w4a16.launch_v3 import one_shared_rows
     for top_k, pairs13, pairs2, i_s in ((8, 16, 224, 256), (2, 8, 112, 64), (8, 8, 112, 128), (6, 5, 23, 64)):
         d = 32 * pairs2
         x = torch.zeros(1, d, dtype=torch.bfloat16)
         h, down = torch.zeros(1, i_s, dtype=torch.bfloat16), torch.zeros(d, i_s, dtype=torch.bfloat16)
-        rows = one_shared_rows(top_k, pairs13, pairs2, 8, x, h, down)
+        rows = one_shared_rows(top_k, pairs13, pairs2, 8, x, h, down, by_pair=True)
         assert rows > 0
+        plain = one_shared_rows(top_k, pairs13, pairs2, 8, x, h, down)  # without the combine: d over the grid
+        assert plain * top_k * pairs13 >= d > (plain - 1) * top_k * pairs13
         seen = []
         for k in range(top_k):
             for p in range(pairs13):
@@ -366,4 +369,4 @@ def test_one_launch_shared_rows_cover_d_once():
         assert sorted(seen) == list(range(d)), (top_k, pairs13, pairs2)
     k26 = (torch.zeros(1, 7168, dtype=torch.bfloat16), torch.zeros(1, 256, dtype=torch.bfloat16),
            torch.zeros(7168, 256, dtype=torch.bfloat16))
-    assert one_shared_rows(8, 16, 224, 8, *k26) == 56
+    assert one_shared_rows(8, 16, 224, 8, *k26) == one_shared_rows(8, 16, 224, 8, *k26, by_pair=True) == 56

@@ -154,15 +154,16 @@ def one_smem(c2: int, sd_rows: int = 0, i_s: int = 0) -> int:
 
 
 def one_shared_rows(top_k: int, pairs13: int, pairs2: int, c2: int, x: torch.Tensor, shared_h: torch.Tensor | None,
-                    shared_down: torch.Tensor | None) -> int:
-    """Rows of the shared expert's down product each CTA of kdtree_moe_v3_one forms (ONE_SHARED): a top_k-th of the
-    rows of the down row pairs its warps take (p, p + pairs13, ...: at most 32 cdiv(pairs2, pairs13)), or 0 where the
-    combine forms it: bf16 shared_h [1, i'] and shared_down [d, i'] with contiguous rows, i' % 8 == 0 and 16-byte
-    aligned (the kernel reads both in 16-byte pieces), and the rows' weights within the SM's shared memory."""
+                    shared_down: torch.Tensor | None, by_pair: bool = False) -> int:
+    """Rows of the shared expert's down product each CTA of kdtree_moe_v3_one forms (ONE_SHARED): d over the grid, or
+    (by_pair: with ONE_COMBINE) a top_k-th of the rows of the down row pairs its warps take (p, p + pairs13, ...: at
+    most 32 cdiv(pairs2, pairs13)); 0 where the combine forms it: bf16 shared_h [1, i'] and shared_down [d, i'] with
+    contiguous rows, i' % 8 == 0 and 16-byte aligned (the kernel reads both in 16-byte pieces), and the rows'
+    weights within the SM's shared memory."""
     if not ONE_SHARED or shared_h is None or shared_down is None:
         return 0
     d, i_s = shared_down.shape
-    rows = cdiv(32 * cdiv(pairs2, pairs13), top_k)
+    rows = cdiv(32 * cdiv(pairs2, pairs13), top_k) if by_pair else cdiv(d, top_k * pairs13)
     ok = (shared_h.dtype == shared_down.dtype == torch.bfloat16 and shared_h.dim() == 2 and shared_h.shape[1] == i_s
           and shared_h.stride(1) == 1 and shared_down.is_contiguous() and d == x.shape[1] and i_s % 8 == 0
           and shared_h.data_ptr() % 16 == 0 and shared_down.data_ptr() % 16 == 0
@@ -361,9 +362,10 @@ def moe_w4a16_v3(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, w13:
         launch_wgmma.gate_up(w13, w13_scale, x, ws.counts, ws.lists, ws.h, t, top_k, e_local, i)
         launch_wgmma.down(w2, w2_scale, ws.h, ws.topk_w, ws.counts, ws.lists, ws.out, t, top_k, e_local, i)
     elif one_launch_applies(t, top_k, pairs13, c1, pairs2, c2, facts):  # one token: both GEMMs in one grid
-        sd_rows = one_shared_rows(top_k, pairs13, pairs2, c2, x, shared_h, shared_down)  # the shared product too
+        # the shared product too (rows by row pair with the combine), and the combine
+        sd_rows = one_shared_rows(top_k, pairs13, pairs2, c2, x, shared_h, shared_down, ONE_COMBINE)
+        combine = ONE_COMBINE and (sd_rows > 0 or shared_down is None)
         i_s = shared_down.shape[1] if sd_rows else 0
-        combine = ONE_COMBINE and (sd_rows > 0 or shared_down is None)  # and the combine
         _launch(mod, "kdtree_moe_v3_one", top_k * pairs13, one_smem(c2, sd_rows, i_s),
                 (w13.data_ptr(), w13_scale.data_ptr(), w2.data_ptr(), w2_scale.data_ptr(), x.data_ptr(),
                  ws.topk_idx.data_ptr(), ws.topk_w.data_ptr(), ws.h.data_ptr(), ws.out.data_ptr(), ws.sync.data_ptr(),

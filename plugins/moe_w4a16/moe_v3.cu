@@ -491,11 +491,12 @@ __device__ void down(const uint4* __restrict__ w2, const uint2* __restrict__ s2,
 // within the SMs, and a CTA takes a whole SM's registers), so the wait ends; a wait past ~1-2 s traps (a launch error,
 // not a hang).  The last CTA of pick k past the wait (sync[top_k + k] its arrivals) zeroes both words for the next
 // call.  The expert comes from topk_idx (the route kernel's output, through L2): neither the counts nor the lists.
-// With the shared expert's down weights (sd_w [d, i_s] bf16, launch_v3.ONE_SHARED) CTA (k, p) also forms rows of
+// With the shared expert's down weights (sd_w [d, i_s] bf16, launch_v3.ONE_SHARED) CTA b also forms sd_rows rows of
 // shared_h [i_s] . sd_w^T into sd_out [d] fp32 (one_shared_rows) while it waits for pick k's other CTAs, its weight
-// rows copied into shared memory with down's: slice k of the rows of p's down row pairs (p + n_pairs13 w, the pairs
-// its warps take: 32 m_p rows, sd_rows a pick).  The combine then adds sd_out instead of forming the product itself
-// (which it cannot start before this grid leaves the SMs).  Every CTA does its rows, local pick or not.
+// rows copied into shared memory with down's: rows b sd_rows .., or with y (below) slice k of the rows of p's down
+// row pairs (p + n_pairs13 w, the pairs its warps take: 32 m_p rows).  The combine then adds sd_out instead of
+// forming the product itself (which it cannot start before this grid leaves the SMs).  Every CTA does its rows, local
+// pick or not.
 // With y (launch_v3.ONE_COMBINE) the grid also does the combine: the top_k CTAs (k, p) of one p write the out rows and
 // the shared rows of the same row pairs, so after its rows each takes a ticket of sync[2 top_k + p] and the last sums
 // them into y (one_combine_rows: the combine kernel's arithmetic, the same bits); CTA 0 re-zeroes the routing counts.
@@ -506,14 +507,29 @@ __device__ __forceinline__ int one_group_row(int i, int p, int n_pairs13) {
     return 32 * (p + n_pairs13 * (i >> 5)) + (i & 31);
 }
 
-// kdtree_moe_v3_one's shared-expert rows: for its slice's row r < n_sd (d's row one_group_row(r0 + r)),
+// d's row of a CTA's shared-expert slice row i: row pair p's (by_pair: ONE_COMBINE) or a plain range
+__device__ __forceinline__ int one_shared_row(int i, bool by_pair, int p, int n_pairs13) {
+    return by_pair ? one_group_row(i, p, n_pairs13) : i;
+}
+
+// A CTA's slice of the shared-expert rows, (first slice row r0, rows n_sd): CTA b's range b sd_rows .. of d, or
+// (by_pair) CTA (k, p)'s k-th sd_rows of row pair p's 32 m_p rows; none without the shared expert (has false)
+__device__ __forceinline__ int2 one_slice(bool by_pair, bool has, int k, int p, int sd_rows, int d, int n_pairs13,
+                                          int n_pairs2) {
+    const int m_p = p < n_pairs2 ? (n_pairs2 - p + n_pairs13 - 1) / n_pairs13 : 0;
+    const int r0 = (by_pair ? k : (int)blockIdx.x) * sd_rows;
+    return make_int2(r0, has ? max(0, min(sd_rows, (by_pair ? 32 * m_p : d) - r0)) : 0);
+}
+
+// kdtree_moe_v3_one's shared-expert rows: for its slice's row r < n_sd (d's row one_shared_row(r0 + r)),
 // sd_out[row] = sum over i_s of sd_h[c] * s_sd[r][c] in fp32; warp w takes rows w, w + 16, ..., lane l the 8-column
 // chunks l, l + 32, ... (products in column order within a chunk, chunks in order within a lane, then the lanes'
 // butterfly sum: a row's bits do not depend on which CTA forms it).  Waits for this thread's cp.async copies and
 // then the CTA's, so every thread of the CTA calls it.
 __device__ __forceinline__ void one_shared_rows(const uint4* s_sd, const uint4* __restrict__ sd_h,
-                                                float* __restrict__ sd_out, int r0, int n_sd, int i_s, int p,
-                                                int n_pairs13, int warp, int lane) {
+                                                float* __restrict__ sd_out, int2 slice, int i_s, bool by_pair,
+                                                int p, int n_pairs13, int warp, int lane) {
+    const int r0 = slice.x, n_sd = slice.y;
     cp_async_wait_all();
     __syncthreads();
     const int chunks = i_s / 8;
@@ -530,7 +546,7 @@ __device__ __forceinline__ void one_shared_rows(const uint4* s_sd, const uint4* 
         }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-        if (lane == 0) sd_out[one_group_row(r0 + r, p, n_pairs13)] = acc;
+        if (lane == 0) sd_out[one_shared_row(r0 + r, by_pair, p, n_pairs13)] = acc;
     }
 }
 
@@ -589,20 +605,25 @@ extern "C" __global__ void __launch_bounds__(16 * 32, 1) kdtree_moe_v3_one(
     uint2* s_s2 = reinterpret_cast<uint2*>(s_w2 + W * n_groups2 * 32);  // [W][n_groups2][32 lanes] its scales
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, u = lane & 3;
     const int k = blockIdx.x / n_pairs13, p = blockIdx.x % n_pairs13, q = p + n_pairs13 * warp;
-    // slice k of row pair p's rows of sd_w, into shared memory before the wait: constants
+    // this CTA's rows of sd_w (slice k of row pair p's with the combine, else a range), into shared memory before
+    // the wait: constants
     uint4* s_sd = reinterpret_cast<uint4*>(s_s2 + W * n_groups2 * 32);  // [n_sd][i_s / 8] uint4
-    const int m_p = p < n_pairs2 ? (n_pairs2 - p + n_pairs13 - 1) / n_pairs13 : 0;
-    const int r0 = k * sd_rows, n_sd = sd_w == nullptr ? 0 : max(0, min(sd_rows, 32 * m_p - r0));
-    const int cpr = i_s / 8;  // 16-byte pieces a row
-    for (int j = tid; j < n_sd * cpr; j += W * 32)
-        cp_async16(smem_u32(s_sd + j), sd_w + (long)one_group_row(r0 + j / cpr, p, n_pairs13) * cpr + j % cpr, 16);
+    const bool by_pair = y != nullptr;
+    {
+        const int2 sl = one_slice(by_pair, sd_w != nullptr, k, p, sd_rows, d, n_pairs13, n_pairs2);  // (r0, n_sd)
+        const int cpr = i_s / 8;  // 16-byte pieces a row
+        for (int j = tid; j < sl.y * cpr; j += W * 32)
+            cp_async16(smem_u32(s_sd + j), sd_w + (long)one_shared_row(sl.x + j / cpr, by_pair, p, n_pairs13) * cpr
+                       + j % cpr, 16);
+    }
     pdl_prologue();  // topk_idx / topk_w from the route kernel, this grid's predecessor
     if (y != nullptr && blockIdx.x == 0)  // the routing counts back to zero for the next call (nothing here reads them)
         for (int j = tid; j <= e_local; j += W * 32) counts[j] = 0;
     const int e = ld_count(topk_idx + k) - e_start;
     if (e < 0 || e >= e_local) {  // not a local expert: uniform over the CTA and over pick k's CTAs
         cp_async_commit();
-        one_shared_rows(s_sd, sd_h, sd_out, r0, n_sd, i_s, p, n_pairs13, warp, lane);
+        one_shared_rows(s_sd, sd_h, sd_out, one_slice(by_pair, sd_w != nullptr, k, p, sd_rows, d, n_pairs13,
+                        n_pairs2), i_s, by_pair, p, n_pairs13, warp, lane);
         if (y != nullptr && last_arrival(sync + 2 * top_k + p, top_k, &s_last))
             one_combine_rows(out, topk_idx, sd_w == nullptr ? nullptr : sd_out, y, top_k, e_start, e_local, p,
                              n_pairs13, n_pairs2, d);
@@ -650,7 +671,9 @@ extern "C" __global__ void __launch_bounds__(16 * 32, 1) kdtree_moe_v3_one(
         __threadfence();
         atomicAdd(sync + k, 1);
     }
-    one_shared_rows(s_sd, sd_h, sd_out, r0, n_sd, i_s, p, n_pairs13, warp, lane);  // while pick k's other CTAs work
+    // the shared rows while pick k's other CTAs work
+    one_shared_rows(s_sd, sd_h, sd_out, one_slice(by_pair, sd_w != nullptr, k, p, sd_rows, d, n_pairs13,
+                        n_pairs2), i_s, by_pair, p, n_pairs13, warp, lane);
     if (tid == 0) {  // wait for pick k's other CTAs' h rows
         for (long spins = 0; ld_acquire_gpu(sync + k) < n_pairs13; ++spins) {
             if (spins > (1l << 21)) __trap();  // ~1-2 s of polls: a CTA of the grid never ran (not resident at once)
