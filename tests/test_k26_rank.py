@@ -74,7 +74,7 @@ def test_one_launch_moe_keeps_the_ar_tokens(monkeypatch):
     """launch_v3.ONE_LAUNCH (the AR step's gate_up and down in one grid, kdtree_moe_v3_one) inside the engine's
     captured AR step of a bf16 K2.6-width rank: the same tokens as the two kernels (the same bits, kernel for
     kernel: tests/test_moe_v3_gpu.py); with the grid forming the shared expert's product too (ONE_SHARED: the same
-    values summed in another order, a fixed seed) the same tokens as well."""
+    values summed in another order, a fixed seed) and the combine too (ONE_COMBINE) the same tokens as well."""
     from plugins.common.device import device_facts
     from plugins.moe_w4a16 import launch_v3
     monkeypatch.setattr(launch_v3, "ONE_LAUNCH", True)
@@ -84,14 +84,13 @@ def test_one_launch_moe_keeps_the_ar_tokens(monkeypatch):
     rng = random.Random(7)
     prompt = [rng.randrange(target.cfg.vocab_size) for _ in range(24)]
     outs = {}
-    for on, shared in ((False, False), (True, False), (True, True)):
-        monkeypatch.setattr(launch_v3, "ONE_LAUNCH", on)
-        monkeypatch.setattr(launch_v3, "ONE_SHARED", shared)
+    for flags in ((False, False, False), (True, False, False), (True, True, False), (True, True, True)):
+        for name, on in zip(("ONE_LAUNCH", "ONE_SHARED", "ONE_COMBINE"), flags):
+            monkeypatch.setattr(launch_v3, name, on)
         eng = Engine.from_models(target, None, None, spec="none", graphs=True)
-        outs[on, shared] = list(eng.generate_ids(prompt, 16))
+        outs[flags] = list(eng.generate_ids(prompt, 16))
         assert eng.last_stats["graphs"], eng.last_stats.get("graph_note")
-    assert outs[True, False] == outs[False, False]
-    assert outs[True, True] == outs[False, False]
+    assert all(out == outs[False, False, False] for out in outs.values()), outs
 
 
 def test_bench_rank_only_on_artifact(k26_art):

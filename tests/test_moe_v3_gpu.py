@@ -92,6 +92,8 @@ def _case(t, e, d, i, k, n_group, topk_group, e_start, e_local, seed, dev) -> di
     same_one = bool(torch.equal(y, _flipped("ONE_TOKEN", call)))
     # gate_up and down in one launch at t = 1 (launch_v3.ONE_LAUNCH, where one_launch_applies) or not: the same bits
     same_one_launch = bool(torch.equal(y, _flipped("ONE_LAUNCH", call)))
+    # ... and the combine in that grid (launch_v3.ONE_COMBINE) or not: the same bits
+    same_one_combine = bool(torch.equal(y, _flipped("ONE_COMBINE", call)))
     y_w = _flipped("USE_W16", call)  # the other gate_up where the 16-warp one applies (t = 1 at K2.6): 8 or 16 warps
     idx, tw = route_reference(logits, bias, k, n_group, topk_group, True, 2.5)
     w13f, w2f = dequantize_fragments(w13, s13, d, True), dequantize_fragments(w2, s2, i, False)
@@ -122,7 +124,7 @@ def _case(t, e, d, i, k, n_group, topk_group, e_start, e_local, seed, dev) -> di
             "deterministic": same,
             "prefetch_equal": same_prefetched, "early_equal": same_early,
             "route_stores_equal": same_route_stores, "one_token_equal": same_one,
-            "one_launch_equal": same_one_launch,
+            "one_launch_equal": same_one_launch, "one_combine_equal": same_one_combine,
             "shared_down_rel": down_rel,
             "finite": bool(torch.isfinite(y).all()),
             "counts_rezeroed": carved is None or not (carved.counts.any() or carved.sync.any()).item(),
@@ -161,6 +163,7 @@ def test_v3_matches_reference_on_random_and_k26_shapes():
                                       and r["deterministic"] and r["counts_rezeroed"]
                                       and r["shared_equal"] and r["prefetch_equal"] and r["early_equal"]
                                       and r["route_stores_equal"] and r["one_token_equal"] and r["one_launch_equal"]
+                                      and r["one_combine_equal"]
                                       and r["shared_down_rel"] < 1e-2)]
     summary = {"op": "moe_w4a16 v3", "checked": len(results), "failed": len(bad), "tolerance_rel": 2e-2,
                "max_rel": max(r["rel"] for r in results), "failures": bad[:20], "cases": results}
