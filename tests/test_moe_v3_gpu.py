@@ -225,19 +225,9 @@ def test_one_launch_equals_the_two_kernels(shape, monkeypatch):
     the 16-warp gate_up and down kernels, on fresh random tokens, logits and bias, three seeds each, through a
     workspace poisoned but for the counts and sync words, which the call leaves zero; in a CUDA graph replayed on
     new tokens as well."""
-    from plugins.common.device import device_facts
     e, d, i, k, e_start, e_local = shape
     dev = torch.device("cuda")
-    (w13, s13), (w2, s2) = (random_fragments(e_local, 2 * i, d, dev, torch.Generator(device=dev).manual_seed(e + d)),
-                            random_fragments(e_local, d, i, dev, torch.Generator(device=dev).manual_seed(i)))
-    shapes = (w13.shape[1], w13.shape[2], w2.shape[1], w2.shape[2])
-    monkeypatch.setattr(launch_v3, "ONE_LAUNCH", True)
-    if not launch_v3.one_launch_applies(1, k, *shapes, device_facts(dev)):
-        pytest.skip("kdtree_moe_v3_one runs on an sm_90 GPU of at least top_k x w13's row pairs SMs")
-    ws = MoEWorkspace.allocate(1, k, e_local, d, i, torch.bfloat16, dev)
-    ws.buffer.fill_(0xFF)
-    ws.counts.zero_()
-    ws.sync.zero_()
+    w13, s13, w2, s2, ws = _one_launch_experts(shape, e + d, i, monkeypatch)
     for seed in range(3):
         g = torch.Generator(device=dev).manual_seed(100 * seed + e_local)
         x = torch.randn(1, d, device=dev, generator=g).to(torch.bfloat16)
@@ -260,6 +250,26 @@ def test_one_launch_equals_the_two_kernels(shape, monkeypatch):
     _replays_equal(call, ws, x)
     monkeypatch.setattr(launch_v3, "ONE_COMBINE", True)
     _replays_equal(call, ws, x)
+
+
+def _one_launch_experts(shape: tuple, seed13: int, seed2: int, monkeypatch) -> tuple:
+    """(w13, s13, w2, s2, workspace) for a one-launch test of ONE_SHAPES' shape: fresh random fragment-order experts
+    (generators seeded seed13 / seed2), ONE_LAUNCH on (the test skips where kdtree_moe_v3_one does not apply), and a
+    workspace poisoned but for the counts and sync words, which the op keeps zero."""
+    from plugins.common.device import device_facts
+    e, d, i, k, e_start, e_local = shape
+    dev = torch.device("cuda")
+    (w13, s13), (w2, s2) = (random_fragments(e_local, 2 * i, d, dev, torch.Generator(device=dev).manual_seed(seed13)),
+                            random_fragments(e_local, d, i, dev, torch.Generator(device=dev).manual_seed(seed2)))
+    monkeypatch.setattr(launch_v3, "ONE_LAUNCH", True)
+    if not launch_v3.one_launch_applies(1, k, w13.shape[1], w13.shape[2], w2.shape[1], w2.shape[2],
+                                        device_facts(dev)):
+        pytest.skip("kdtree_moe_v3_one runs on an sm_90 GPU of at least top_k x w13's row pairs SMs")
+    ws = MoEWorkspace.allocate(1, k, e_local, d, i, torch.bfloat16, dev)
+    ws.buffer.fill_(0xFF)
+    ws.counts.zero_()
+    ws.sync.zero_()
+    return w13, s13, w2, s2, ws
 
 
 def _replays_equal(call, ws: MoEWorkspace, *inputs: torch.Tensor) -> None:
@@ -286,20 +296,10 @@ def test_one_launch_forms_the_shared_experts_product(shape, monkeypatch):
     two kernels' and of the reference; three seeds, fresh random data, a poisoned workspace, a graph replayed on new
     tokens.  (The combine's own product sums in another order: the same value, not the same bits.)  With ONE_COMBINE
     the grid also sums the rows into y: the combine kernel's bits, the counts and tickets zeroed."""
-    from plugins.common.device import device_facts
     e, d, i, k, e_start, e_local = shape
     i_s = 2 * i if i < 256 else i  # the shared expert's columns on the rank (K2.6 TP8: 256)
     dev = torch.device("cuda")
-    (w13, s13), (w2, s2) = (random_fragments(e_local, 2 * i, d, dev, torch.Generator(device=dev).manual_seed(d)),
-                            random_fragments(e_local, d, i, dev, torch.Generator(device=dev).manual_seed(i + 1)))
-    monkeypatch.setattr(launch_v3, "ONE_LAUNCH", True)
-    if not launch_v3.one_launch_applies(1, k, w13.shape[1], w13.shape[2], w2.shape[1], w2.shape[2],
-                                        device_facts(dev)):
-        pytest.skip("kdtree_moe_v3_one runs on an sm_90 GPU of at least top_k x w13's row pairs SMs")
-    ws = MoEWorkspace.allocate(1, k, e_local, d, i, torch.bfloat16, dev)
-    ws.buffer.fill_(0xFF)
-    ws.counts.zero_()
-    ws.sync.zero_()
+    w13, s13, w2, s2, ws = _one_launch_experts(shape, d, i + 1, monkeypatch)
     for seed in range(3):
         g = torch.Generator(device=dev).manual_seed(200 * seed + e_local)
         x = torch.randn(1, d, device=dev, generator=g).to(torch.bfloat16)
